@@ -1,0 +1,211 @@
+"""The typed configuration schema: every key a user can set, with its type and default.
+
+Keys are dotted paths into these dataclasses (`train.steps`, `mesh.fsdp`, ...). The defaults
+are the default run (`python train.py`): a small byte-level LM on the Python standard library.
+Static checks that need no devices live in `validate_static`; checks that need the device count
+live in `sharding.mesh`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch")
+ATTENTION_IMPLS = ("xla", "dot_product", "cudnn")
+DTYPES = ("float32", "bfloat16", "float16")
+DATA_SOURCES = ("text", "synthetic")
+SCHEDULES = ("cosine", "linear", "constant")
+MESH_AXES = ("pipeline", "data", "fsdp", "tensor")  # outermost first
+
+
+class ConfigError(ValueError):
+    """A bad key or value. Its message is one line that names the key or file."""
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    dir: str = "runs/default"
+    seed: int = 0
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    steps: int = 200
+    global_batch: int = 16
+    grad_accum: int = 1
+    log_every: int = 10
+
+
+@dataclass(kw_only=True)
+class MeshConfig:
+    """Mesh axis sizes, outermost first. One may be -1: it takes the devices left over."""
+
+    pipeline: int = 1
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    num_layers: int = 4
+    d_model: int = 256
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    head_dim: int = 0  # 0: d_model // num_heads
+    d_ff: int = 768
+    vocab_size: int = 264  # 256 bytes + end-of-document, padded to a multiple of 8
+    seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    dtype: str = "float32"  # compute dtype; parameters are always float32
+    remat: str = "none"
+    attention: str = "xla"
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.num_heads
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    source: str = "text"
+    path: str = ""  # glob of text files; empty: the running Python's standard library
+    read_threads: int = 2
+    prefetch: int = 4
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    lr: float = 3e-3
+    warmup_steps: int = 30
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip: float = 1.0  # global-norm clipping; 0 turns it off
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    every: int = 100
+    keep: int = 3
+    async_save: bool = True
+
+
+def _default_param_rules() -> dict[str, Any]:
+    # FSDP is one rule: stored parameters shard their `embed` dim over `fsdp`.
+    return {
+        "batch": ["data", "fsdp"],
+        "embed": "fsdp",
+        "heads": "tensor",
+        "kv_heads": "tensor",
+        "mlp": "tensor",
+        "vocab": "tensor",
+        "layers": "pipeline",
+    }
+
+
+def _default_activation_rules() -> dict[str, Any]:
+    # Activations keep `embed` whole: FSDP gathers weights, not activations.
+    return {
+        "batch": ["data", "fsdp"],
+        "heads": "tensor",
+        "kv_heads": "tensor",
+        "mlp": "tensor",
+        "vocab": "tensor",
+        "layers": "pipeline",
+    }
+
+
+@dataclass(kw_only=True)
+class ShardingConfig:
+    """Logical-axis -> mesh-axis rules, as data. A value is a mesh axis, a list of them, or null."""
+
+    params: dict[str, Any] = field(default_factory=_default_param_rules)
+    activations: dict[str, Any] = field(default_factory=_default_activation_rules)
+
+
+@dataclass(kw_only=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+def _one_of(value: str, key: str, choices: tuple[str, ...]) -> None:
+    _require(value in choices, key, f"{value!r} is not one of {', '.join(choices)}")
+
+
+def validate_static(cfg: Config) -> None:
+    """Checks that need no devices. Raises ConfigError naming the first bad key."""
+    t, m, o = cfg.train, cfg.model, cfg.optim
+    _require(t.steps >= 0, "train.steps", f"must be >= 0, got {t.steps}")
+    for key, value in [
+        ("train.global_batch", t.global_batch),
+        ("train.grad_accum", t.grad_accum),
+        ("train.log_every", t.log_every),
+        ("checkpoint.every", cfg.checkpoint.every),
+        ("checkpoint.keep", cfg.checkpoint.keep),
+        ("model.num_layers", m.num_layers),
+        ("model.d_model", m.d_model),
+        ("model.num_heads", m.num_heads),
+        ("model.num_kv_heads", m.num_kv_heads),
+        ("model.d_ff", m.d_ff),
+        ("model.vocab_size", m.vocab_size),
+        ("model.seq_len", m.seq_len),
+        ("data.read_threads", cfg.data.read_threads),
+    ]:
+        _require(value > 0, key, f"must be > 0, got {value}")
+    _require(m.head_dim >= 0, "model.head_dim", f"must be >= 0 (0: d_model // num_heads), got {m.head_dim}")
+    _require(
+        m.num_heads % m.num_kv_heads == 0,
+        "model.num_kv_heads",
+        f"{m.num_kv_heads} does not divide model.num_heads={m.num_heads} (grouped-query attention)",
+    )
+    _require(
+        m.head_dim > 0 or m.d_model % m.num_heads == 0,
+        "model.num_heads",
+        f"{m.num_heads} does not divide model.d_model={m.d_model}; set model.head_dim explicitly",
+    )
+    _require(m.resolved_head_dim % 2 == 0, "model.head_dim", f"must be even for rotary embeddings, got {m.resolved_head_dim}")
+    _one_of(m.dtype, "model.dtype", DTYPES)
+    _one_of(m.remat, "model.remat", REMAT_POLICIES)
+    _one_of(m.attention, "model.attention", ATTENTION_IMPLS)
+    _one_of(cfg.data.source, "data.source", DATA_SOURCES)
+    _one_of(o.schedule, "optim.schedule", SCHEDULES)
+    _require(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
+    _require(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
+    _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
+    _require(o.clip >= 0, "optim.clip", f"must be >= 0, got {o.clip}")
+    _require(cfg.data.prefetch >= 0, "data.prefetch", f"must be >= 0, got {cfg.data.prefetch}")
+    _require(bool(cfg.run.dir), "run.dir", "must not be empty")
+    for table in ("params", "activations"):
+        for logical, mesh_axes in getattr(cfg.sharding, table).items():
+            for axis in mesh_axes if isinstance(mesh_axes, list) else [mesh_axes]:
+                _require(
+                    axis is None or axis in MESH_AXES,
+                    f"sharding.{table}.{logical}",
+                    f"{axis!r} is not a mesh axis ({', '.join(MESH_AXES)})",
+                )
+    _require(0 <= cfg.run.seed < 2**32, "run.seed", f"must be in [0, 2**32), got {cfg.run.seed}")

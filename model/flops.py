@@ -1,0 +1,22 @@
+"""Model FLOPs per token, the one formula every MFU figure in this project uses.
+
+6 x (matmul parameters, output head included) + 6 x layers x seq_len x d_model (causal
+attention: QK^T and AV, halved by causality, times 3 for forward + backward). Embedding
+lookups are not matmuls; a tied embedding is counted once, as the output head.
+"""
+
+from __future__ import annotations
+
+from configs.schema import ModelConfig
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    d, hd = cfg.d_model, cfg.resolved_head_dim
+    attn = d * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)  # q, o and k, v
+    mlp = 3 * d * cfg.d_ff
+    head = d * cfg.vocab_size
+    return cfg.num_layers * (attn + mlp) + head
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+    return 6.0 * matmul_params(cfg) + 6.0 * cfg.num_layers * cfg.seq_len * cfg.d_model

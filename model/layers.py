@@ -1,0 +1,112 @@
+"""Building blocks of a Llama-style decoder: RMSNorm, rotary embeddings, GQA attention, SwiGLU.
+
+Every parameter carries logical axis names (`out_sharding` metadata) and every main activation
+is constrained by logical names; which mesh axes those names land on is decided by the rules in
+`sharding/`, never here. Parameters are stored in float32 and cast to the compute dtype at use.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax import nnx
+
+from configs.schema import ModelConfig
+from model.attention import attend
+
+Array = jax.Array
+
+
+def constrain(x: Array, axes: Sequence[str | None]) -> Array:
+    """Pins an activation's sharding by logical names; a no-op unless the trainer set rules."""
+    return nn.with_logical_constraint(x, tuple(axes))
+
+
+def param(rngs: nnx.Rngs, init: nnx.Initializer, shape: Sequence[int], axes: Sequence[str | None]) -> nnx.Param:
+    """A float32 parameter annotated with its logical axes. Sharding is applied by the trainer
+    (jit with out_shardings), so eager sharding at construction is off."""
+    assert len(shape) == len(axes), (shape, axes)
+    return nnx.Param(init(rngs.params(), tuple(shape), jnp.float32), eager_sharding=False, out_sharding=tuple(axes))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs):
+        self.scale = param(rngs, nnx.initializers.ones, (dim,), ("embed",))
+        self.eps = eps
+
+    def __call__(self, x: Array) -> Array:
+        # Statistics in float32 whatever the compute dtype: bf16 variance loses too much.
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.scale[...]).astype(x.dtype)
+
+
+def rotary(x: Array, positions: Array, theta: float) -> Array:
+    """Rotary position embedding, half-split convention (as Hugging Face Llama).
+    x: [batch, length, heads, head_dim]; positions: [batch, length]."""
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch, length, half]
+    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention: `num_heads` query heads share `num_kv_heads` key/value heads."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, h, kv, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+        init = nnx.initializers.normal(cfg.init_std)
+        self.q = param(rngs, init, (d, h, hd), ("embed", "heads", "head_dim"))
+        self.k = param(rngs, init, (d, kv, hd), ("embed", "kv_heads", "head_dim"))
+        self.v = param(rngs, init, (d, kv, hd), ("embed", "kv_heads", "head_dim"))
+        self.o = param(rngs, init, (h, hd, d), ("heads", "head_dim", "embed"))
+        self.cfg = cfg
+
+    def __call__(self, x: Array, positions: Array, segment_ids: Array | None) -> Array:
+        dt = x.dtype
+        q = jnp.einsum("bld,dhk->blhk", x, self.q[...].astype(dt))
+        k = jnp.einsum("bld,dhk->blhk", x, self.k[...].astype(dt))
+        v = jnp.einsum("bld,dhk->blhk", x, self.v[...].astype(dt))
+        q = constrain(rotary(q, positions, self.cfg.rope_theta), ("batch", "length", "heads", "head_dim"))
+        k = constrain(rotary(k, positions, self.cfg.rope_theta), ("batch", "length", "kv_heads", "head_dim"))
+        v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+        out = attend(q, k, v, segment_ids, impl=self.cfg.attention)
+        out = constrain(out, ("batch", "length", "heads", "head_dim"))
+        return jnp.einsum("blhk,hkd->bld", out, self.o[...].astype(dt))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(cfg.init_std)
+        self.gate = param(rngs, init, (cfg.d_model, cfg.d_ff), ("embed", "mlp"))
+        self.up = param(rngs, init, (cfg.d_model, cfg.d_ff), ("embed", "mlp"))
+        self.down = param(rngs, init, (cfg.d_ff, cfg.d_model), ("mlp", "embed"))
+
+    def __call__(self, x: Array) -> Array:
+        dt = x.dtype
+        gate = jnp.einsum("bld,df->blf", x, self.gate[...].astype(dt))
+        up = jnp.einsum("bld,df->blf", x, self.up[...].astype(dt))
+        hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
+        return jnp.einsum("blf,fd->bld", hidden, self.down[...].astype(dt))
+
+
+class Block(nnx.Module):
+    """One pre-norm decoder layer."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x: Array, positions: Array, segment_ids: Array | None) -> Array:
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+        x = x + self.mlp(self.mlp_norm(x))
+        return constrain(x, ("batch", "length", "embed"))

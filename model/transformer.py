@@ -1,0 +1,106 @@
+"""The Llama-style decoder: embedding, a stack of identical blocks, final norm, output head.
+
+The blocks are created once with `nnx.vmap` as one stacked module (every parameter gains a
+leading `layers` axis) and applied by a *layer runner*. The default runner scans over the
+stack, so compile time stays flat in depth; the trainer may hand in another one (a pipeline
+schedule) without the model knowing about meshes or devices.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from configs.schema import ModelConfig
+from model.layers import Block, RMSNorm, constrain, param
+
+Array = jax.Array
+
+REMAT_POLICIES: dict[str, Callable | None] = {
+    "full": None,  # save nothing but the layer's input
+    "save_dots": jax.checkpoint_policies.checkpoint_dots,
+    "save_dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def remat(fn: Callable, policy: str) -> Callable:
+    """Wraps a per-layer function in `jax.checkpoint` with the named policy ('none': as is)."""
+    if policy == "none":
+        return fn
+    # prevent_cse=False is safe (and faster) inside scan, which already blocks CSE across steps.
+    return jax.checkpoint(fn, policy=REMAT_POLICIES[policy], prevent_cse=False)
+
+
+class LayerRunner(Protocol):
+    def __call__(self, layers: Block, x: Array, positions: Array, segment_ids: Array | None) -> Array: ...
+
+
+def scan_layers(layers: Block, x: Array, positions: Array, segment_ids: Array | None, *, remat_policy: str) -> Array:
+    """Applies the stacked blocks in order with one `lax.scan` (one compiled layer body)."""
+    graphdef, stacked = nnx.split(layers)
+
+    def body(h: Array, layer_state: nnx.State) -> tuple[Array, None]:
+        return nnx.merge(graphdef, layer_state)(h, positions, segment_ids), None
+
+    x, _ = jax.lax.scan(remat(body, remat_policy), x, stacked)
+    return x
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        init = nnx.initializers.normal(cfg.init_std)
+        self.embedding = param(rngs, init, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
+
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_stack(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, rngs=rngs)
+
+        self.layers = make_stack(rngs)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
+        if not cfg.tie_embeddings:
+            self.lm_head = param(rngs, init, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+
+    def features(
+        self,
+        tokens: Array,
+        positions: Array | None = None,
+        segment_ids: Array | None = None,
+        runner: LayerRunner | None = None,
+    ) -> Array:
+        """tokens [batch, length] int -> final normed hidden states [batch, length, embed]."""
+        dtype = jnp.dtype(self.cfg.dtype)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        # Gather the table's FSDP shards first (the compute layout of `embed`), so the lookup's
+        # result comes out batch-sharded instead of being rematerialized by the partitioner.
+        table = constrain(self.embedding[...], ("vocab", "embed"))
+        x = jnp.take(table, tokens, axis=0).astype(dtype)
+        x = constrain(x, ("batch", "length", "embed"))
+        if runner is None:
+            x = scan_layers(self.layers, x, positions, segment_ids, remat_policy=self.cfg.remat)
+        else:
+            x = runner(self.layers, x, positions, segment_ids)
+        return self.final_norm(x)
+
+    def logits(self, x: Array) -> Array:
+        """Hidden states [batch, length, embed] -> logits [batch, length, vocab] in float32."""
+        dt = x.dtype
+        if self.cfg.tie_embeddings:
+            out = jnp.einsum("bld,vd->blv", x, self.embedding[...].astype(dt), preferred_element_type=jnp.float32)
+        else:
+            out = jnp.einsum("bld,dv->blv", x, self.lm_head[...].astype(dt), preferred_element_type=jnp.float32)
+        return constrain(out, ("batch", "length", "vocab"))
+
+    def __call__(
+        self,
+        tokens: Array,
+        positions: Array | None = None,
+        segment_ids: Array | None = None,
+        runner: LayerRunner | None = None,
+    ) -> Array:
+        return self.logits(self.features(tokens, positions, segment_ids, runner))

@@ -1,0 +1,26 @@
+"""Mesh from config, logical->mesh rules as data, and the shardings that follow from them."""
+
+from sharding.mesh import make_mesh, resolve_mesh_shape
+from sharding.rules import (
+    Rules,
+    activation_rules,
+    batch_sharding,
+    check_divisible,
+    logical_axes,
+    logical_to_spec,
+    shardings,
+    to_rules,
+)
+
+__all__ = [
+    "Rules",
+    "activation_rules",
+    "batch_sharding",
+    "check_divisible",
+    "logical_axes",
+    "logical_to_spec",
+    "make_mesh",
+    "resolve_mesh_shape",
+    "shardings",
+    "to_rules",
+]

@@ -1,0 +1,95 @@
+"""Logical-axis -> mesh-axis rules, as data, and what follows from them.
+
+The config holds two tables (`sharding.params`, `sharding.activations`): stored parameters and
+activations may map the same logical name differently (FSDP shards the parameters' `embed`
+dim, never the activations'). A mesh axis is used at most once per array: the first logical
+dim that claims it (in array order) gets it, later ones stay whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Iterator, Sequence
+
+import jax
+from flax import linen as nn
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from configs.schema import ConfigError
+
+Rules = tuple[tuple[str, Any], ...]
+
+# Which config key sets the size of each logical dim, for error messages.
+DIM_KEYS = {
+    "vocab": "model.vocab_size",
+    "embed": "model.d_model",
+    "heads": "model.num_heads",
+    "kv_heads": "model.num_kv_heads",
+    "head_dim": "model.head_dim",
+    "mlp": "model.d_ff",
+    "layers": "model.num_layers",
+}
+
+
+def to_rules(table: dict[str, Any]) -> Rules:
+    """Config table {logical: axis | [axes] | None} -> Flax's ((logical, axes), ...) form."""
+    return tuple((name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in table.items())
+
+
+def logical_to_spec(axes: Sequence[str | None], rules: Rules) -> PartitionSpec:
+    return nn.logical_to_mesh_axes(tuple(axes), rules)
+
+
+def logical_axes(abstract_state: nnx.State) -> dict:
+    """Pure dict of the logical axis names each parameter was annotated with."""
+    specs = nnx.get_partition_spec(abstract_state)  # no rules in context: the names themselves
+    return nnx.to_pure_dict(jax.tree.map(lambda s: tuple(s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)))
+
+
+def _mesh_size(entry: Any, sizes: dict[str, int]) -> int:
+    if entry is None:
+        return 1
+    names = entry if isinstance(entry, tuple) else (entry,)
+    return math.prod(sizes[n] for n in names)
+
+
+def check_divisible(
+    shapes: dict, axes: dict, rules: Rules, sizes: dict[str, int]
+) -> None:
+    """Every sharded dim of every parameter must split evenly. Raises ConfigError naming the key."""
+    flat_shapes = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    flat_axes = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
+    for (path, shape), names in zip(flat_shapes, flat_axes):
+        spec = logical_to_spec(names, rules)
+        for dim, logical, entry in zip(shape.shape, names, spec):
+            n = _mesh_size(entry, sizes)
+            if dim % n:
+                key = DIM_KEYS.get(logical, logical)
+                where = "/".join(str(getattr(p, "key", p)) for p in path)
+                raise ConfigError(
+                    f"{key}={dim} is not divisible by {n}, the size of mesh axes {entry} that shard "
+                    f"the '{logical}' dim of parameter {where}"
+                )
+
+
+def shardings(axes: dict, rules: Rules, mesh: Mesh) -> dict:
+    """Pure dict of NamedShardings from the logical names and the rules."""
+    return jax.tree.map(
+        lambda names: NamedSharding(mesh, logical_to_spec(names, rules)),
+        axes,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+
+def batch_sharding(mesh: Mesh, rules: Rules, ndim: int = 2) -> NamedSharding:
+    """Sharding of a [batch, ...] input: the batch dim over the mesh axes the rules give it."""
+    return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules))
+
+
+@contextlib.contextmanager
+def activation_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
+    """The context under which the model is traced: its logical constraints bind to `mesh`."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        yield

@@ -1,0 +1,85 @@
+"""The command line: each bad input exits 2 with one line naming the key or file, before any
+compile and without creating run.dir; a good command trains and writes the run directory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import train
+from conftest import ROOT, stdlib_glob
+
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+
+BAD = {
+    "mesh product": (["mesh.data=3"], "mesh: pipeline=1 x data=3 x fsdp=1 x tensor=1 = 3 devices, but 8 are available"),
+    "heads": (["mesh.data=1", "mesh.tensor=8", "model.num_heads=12", "model.num_kv_heads=4", "sharding.params.kv_heads=null"],
+              "model.num_heads=12 is not divisible by 8"),
+    "kv heads": (["mesh.data=1", "mesh.tensor=8", "model.num_kv_heads=4"], "model.num_kv_heads=4 is not divisible by 8"),
+    "d_ff": (["mesh.data=1", "mesh.tensor=8", "model.d_ff=100"], "model.d_ff=100 is not divisible by 8"),
+    "vocab": (["mesh.data=1", "mesh.tensor=8", "model.vocab_size=260"], "model.vocab_size=260 is not divisible by 8"),
+    "global batch": (["mesh.data=8", "train.global_batch=12"], "train.global_batch=12 is not divisible by 8"),
+    "grad accum": (["mesh.data=8", "train.grad_accum=4"], "train.global_batch=16 is not divisible by 32"),
+    "unknown key": (["train.stpes=5"], "unknown config key 'train.stpes' (did you mean train.steps?)"),
+    "wrong type": (["train.global_batch=big"], "train.global_batch: expected int, got 'big'"),
+    "negative steps": (["train.steps=-3"], "train.steps: must be >= 0, got -3"),
+    "no data file": (["data.path=/nonexistent/**/*.txt"], "data.path: no file matches '/nonexistent/**/*.txt'"),
+    "pipeline": (["mesh.pipeline=2", "mesh.data=4"], "pipeline parallelism is not built yet"),
+    "vocab below tokenizer": (["model.vocab_size=128"], "model.vocab_size=128 is smaller than the byte tokenizer's 257"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_exits_2_naming_the_key(case, tmp_path, capsys):
+    overrides, message = BAD[case]
+    run_dir = tmp_path / "run"
+    code = train.main(["--config", TINY, f"run.dir={run_dir}", f"data.path={stdlib_glob('json')}", *overrides])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err, err
+    assert err.count("\n") == 1 and err.startswith("error: ")
+    assert not run_dir.exists(), "nothing may be created for a bad command"
+
+
+def test_missing_config_file(tmp_path, capsys):
+    assert train.main(["--config", str(tmp_path / "nope.yaml")]) == 2
+    assert f"config file not found: {tmp_path / 'nope.yaml'}" in capsys.readouterr().err
+
+
+def test_bad_input_leaves_an_existing_run_untouched(tiny, capsys):
+    cfg = tiny("train.steps=2")
+    import trainer
+
+    trainer.run(cfg)
+    before = {p: os.path.getmtime(os.path.join(cfg.run.dir, p)) for p in os.listdir(cfg.run.dir)}
+    assert train.main(["--config", TINY, f"run.dir={cfg.run.dir}", "train.steps=4", "mesh.data=3"]) == 2
+    after = {p: os.path.getmtime(os.path.join(cfg.run.dir, p)) for p in os.listdir(cfg.run.dir)}
+    assert before == after
+
+
+def _cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train.py"), *args],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env,
+    )
+
+
+def test_real_process_bad_input_no_traceback(tmp_path):
+    out = _cli("--config", TINY, f"run.dir={tmp_path / 'r'}", "mesh.data=3")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "error: mesh: pipeline=1 x data=3 x fsdp=1 x tensor=1 = 3 devices, but 8 are available"
+    ]
+    assert not (tmp_path / "r").exists()
+
+
+def test_real_process_trains_a_sharded_run(tmp_path):
+    out = _cli("--config", TINY, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.steps=3",
+               f"run.dir={tmp_path / 'a'}", f"data.path={stdlib_glob('json')}")
+    assert out.returncode == 0, out.stderr
+    assert "compiled the train step" in out.stdout and "step 3/3" in out.stdout
+    assert sorted(os.listdir(tmp_path / "a")) == ["checkpoints", "config.yaml", "metrics.jsonl"]

@@ -1,0 +1,103 @@
+"""Config: presets load, overrides are typed, and bad keys or values fail with one clear line."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from configs import Config, ConfigError, all_keys, dump_config, load_config
+from conftest import ROOT
+
+PRESETS = ["tiny", "llama3-1b"]
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_presets_load_and_start_with_their_command(name):
+    path = os.path.join(ROOT, "configs", f"{name}.yaml")
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+    with open(path) as f:
+        assert "python train.py --config" in f.read(), "each preset documents the command that runs it"
+
+
+def test_tiny_runs_every_layout_on_8_devices():
+    m = load_config("tiny").model
+    for size in (m.num_heads, m.num_kv_heads, m.d_ff, m.vocab_size, load_config("tiny").train.global_batch):
+        assert size % 8 == 0
+
+
+def test_llama3_1b_shape():
+    m = load_config("llama3-1b").model
+    got = (m.num_layers, m.d_model, m.num_heads, m.num_kv_heads, m.d_ff, m.vocab_size, m.seq_len)
+    assert got == (16, 2048, 32, 8, 8192, 128256, 4096)
+    assert m.tie_embeddings and m.rope_theta == 500000.0 and m.dtype == "bfloat16"
+
+
+def test_overrides_are_typed():
+    cfg = load_config("tiny", ["train.steps=7", "optim.lr=1e-3", "model.tie_embeddings=false", "run.dir=x"])
+    assert cfg.train.steps == 7 and isinstance(cfg.train.steps, int)
+    assert cfg.optim.lr == pytest.approx(1e-3) and isinstance(cfg.optim.lr, float)
+    assert cfg.model.tie_embeddings is False
+    assert cfg.run.dir == "x"
+
+
+def test_overrides_win_over_the_file_and_the_file_over_defaults():
+    assert Config().model.d_model != load_config("tiny").model.d_model
+    assert load_config("tiny", ["model.d_model=128"]).model.d_model == 128
+
+
+def test_rules_are_data():
+    cfg = load_config("tiny", ["sharding.params.embed=null", "sharding.activations.batch=[data]"])
+    assert cfg.sharding.params["embed"] is None
+    assert cfg.sharding.activations["batch"] == ["data"]
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config("tiny", ["mesh.fsdp=2", "optim.lr=0.01"])
+    path = tmp_path / "config.yaml"
+    path.write_text(dump_config(cfg))
+    assert load_config(str(path)) == cfg
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["train.step=3"], "unknown config key 'train.step' (did you mean train.steps?)"),
+        (["modle.d_model=3"], "did you mean model.d_model?"),
+        (["train.steps=abc"], "train.steps: expected int, got 'abc'"),
+        (["model.tie_embeddings=maybe"], "model.tie_embeddings: expected bool"),
+        (["train.steps=-1"], "train.steps: must be >= 0, got -1"),
+        (["train.global_batch=0"], "train.global_batch: must be > 0"),
+        (["model.remat=sometimes"], "model.remat: 'sometimes' is not one of"),
+        (["model.num_kv_heads=3"], "model.num_kv_heads: 3 does not divide model.num_heads=16"),
+        (["sharding.params.embed=fsdb"], "sharding.params.embed: 'fsdb' is not a mesh axis"),
+        (["steps"], "override 'steps' is not of the form key=value"),
+    ],
+)
+def test_bad_values_name_the_key(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", overrides)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="config file not found: nope.yaml"):
+        load_config("nope.yaml")
+
+
+def test_yaml_with_a_wrong_type_names_the_file_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  steps: lots\n")
+    with pytest.raises(ConfigError, match="train.steps: expected int, got 'lots'"):
+        load_config(str(path))
+
+
+def test_every_key_is_settable():
+    for key in all_keys():
+        if key.startswith("sharding."):
+            continue
+        section, name = key.split(".")
+        value = getattr(getattr(Config(), section), name)
+        load_config(None, [f"{key}={str(value).lower() if isinstance(value, bool) else value}"])

@@ -1,0 +1,158 @@
+"""The model alone: shapes, causal and document masking, attention kernels, remat, FLOPs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import ModelConfig, load_config
+from model import Transformer, flops_per_token, matmul_params
+from model.attention import fused_attention, xla_attention
+from sharding import logical_axes
+
+
+def small(**changes) -> ModelConfig:
+    return dataclasses.replace(load_config("tiny").model, **changes)
+
+
+def build(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    return Transformer(cfg, rngs=nnx.Rngs(seed))
+
+
+def jitted(model: Transformer):
+    """The model's forward as one compiled function (eager op-by-op dispatch is slow)."""
+    graphdef, state = nnx.split(model)
+    fn = jax.jit(lambda st, x, pos, seg: nnx.merge(graphdef, st)(x, positions=pos, segment_ids=seg))
+    return lambda x, positions=None, segment_ids=None: fn(state, x, positions, segment_ids)
+
+
+def tokens(batch: int, length: int, vocab: int, seed: int = 1) -> jax.Array:
+    return jax.random.randint(jax.random.key(seed), (batch, length), 0, vocab)
+
+
+def test_logits_shape_and_dtype():
+    cfg = small()
+    logits = jitted(build(cfg))(tokens(3, cfg.seq_len, cfg.vocab_size))
+    assert logits.shape == (3, cfg.seq_len, cfg.vocab_size)
+    assert logits.dtype == jnp.float32
+
+
+def test_parameter_shapes_and_logical_axes():
+    cfg = small(tie_embeddings=False)
+    state = nnx.state(build(cfg))
+    shapes = jax.tree.map(lambda x: x.shape, nnx.to_pure_dict(state))
+    axes = logical_axes(state)
+    L, d, h, kv, hd, f, v = 2, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.d_ff, cfg.vocab_size
+    assert shapes["embedding"] == (v, d) and axes["embedding"] == ("vocab", "embed")
+    assert shapes["lm_head"] == (d, v) and axes["lm_head"] == ("embed", "vocab")
+    assert shapes["layers"]["attn"]["q"] == (L, d, h, hd)
+    assert axes["layers"]["attn"]["q"] == ("layers", "embed", "heads", "head_dim")
+    assert shapes["layers"]["attn"]["k"] == (L, d, kv, hd)
+    assert axes["layers"]["attn"]["k"] == ("layers", "embed", "kv_heads", "head_dim")
+    assert shapes["layers"]["mlp"]["down"] == (L, f, d)
+    assert axes["layers"]["mlp"]["down"] == ("layers", "mlp", "embed")
+    assert axes["layers"]["attn_norm"]["scale"] == ("layers", "embed")
+    # Every parameter is annotated, and with as many names as it has dims.
+    for shape, names in zip(jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple)),
+                            jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))):
+        assert len(shape) == len(names) and all(isinstance(n, str) for n in names)
+
+
+def test_tied_model_has_no_output_matrix():
+    assert "lm_head" not in nnx.to_pure_dict(nnx.state(build(small(tie_embeddings=True))))
+
+
+def test_a_future_token_cannot_change_an_earlier_logit():
+    cfg = small()
+    model = jitted(build(cfg))
+    x = tokens(2, cfg.seq_len, cfg.vocab_size)
+    j = cfg.seq_len // 2
+    y = x.at[:, j].set((x[:, j] + 1) % cfg.vocab_size)
+    a, b = model(x), model(y)
+    np.testing.assert_array_equal(np.asarray(a[:, :j]), np.asarray(b[:, :j]))
+    assert not np.allclose(a[:, j:], b[:, j:]), "the changed token must change later logits"
+
+
+def test_documents_do_not_see_each_other():
+    cfg = small()
+    model = jitted(build(cfg))
+    t = cfg.seq_len
+    x = tokens(1, t, cfg.vocab_size)
+    seg = jnp.concatenate([jnp.zeros((1, t // 2), jnp.int32), jnp.ones((1, t - t // 2), jnp.int32)], axis=1)
+    pos = jnp.concatenate([jnp.arange(t // 2), jnp.arange(t - t // 2)])[None]
+    y = x.at[:, t // 2 + 1].set((x[:, t // 2 + 1] + 7) % cfg.vocab_size)  # a token of document B
+    a = model(x, positions=pos, segment_ids=seg)
+    b = model(y, positions=pos, segment_ids=seg)
+    np.testing.assert_array_equal(np.asarray(a[:, : t // 2 + 1]), np.asarray(b[:, : t // 2 + 1]))
+    assert not np.allclose(a[:, t // 2 + 1 :], b[:, t // 2 + 1 :])
+    # Document B alone, at positions from 0, gives the same logits as inside the packed row.
+    alone = model(x[:, t // 2 :])
+    np.testing.assert_allclose(np.asarray(a[:, t // 2 :]), np.asarray(alone), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("segments", [False, True])
+def test_attention_kernels_agree(segments):
+    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    b, t, h, g, d = 2, 16, 8, 2, 16
+    q = jax.random.normal(kq, (b, t, h, d))
+    k = jax.random.normal(kk, (b, t, h // g, d))
+    v = jax.random.normal(kv, (b, t, h // g, d))
+    seg = jnp.array([[0] * 5 + [1] * 11, [0] * 16]) if segments else None
+    ours = jax.jit(xla_attention)(q, k, v, seg)
+    theirs = jax.jit(fused_attention, static_argnums=4)(q, k, v, seg, None)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=2e-5, atol=2e-5)
+
+
+def test_grouped_query_attention_differs_from_sharing_nothing():
+    """With fewer kv heads the model is a different function (the grouping is really used)."""
+    a = build(small(num_kv_heads=8))
+    b = build(small(num_kv_heads=2))
+    x = tokens(1, 8, 264)
+    assert a.layers.attn.k.shape != b.layers.attn.k.shape
+    assert jitted(b)(x).shape == jitted(a)(x).shape
+
+
+def _grads(cfg: ModelConfig) -> tuple[dict, str]:
+    x = tokens(2, cfg.seq_len, cfg.vocab_size)
+    graphdef, params = nnx.split(build(cfg))
+    params = nnx.to_pure_dict(params)
+
+    def loss(p):
+        return jnp.mean(nnx.merge(graphdef, p)(x) ** 2)
+
+    return jax.jit(jax.grad(loss))(params), str(jax.make_jaxpr(jax.grad(loss))(params))
+
+
+@pytest.fixture(scope="module")
+def grads_without_remat():
+    return _grads(small())
+
+
+@pytest.mark.parametrize("policy", ["full", "save_dots", "save_dots_no_batch"])
+def test_remat_policies_give_the_same_gradients(policy, grads_without_remat):
+    ref, ref_jaxpr = grads_without_remat
+    got, got_jaxpr = _grads(small(remat=policy))
+    assert "remat" not in ref_jaxpr and "remat" in got_jaxpr, "the policy must really be applied"
+    for r, g in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
+        np.testing.assert_allclose(np.asarray(r), np.asarray(g), rtol=1e-5, atol=1e-7)
+
+
+def test_bfloat16_compute_keeps_float32_parameters():
+    cfg = small(dtype="bfloat16")
+    model = build(cfg)
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(nnx.state(model)))
+    logits = jitted(model)(tokens(1, 8, cfg.vocab_size))
+    assert logits.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(logits)))
+
+
+def test_matmul_parameters_of_llama_3_2_1b():
+    # Llama-3.2-1B has 1,235,814,400 parameters; less its 33 RMSNorm scales of 2048 that are
+    # not matmul weights, the tied embedding counted once as the output head.
+    cfg = load_config("llama3-1b").model
+    assert matmul_params(cfg) == 1_235_814_400 - 33 * 2048
+    assert flops_per_token(cfg) == 6 * matmul_params(cfg) + 6 * 16 * 4096 * 2048

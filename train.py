@@ -1,0 +1,39 @@
+"""Entry point: `python train.py [--config FILE] [dotted.key=value ...]`.
+
+Parses the command line, loads the config and hands it to the trainer. Bad input exits with
+status 2 and one line naming the key or file, before anything is compiled or written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from configs import ConfigError, load_config
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Train a decoder LM sharded over the mesh the config describes.",
+        epilog="Overrides are dotted config keys, e.g. mesh.fsdp=2 train.steps=50 run.dir=runs/a",
+    )
+    parser.add_argument("--config", help="a YAML preset (a path, or a name in configs/ such as 'tiny')")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        import trainer  # after the config is known good: importing JAX takes a while
+
+        trainer.run(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

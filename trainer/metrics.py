@@ -1,0 +1,99 @@
+"""Metrics out of the loop: `metrics.jsonl` (appended, never truncated), a console line, MFU.
+
+Only process 0 writes. Throughput is measured between two logged steps (the loop fetches
+metrics one step late, so the time covers finished device work, not dispatch).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import jax
+
+# Dense bf16 peak FLOP/s per device, by a substring of `device_kind`. Longest match wins.
+PEAK_FLOPS = {
+    "H100": 989e12,
+    "H200": 989e12,
+    "GH200": 989e12,
+    "A100": 312e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v5": 459e12,
+    "TPU v6 lite": 918e12,
+    "TPU v6e": 918e12,
+}
+
+
+def peak_flops(device: Any) -> float | None:
+    kind = getattr(device, "device_kind", "")
+    matches = [k for k in PEAK_FLOPS if k in kind]
+    return PEAK_FLOPS[max(matches, key=len)] if matches else None
+
+
+def log(message: str) -> None:
+    """A line on stdout from process 0 only."""
+    if jax.process_index() == 0:
+        print(message, flush=True)
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str, total_steps: int, tokens_per_step: int, flops_per_token: float, devices: list):
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.total_steps = total_steps
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_token = flops_per_token
+        self.peak = peak_flops(devices[0])
+        self.num_devices = len(devices)
+        self.is_main = jax.process_index() == 0
+        self.history: list[dict[str, Any]] = []
+        self._mark: tuple[int, float] | None = None
+
+    def start(self, step: int) -> None:
+        """Sets the point throughput is measured from (after compile, at the first step)."""
+        self._mark = (step, time.perf_counter())
+
+    def write(self, step: int, values: dict[str, float]) -> dict[str, Any]:
+        """Records the metrics of `step` (the number of updates done) once its result is on host."""
+        now = time.perf_counter()
+        record: dict[str, Any] = {"step": step, **{k: float(v) for k, v in values.items()}}
+        if self._mark is not None and step > self._mark[0]:
+            step_s = (now - self._mark[1]) / (step - self._mark[0])
+            tokens_per_s = self.tokens_per_step / step_s
+            record.update(step_s=step_s, tokens_per_s=tokens_per_s)
+            if self.peak:
+                record["mfu"] = tokens_per_s * self.flops_per_token / (self.num_devices * self.peak)
+        self._mark = (step, now)
+        self.history.append(record)
+        if self.is_main:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            self._print(record)
+        return record
+
+    def _print(self, r: dict[str, Any]) -> None:
+        width = len(str(self.total_steps))
+        parts = [f"step {r['step']:>{width}}/{self.total_steps}", f"loss {r['loss']:.4f}"]
+        parts.append(f"grad_norm {r['grad_norm']:.3f}")
+        parts.append(f"lr {r['lr']:.2e}")
+        if "tokens_per_s" in r:
+            eta = (self.total_steps - r["step"]) * r["step_s"]
+            parts += [f"{r['tokens_per_s']:,.0f} tok/s", f"{r['step_s']:.3f} s/step"]
+            if "mfu" in r:
+                parts.append(f"MFU {100 * r['mfu']:.1f}%")
+            parts.append(f"ETA {_duration(eta)}")
+        print(" | ".join(parts), file=sys.stdout, flush=True)

@@ -1,0 +1,64 @@
+"""The train state (step, parameters, optimizer state), created directly sharded.
+
+eval_shape gives every parameter's shape and logical axes; the rules turn those into
+NamedShardings; `jit(init, out_shardings=...)` then materializes each shard on its device, so
+no host ever holds the whole model. Parameters are a pure nested dict of arrays: the one
+canonical form that checkpoints store and every layout restores.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from configs.schema import ModelConfig
+from model import Transformer
+from sharding import logical_axes
+
+
+class TrainState(struct.PyTreeNode):
+    step: jax.Array  # int32 scalar: the number of updates applied
+    params: dict
+    opt_state: optax.OptState
+
+
+def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, dict, dict]:
+    """(graphdef, parameter ShapeDtypeStructs, logical axis names), all without allocating."""
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    return graphdef, nnx.to_pure_dict(state), logical_axes(state)
+
+
+def state_shardings(tx: optax.GradientTransformation, shapes: dict, param_sh: dict, mesh: Mesh) -> TrainState:
+    """Optimizer moments shard like their parameters; counters are replicated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    opt_shapes = jax.eval_shape(tx.init, shapes)
+    opt_sh = optax.tree_map_params(tx, lambda _, s: s, opt_shapes, param_sh, transform_non_params=lambda _: replicated)
+    return TrainState(step=replicated, params=param_sh, opt_state=opt_sh)
+
+
+def abstract_state(tx: optax.GradientTransformation, shapes: dict, shardings: TrainState) -> TrainState:
+    """ShapeDtypeStructs with concrete shardings: the target for restoring a checkpoint."""
+    abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=shapes, opt_state=jax.eval_shape(tx.init, shapes))
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
+def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, shardings: TrainState) -> TrainState:
+    def init() -> TrainState:
+        params = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed))))
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+    return jax.jit(init, out_shardings=shardings)()
+
+
+def param_count(shapes: dict) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(shapes))
+
+
+def tree_bytes(tree: Any) -> int:
+    return sum(int(x.size) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
