@@ -49,15 +49,37 @@ def test_missing_config_file(tmp_path, capsys):
     assert f"config file not found: {tmp_path / 'nope.yaml'}" in capsys.readouterr().err
 
 
-def test_bad_input_leaves_an_existing_run_untouched(tiny, capsys):
-    cfg = tiny("train.steps=2")
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    from configs import load_config
     import trainer
 
-    trainer.run(cfg)
-    before = {p: os.path.getmtime(os.path.join(cfg.run.dir, p)) for p in os.listdir(cfg.run.dir)}
-    assert train.main(["--config", TINY, f"run.dir={cfg.run.dir}", "train.steps=4", "mesh.data=3"]) == 2
-    after = {p: os.path.getmtime(os.path.join(cfg.run.dir, p)) for p in os.listdir(cfg.run.dir)}
-    assert before == after
+    run_dir = tmp_path_factory.mktemp("done") / "run"
+    trainer.run(load_config(TINY, [f"run.dir={run_dir}", f"data.path={stdlib_glob('json')}", "train.steps=2"]))
+    return run_dir
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["mesh.data=3"], "= 3 devices, but 8 are available"),
+        (["model.d_model=128"], "model.d_model=128 differs from 64 in the checkpoints of run.dir="),
+        (["train.global_batch=32"], "train.global_batch=32 differs from 16 in the checkpoints"),
+        (["optim.clip=0"], "optim.clip=0.0 turns clipping off"),
+    ],
+)
+def test_bad_input_leaves_an_existing_run_untouched(finished_run, overrides, message, capsys):
+    def snapshot():
+        return {
+            os.path.join(d, f): os.path.getmtime(os.path.join(d, f))
+            for d, _, files in os.walk(finished_run) for f in files
+        }
+
+    before = snapshot()
+    args = ["--config", TINY, f"run.dir={finished_run}", f"data.path={stdlib_glob('json')}", "train.steps=4"]
+    assert train.main(args + overrides) == 2
+    assert message in capsys.readouterr().err
+    assert snapshot() == before
 
 
 def _cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:

@@ -78,6 +78,11 @@ def test_resume_is_bitwise_exact(tiny, tmp_path, capsys):
     np.testing.assert_array_equal(losses(first + second), losses(straight))
     # metrics.jsonl is appended across invocations, never truncated.
     assert [r["step"] for r in read_metrics(resumed_dir)] == list(range(1, 9))
+    # The config that wrote the first checkpoints is kept beside the new one.
+    from configs import load_config
+
+    assert load_config(str(resumed_dir / "config.step4.yaml")).train.steps == 4
+    assert load_config(str(resumed_dir / "config.yaml")).train.steps == 8
 
 
 def test_a_finished_run_does_nothing_more(tiny, capsys):

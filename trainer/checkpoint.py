@@ -12,8 +12,44 @@ import os
 import grain
 import orbax.checkpoint as ocp
 
+from configs import Config, ConfigError, load_config
 from configs.schema import CheckpointConfig
 from trainer.state import TrainState
+
+# Keys a resumed run must share with the run that wrote the checkpoints: they fix the shapes
+# of the state, or which example comes at which step (exact data continuation).
+RESUME_KEYS = (
+    "model.num_layers", "model.d_model", "model.num_heads", "model.num_kv_heads", "model.resolved_head_dim",
+    "model.d_ff", "model.vocab_size", "model.tie_embeddings", "model.seq_len",
+    "train.global_batch", "run.seed", "data.source", "data.path",
+)
+
+
+def _get(cfg: Config, key: str) -> object:
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def check_resumable(cfg: Config) -> None:
+    """If run.dir holds checkpoints, the new config must fit them. Raises ConfigError naming
+    the first key that differs, before anything in run.dir is touched."""
+    saved = os.path.join(cfg.run.dir, "config.yaml")
+    ckpt_dir = os.path.join(cfg.run.dir, "checkpoints")
+    if not (os.path.exists(saved) and os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir)):
+        return
+    old = load_config(saved)
+    for key in RESUME_KEYS:
+        if _get(old, key) != _get(cfg, key):
+            name = key.replace("resolved_", "")
+            raise ConfigError(
+                f"{name}={_get(cfg, key)!r} differs from {_get(old, key)!r} in the checkpoints of run.dir={cfg.run.dir}; "
+                "resume with the same value or use a new run.dir"
+            )
+    if (old.optim.clip > 0) != (cfg.optim.clip > 0):
+        raise ConfigError(
+            f"optim.clip={cfg.optim.clip} turns clipping {'on' if cfg.optim.clip else 'off'}, which changes the "
+            f"optimizer state saved in run.dir={cfg.run.dir}; use a new run.dir"
+        )
 
 
 class Checkpointer:

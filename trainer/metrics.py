@@ -67,8 +67,10 @@ class MetricsLogger:
         """Sets the point throughput is measured from (after compile, at the first step)."""
         self._mark = (step, time.perf_counter())
 
-    def write(self, step: int, values: dict[str, float]) -> dict[str, Any]:
-        """Records the metrics of `step` (the number of updates done) once its result is on host."""
+    def write(self, step: int, values: dict[str, Any]) -> dict[str, Any]:
+        """Records the metrics of `step` (the number of updates done); fetching them waits for
+        that step to finish on the device."""
+        values = jax.device_get(values)
         now = time.perf_counter()
         record: dict[str, Any] = {"step": step, **{k: float(v) for k, v in values.items()}}
         if self._mark is not None and step > self._mark[0]:
