@@ -103,3 +103,14 @@ def test_run_dir_holds_config_metrics_and_checkpoints(tiny):
         assert key in records[-1]
     assert "mfu" not in records[-1], "CPU has no known peak"
     assert sorted(os.listdir(os.path.join(cfg.run.dir, "checkpoints"))) == ["2"]
+
+
+def test_learning_rate_schedule():
+    from configs import load_config
+    from trainer.optimizer import lr_schedule
+
+    cfg = load_config("tiny", ["optim.lr=1.0", "optim.warmup_steps=4", "optim.min_lr_ratio=0.1"]).optim
+    lrs = [float(lr_schedule(cfg, 20)(s)) for s in range(20)]
+    np.testing.assert_allclose(lrs[:4], [0.25, 0.5, 0.75, 1.0], rtol=1e-6)
+    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:])), "cosine decay is monotone"
+    np.testing.assert_allclose(lrs[-1], 0.1, rtol=1e-5)

@@ -9,6 +9,8 @@ from configs.schema import OptimConfig
 
 
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    """Linear warmup to `lr`, then the named decay down to `lr * min_lr_ratio` at the last step.
+    The update at step s uses the rate at s + 1, so the first update is not wasted on lr = 0."""
     warmup = optax.linear_schedule(0.0, cfg.lr, max(cfg.warmup_steps, 1))
     decay_steps = max(total_steps - cfg.warmup_steps, 1)
     end = cfg.lr * cfg.min_lr_ratio
@@ -18,7 +20,8 @@ def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
         decay = optax.linear_schedule(cfg.lr, end, decay_steps)
     else:
         decay = optax.constant_schedule(cfg.lr)
-    return optax.join_schedules([warmup, decay], [cfg.warmup_steps])
+    joined = optax.join_schedules([warmup, decay], [cfg.warmup_steps])
+    return lambda step: joined(step + 1)
 
 
 def decay_mask(axes: dict) -> dict:
