@@ -49,6 +49,14 @@ class MeshConfig:
 
 
 @dataclass(kw_only=True)
+class PipelineConfig:
+    """Used when mesh.pipeline > 1: the stacked layers are split into stages over `pipeline`."""
+
+    microbatches: int = 0  # 0: as many as stages
+    repeats: int = 1  # > 1: circular schedule, each stage holds `repeats` non-adjacent layer groups
+
+
+@dataclass(kw_only=True)
 class ModelConfig:
     num_layers: int = 4
     d_model: int = 256
@@ -137,6 +145,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -177,6 +186,12 @@ def validate_static(cfg: Config) -> None:
         ("data.read_threads", cfg.data.read_threads),
     ]:
         _require(value > 0, key, f"must be > 0, got {value}")
+    _require(cfg.pipeline.repeats > 0, "pipeline.repeats", f"must be > 0, got {cfg.pipeline.repeats}")
+    _require(
+        cfg.pipeline.microbatches >= 0,
+        "pipeline.microbatches",
+        f"must be >= 0 (0: one per stage), got {cfg.pipeline.microbatches}",
+    )
     _require(m.head_dim >= 0, "model.head_dim", f"must be >= 0 (0: d_model // num_heads), got {m.head_dim}")
     _require(
         m.num_heads % m.num_kv_heads == 0,

@@ -35,8 +35,6 @@ def resolve_mesh_shape(mesh_cfg: MeshConfig, num_devices: int) -> dict[str, int]
     if total != num_devices:
         shape = " x ".join(f"{a}={s}" for a, s in sizes.items())
         raise ConfigError(f"mesh: {shape} = {total} devices, but {num_devices} are available")
-    if sizes["pipeline"] > 1:
-        raise ConfigError(f"mesh.pipeline={sizes['pipeline']}: pipeline parallelism is not built yet; use 1")
     return sizes
 
 

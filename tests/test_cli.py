@@ -27,7 +27,14 @@ BAD = {
     "wrong type": (["train.global_batch=big"], "train.global_batch: expected int, got 'big'"),
     "negative steps": (["train.steps=-3"], "train.steps: must be >= 0, got -3"),
     "no data file": (["data.path=/nonexistent/**/*.txt"], "data.path: no file matches '/nonexistent/**/*.txt'"),
-    "pipeline": (["mesh.pipeline=2", "mesh.data=4"], "pipeline parallelism is not built yet"),
+    "pipeline stages": (["mesh.pipeline=8", "mesh.data=1"], "model.num_layers=4 is not divisible by mesh.pipeline=8 x pipeline.repeats=1"),
+    "pipeline repeats": (["mesh.pipeline=2", "mesh.data=4", "pipeline.repeats=4"],
+                         "model.num_layers=4 is not divisible by mesh.pipeline=2 x pipeline.repeats=4"),
+    "too few microbatches": (["mesh.pipeline=4", "mesh.data=2", "pipeline.microbatches=2"],
+                             "pipeline.microbatches=2 is fewer than mesh.pipeline=4 stages"),
+    "microbatches vs batch": (["mesh.pipeline=4", "mesh.data=2", "pipeline.microbatches=6"],
+                              "pipeline.microbatches=6 does not divide the per-replica batch 8"),
+    "repeats without stages": (["pipeline.repeats=2"], "pipeline.repeats=2 needs mesh.pipeline > 1"),
     "vocab below tokenizer": (["model.vocab_size=128"], "model.vocab_size=128 is smaller than the byte tokenizer's 257"),
 }
 

@@ -47,7 +47,7 @@ def test_parameter_shapes_and_logical_axes():
     state = nnx.state(build(cfg))
     shapes = jax.tree.map(lambda x: x.shape, nnx.to_pure_dict(state))
     axes = logical_axes(state)
-    L, d, h, kv, hd, f, v = 2, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.d_ff, cfg.vocab_size
+    L, d, h, kv, hd, f, v = cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.d_ff, cfg.vocab_size
     assert shapes["embedding"] == (v, d) and axes["embedding"] == ("vocab", "embed")
     assert shapes["lm_head"] == (d, v) and axes["lm_head"] == ("embed", "vocab")
     assert shapes["layers"]["attn"]["q"] == (L, d, h, hd)

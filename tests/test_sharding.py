@@ -36,7 +36,6 @@ def test_minus_one_fills_the_rest():
         (dict(data=-1, fsdp=3), "mesh.data=-1: the other axes' product 3 does not divide the 8 devices"),
         (dict(data=-1, fsdp=-1), "only one axis may be -1"),
         (dict(data=0), "mesh.data: must be a positive size or -1"),
-        (dict(pipeline=2, data=4), "pipeline parallelism is not built yet"),
     ],
 )
 def test_impossible_meshes(sizes, message):

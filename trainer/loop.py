@@ -1,78 +1,26 @@
 """The training run: check everything, build the sharded state, then loop with hooks.
 
-`prepare` does every check that bad input can fail (mesh, divisibility, batch, data path)
-before anything is compiled or written; `run` then creates `run.dir`, restores or creates the
-state, compiles the step once ahead of time, and drives it. Logging and checkpointing are
+`prepare` (trainer.program) does every check that bad input can fail before anything is
+compiled or written; `run` then creates `run.dir`, restores or creates the state, compiles the
+step once ahead of time, and drives it. Logging and checkpointing are
 hooks outside `jit`; metrics are read one step late so the device never waits on the host.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import time
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import jax
-import jax.numpy as jnp
-from flax import nnx
-from jax.sharding import Mesh
 
-from configs import Config, ConfigError, dump_config
-from data import global_batches, make_iterator, open_source
+from configs import Config, dump_config
+from data import global_batches, make_iterator
 from model import flops_per_token
-from sharding import (
-    activation_rules,
-    batch_sharding,
-    check_divisible,
-    logical_to_spec,
-    make_mesh,
-    resolve_mesh_shape,
-    shardings,
-    to_rules,
-)
-from trainer.checkpoint import Checkpointer, check_resumable
+from trainer.checkpoint import Checkpointer
 from trainer.metrics import MetricsLogger, log
-from trainer.optimizer import make_optimizer
-from trainer.state import TrainState, abstract_model, abstract_state, init_state, param_count, state_shardings
-from trainer.step import make_train_step
-
-
-@dataclasses.dataclass
-class Prepared:
-    """What `prepare` found valid: enough to build the run without checking again."""
-
-    cfg: Config
-    mesh_sizes: dict[str, int]
-    graphdef: nnx.GraphDef
-    shapes: dict
-    axes: dict
-    source: Any
-
-
-def prepare(cfg: Config, num_devices: int) -> Prepared:
-    """All checks that need devices or files. Raises ConfigError; creates and compiles nothing."""
-    sizes = resolve_mesh_shape(cfg.mesh, num_devices)
-    act_rules, param_rules = to_rules(cfg.sharding.activations), to_rules(cfg.sharding.params)
-    batch_axes = logical_to_spec(("batch",), act_rules)[0] or ()
-    batch_axes = batch_axes if isinstance(batch_axes, tuple) else (batch_axes,)
-    shards = math.prod(sizes[a] for a in batch_axes)
-    need = shards * cfg.train.grad_accum
-    if cfg.train.global_batch % need:
-        raise ConfigError(
-            f"train.global_batch={cfg.train.global_batch} is not divisible by {need} = batch shards "
-            f"({' x '.join(f'{a}={sizes[a]}' for a in batch_axes) or '1'}) x train.grad_accum={cfg.train.grad_accum}"
-        )
-    if cfg.train.global_batch % jax.process_count():
-        raise ConfigError(
-            f"train.global_batch={cfg.train.global_batch} is not divisible by the {jax.process_count()} processes"
-        )
-    graphdef, shapes, axes = abstract_model(cfg.model)
-    check_divisible(shapes, axes, param_rules, sizes)
-    check_resumable(cfg)
-    source = open_source(cfg)
-    return Prepared(cfg, sizes, graphdef, shapes, axes, source)
+from trainer.program import Prepared, Program, make_program, prepare
+from trainer.state import TrainState, init_state, param_count
 
 
 def _write_config(run_dir: str, cfg: Config, resume_step: int | None) -> None:
@@ -95,10 +43,9 @@ def _write_config(run_dir: str, cfg: Config, resume_step: int | None) -> None:
 class Built:
     """Everything the loop drives, on the real mesh."""
 
-    mesh: Mesh
+    program: Program
     state: TrainState
     start: int
-    compile_step: Callable[[], Callable]  # ahead of time: returns the compiled train step
     batches: Iterator[dict[str, jax.Array]]
     iterator: Any
     ckpt: Checkpointer
@@ -106,43 +53,30 @@ class Built:
 
 def build(p: Prepared, devices: list) -> Built:
     """Creates run.dir, then restores the latest checkpoint or creates the state, sharded."""
-    cfg = p.cfg
-    mesh = make_mesh(p.mesh_sizes, devices)
-    act_rules, param_rules = to_rules(cfg.sharding.activations), to_rules(cfg.sharding.params)
-    tx, schedule = make_optimizer(cfg.optim, cfg.train.steps, p.axes)
-    state_sh = state_shardings(tx, p.shapes, shardings(p.axes, param_rules, mesh), mesh)
-    batch_sh = batch_sharding(mesh, act_rules)
+    cfg, layout = p.cfg, p.layout
+    program = make_program(p, devices)
     ckpt = Checkpointer(os.path.join(cfg.run.dir, "checkpoints"), cfg.checkpoint)
     iterator = make_iterator(cfg, p.source)
     start = ckpt.latest_step()
     _write_config(cfg.run.dir, cfg, start)
     log(
-        f"mesh {' x '.join(f'{a}={s}' for a, s in p.mesh_sizes.items())} on {len(devices)} "
+        f"mesh {' x '.join(f'{a}={s}' for a, s in layout.sizes.items())} on {len(devices)} "
         f"{devices[0].platform} devices, {jax.process_count()} process(es); "
         f"{param_count(p.shapes) / 1e6:.2f}M parameters"
     )
     if start is None:
-        start, state = 0, init_state(cfg.model, tx, cfg.run.seed, state_sh)
+        start, state = 0, init_state(cfg.model, program.tx, cfg.run.seed, program.state_sh)
     else:
-        state = ckpt.restore(start, abstract_state(tx, p.shapes, state_sh), iterator)
+        state = ckpt.restore(start, program.abstract_state(), iterator)
         log(f"resumed from step {start}")
-    step = jax.jit(
-        make_train_step(p.graphdef, tx, schedule, cfg.train.grad_accum),
-        in_shardings=(state_sh, batch_sh),
-        out_shardings=(state_sh, None),
-        donate_argnums=(0,),
-    )
-
-    def compile_step() -> Callable:
-        t0 = time.perf_counter()
-        batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32, sharding=batch_sh)
-        with activation_rules(mesh, act_rules):  # the model's logical constraints bind while tracing
-            compiled = step.lower(state, {"tokens": batch}).compile()
-        log(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
-        return compiled
-
-    batches = global_batches(iterator, batch_sh, cfg.train.global_batch)
-    return Built(mesh, state, start, compile_step, batches, iterator, ckpt)
+    if layout.pipelined:
+        log(
+            f"pipeline: {layout.stages} stages x {layout.repeats} repeat(s), {layout.microbatches} microbatches, "
+            f"{cfg.model.num_layers // (layout.stages * layout.repeats)} layers per stage and repeat; "
+            f"bubble fraction {layout.bubble:.3f}"
+        )
+    batches = global_batches(iterator, program.batch_sh, cfg.train.global_batch)
+    return Built(program, state, start, batches, iterator, ckpt)
 
 
 def run(cfg: Config, devices: list | None = None) -> list[dict[str, Any]]:
@@ -159,7 +93,8 @@ def run(cfg: Config, devices: list | None = None) -> list[dict[str, Any]]:
         ckpt.close()
         return logger.history
 
-    step_fn = b.compile_step()
+    step_fn, seconds = b.program.compile(state)
+    log(f"compiled the train step in {seconds:.1f} s")
     logger.start(start)
     pending: tuple[int, dict] | None = None
     for done in range(start + 1, cfg.train.steps + 1):

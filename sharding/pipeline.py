@@ -1,0 +1,102 @@
+"""Pipeline parallelism as a layer runner: GPipe and circular schedules on the `pipeline` axis.
+
+The layer stack is stored in one canonical shape, [num_layers, ...], sharded over `pipeline`
+along the layer dim, so checkpoints do not depend on the pipeline layout. At run time, inside
+the jitted step, the runner views it as [stages, repeats, layers_per_group, ...]: stage s holds
+the layer groups s, S + s, 2S + s, ... (group g = layers [g*K, (g+1)*K)). With one repeat this
+view is free (each device already holds its contiguous block); with several repeats XLA moves
+the groups to their stages once per step, like an FSDP gather of the layer weights.
+
+The schedule is one `lax.scan` over R*M + S - 1 ticks (S stages, R repeats, M microbatches).
+At tick t, stage s works on virtual microbatch v = t - s: microbatch v mod M, repeat v div M.
+All stages run at once as a `vmap` over the stage dim (sharded over `pipeline`, so each device
+computes only its own stage), then the outputs shift one stage up with `jnp.roll`, which XLA
+lowers to a collective-permute between neighbouring devices. Stage 0 takes a fresh microbatch
+in the first repeat and, in later repeats, the last stage's output for that microbatch from the
+previous repeat (kept in a buffer: M >= S makes it ready in time). Autodiff through the scan
+gives the backward pass: all forwards, then all backwards (GPipe), per repeat interleaved.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from sharding.rules import Rules
+
+Array = jax.Array
+StageFn = Callable[[nnx.Module, Array, Array, "Array | None"], Array]
+
+
+def bubble_fraction(stages: int, repeats: int, microbatches: int) -> float:
+    """Idle share of the schedule: (S - 1) / (R * M + S - 1)."""
+    return (stages - 1) / (repeats * microbatches + stages - 1)
+
+
+def _to_stages(a: Array, stages: int, repeats: int) -> Array:
+    """[L, ...] -> [S, R, K, ...] with stage s, repeat r holding layer group r*S + s."""
+    per_group = a.shape[0] // (stages * repeats)
+    staged = a.reshape(repeats, stages, per_group, *a.shape[1:]).swapaxes(0, 1)
+    spec = PartitionSpec("pipeline", *([PartitionSpec.UNCONSTRAINED] * (staged.ndim - 1)))
+    return jax.lax.with_sharding_constraint(staged, spec)
+
+
+def _to_microbatches(x: Array, m: int) -> Array:
+    """[B, ...] -> [M, B/M, ...]; microbatch i takes rows i, i+M, ... so that a device's
+    contiguous block of rows holds whole groups and splitting moves no data."""
+    return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+
+
+def _from_microbatches(x: Array) -> Array:
+    return x.swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def pipeline_runner(
+    stages: int, repeats: int, microbatches: int, stage_fn: StageFn, stage_rules: Rules
+) -> Callable[[nnx.Module, Array, Array, "Array | None"], Array]:
+    """A layer runner (see model.LayerRunner) that pipelines the stack over `pipeline`.
+
+    stage_fn(sub_stack, x, positions, segment_ids) applies a stack of K layers (the model's
+    scan, with its remat policy). stage_rules are the activation rules inside a stage, where
+    `batch` must not use the `pipeline` axis (it indexes stages there)."""
+    S, R, M = stages, repeats, microbatches
+
+    def run(layers: nnx.Module, x: Array, positions: Array, segment_ids: Array | None) -> Array:
+        graphdef, stack = nnx.split(layers)
+        staged = jax.tree.map(lambda a: _to_stages(a, S, R), stack)
+        with nn.logical_axis_rules(stage_rules):
+            x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+            xs = _to_microbatches(x, M)  # [M, mb, T, D]
+            pos = _to_microbatches(positions, M)
+            seg = None if segment_ids is None else _to_microbatches(segment_ids, M)
+
+            def stage(params: nnx.State, r: Array, h: Array, p: Array, sg: Array | None) -> Array:
+                sub = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, 0, keepdims=False), params)
+                return stage_fn(nnx.merge(graphdef, sub), h, p, sg)
+
+            stage_ids = jnp.arange(S)
+            all_stages = jax.vmap(stage, spmd_axis_name="pipeline")
+
+            def tick(carry: tuple[Array, Array], t: Array) -> tuple[tuple[Array, Array], None]:
+                act, buf = carry  # act [S, mb, T, D]: what enters each stage; buf [M, mb, T, D]
+                first = jnp.where(t < M, xs[jnp.minimum(t, M - 1)], buf[t % M])
+                act = jnp.where((stage_ids == 0)[:, None, None, None], first[None], act)
+                v = t - stage_ids  # each stage's virtual microbatch
+                r = jnp.clip(v // M, 0, R - 1)
+                m = v % M
+                out = all_stages(staged, r, act, pos[m], None if seg is None else seg[m])
+                done = t - (S - 1)  # the virtual microbatch leaving the last stage
+                keep = (done >= 0) & (done < R * M)
+                buf = jnp.where(keep, jax.lax.dynamic_update_index_in_dim(buf, out[S - 1], done % M, 0), buf)
+                return (jnp.roll(out, 1, axis=0), buf), None
+
+            act0 = jnp.zeros((S,) + xs.shape[1:], xs.dtype)
+            (_, buf), _ = jax.lax.scan(tick, (act0, jnp.zeros_like(xs)), jnp.arange(R * M + S - 1))
+            return _from_microbatches(buf)
+
+    return run

@@ -1,0 +1,105 @@
+"""What a config means on a device count: mesh sizes, rules, and the layer runner.
+
+Every check that the layout can fail (mesh product, batch divisibility, pipeline stages and
+microbatches) raises ConfigError here, naming the key, before anything is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from configs import Config, ConfigError
+from model import LayerRunner, scan_layers
+from sharding import Rules, logical_to_spec, resolve_mesh_shape, to_rules
+from sharding.pipeline import bubble_fraction, pipeline_runner
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    sizes: dict[str, int]
+    param_rules: Rules
+    act_rules: Rules  # activations outside the layer stack, and the input batch
+    stage_rules: Rules  # activations inside a pipeline stage (= act_rules without pipelining)
+    stages: int
+    repeats: int
+    microbatches: int
+
+    @property
+    def pipelined(self) -> bool:
+        return self.stages > 1
+
+    @property
+    def bubble(self) -> float:
+        return bubble_fraction(self.stages, self.repeats, self.microbatches)
+
+
+def _axes(rules: Rules, logical: str) -> tuple[str, ...]:
+    entry = logical_to_spec((logical,), rules)[0] or ()
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
+def _with_batch_axis(rules: Rules, axis: str) -> Rules:
+    """`rules` with `axis` appended to the mesh axes of `batch`."""
+    out = []
+    for logical, entry in rules:
+        if logical == "batch":
+            entry = (entry if isinstance(entry, tuple) else (() if entry is None else (entry,))) + (axis,)
+        out.append((logical, entry))
+    return tuple(out)
+
+
+def plan_layout(cfg: Config, num_devices: int) -> Layout:
+    sizes = resolve_mesh_shape(cfg.mesh, num_devices)
+    param_rules, act_rules = to_rules(cfg.sharding.params), to_rules(cfg.sharding.activations)
+    t = cfg.train
+    batch_axes = _axes(act_rules, "batch")
+    if "pipeline" in batch_axes:
+        raise ConfigError("sharding.activations.batch: must not use the pipeline axis (it indexes stages)")
+    shards = math.prod(sizes[a] for a in batch_axes)
+    need = shards * t.grad_accum
+    if t.global_batch % need:
+        raise ConfigError(
+            f"train.global_batch={t.global_batch} is not divisible by {need} = batch shards "
+            f"({' x '.join(f'{a}={sizes[a]}' for a in batch_axes) or '1'}) x train.grad_accum={t.grad_accum}"
+        )
+    stages, repeats = sizes["pipeline"], cfg.pipeline.repeats
+    micro = cfg.pipeline.microbatches or stages
+    stage_rules = act_rules
+    if stages > 1:
+        _check_pipeline(cfg, stages, repeats, micro, t.global_batch // need, shards)
+        # Outside the stack (embedding, head, loss) the stages split the batch instead of
+        # repeating the same work, where the rows divide evenly.
+        if (t.global_batch // need) % stages == 0:
+            act_rules = _with_batch_axis(act_rules, "pipeline")
+    elif repeats > 1:
+        raise ConfigError(f"pipeline.repeats={repeats} needs mesh.pipeline > 1")
+    return Layout(sizes, param_rules, act_rules, stage_rules, stages, repeats, micro)
+
+
+def _check_pipeline(cfg: Config, stages: int, repeats: int, micro: int, per_replica: int, shards: int) -> None:
+    layers = cfg.model.num_layers
+    if layers % (stages * repeats):
+        raise ConfigError(
+            f"model.num_layers={layers} is not divisible by mesh.pipeline={stages} x pipeline.repeats={repeats}"
+        )
+    if micro < stages:
+        raise ConfigError(
+            f"pipeline.microbatches={micro} is fewer than mesh.pipeline={stages} stages: every stage needs a "
+            "microbatch, and with repeats a microbatch must leave the last stage before stage 0 needs it again"
+        )
+    if per_replica % micro:
+        raise ConfigError(
+            f"pipeline.microbatches={micro} does not divide the per-replica batch {per_replica} "
+            f"(train.global_batch={cfg.train.global_batch} / {shards} batch shards / "
+            f"train.grad_accum={cfg.train.grad_accum})"
+        )
+
+
+def layer_runner(layout: Layout, remat_policy: str) -> LayerRunner | None:
+    """None (the model's own scan) unless the layout pipelines the stack."""
+    if not layout.pipelined:
+        return None
+    stage_fn = functools.partial(scan_layers, remat_policy=remat_policy)
+    return pipeline_runner(layout.stages, layout.repeats, layout.microbatches, stage_fn, layout.stage_rules)
