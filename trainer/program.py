@@ -116,5 +116,6 @@ def collective_counts(hlo_text: str) -> dict[str, int]:
     """How many collective ops of each kind the compiled HLO holds (async start/done pairs once)."""
     found = Counter()
     for kind in COLLECTIVES:
-        found[kind] = len(re.findall(rf"= \S+ {kind}(?:-start)?\(", hlo_text))
+        # `%name = TYPE kind(operands)`; TYPE may be a tuple with spaces, the name has a `%`.
+        found[kind] = len(re.findall(rf" {kind}(?:-start)?\(", hlo_text))
     return dict(found)

@@ -1,0 +1,1 @@
+"""Benchmark scripts: they print tables; none of them is a test."""
