@@ -1,7 +1,9 @@
 """Entry point: `python train.py [--config FILE] [dotted.key=value ...]`.
 
-Parses the command line, loads the config and hands it to the trainer. Bad input exits with
-status 2 and one line naming the key or file, before anything is compiled or written.
+Parses the command line, loads the config and hands it to the trainer. Exit status: 0 done;
+2 bad input (one line naming the key or file, before anything is compiled or written);
+`train.preempt_exit_code` (143) after SIGTERM/SIGINT with the checkpoint committed; 3 too
+many non-finite steps; 4 a step past `train.step_timeout_s`; 5 a peer process lost.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except trainer.Preempted as e:
+        return e.exit_code
+    except trainer.RunStopped as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
     return 0
 
 

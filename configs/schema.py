@@ -36,6 +36,21 @@ class TrainConfig:
     global_batch: int = 16
     grad_accum: int = 1
     log_every: int = 10
+    step_timeout_s: float = 900.0  # a step (or save) stuck this long: dump stacks, exit 4; 0: off
+    max_bad_steps: int = 10  # non-finite loss/grad-norm steps in a row before stopping (exit 3)
+    preempt_exit_code: int = 143  # after SIGTERM/SIGINT and a committed checkpoint (0: "done")
+
+
+@dataclass(kw_only=True)
+class DistConfig:
+    """Several processes (jax.distributed). Empty/0/-1: detect SLURM, Open MPI or a TPU pod from
+    the environment, else run as one process."""
+
+    coordinator: str = ""  # host:port of process 0
+    num_processes: int = 0
+    process_id: int = -1
+    init_timeout_s: int = 300
+    heartbeat_timeout_s: int = 20  # a silent peer is declared dead after this long
 
 
 @dataclass(kw_only=True)
@@ -105,6 +120,12 @@ class CheckpointConfig:
     every: int = 100
     keep: int = 3
     async_save: bool = True
+    fresh_if_unreadable: bool = False  # no readable checkpoint: start over instead of exit 2
+
+
+@dataclass(kw_only=True)
+class DebugConfig:
+    nan_steps: str = ""  # fault injection: comma-separated steps whose batch is poisoned
 
 
 def _default_param_rules() -> dict[str, Any]:
@@ -151,6 +172,17 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+
+def nan_steps(cfg: Config) -> set[int]:
+    """The steps `debug.nan_steps` poisons ('3,7' -> {3, 7}). Raises ConfigError if malformed."""
+    text = cfg.debug.nan_steps.strip()
+    try:
+        return {int(s) for s in text.split(",")} if text else set()
+    except ValueError:
+        raise ConfigError(f"debug.nan_steps: expected comma-separated step numbers, got {text!r}") from None
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
@@ -209,6 +241,24 @@ def validate_static(cfg: Config) -> None:
     _one_of(m.attention, "model.attention", ATTENTION_IMPLS)
     _one_of(cfg.data.source, "data.source", DATA_SOURCES)
     _one_of(o.schedule, "optim.schedule", SCHEDULES)
+    _require(t.step_timeout_s >= 0, "train.step_timeout_s", f"must be >= 0 (0: off), got {t.step_timeout_s}")
+    _require(t.max_bad_steps > 0, "train.max_bad_steps", f"must be > 0, got {t.max_bad_steps}")
+    _require(0 <= t.preempt_exit_code < 256, "train.preempt_exit_code", f"must be in [0, 256), got {t.preempt_exit_code}")
+    d = cfg.dist
+    _require(d.num_processes >= 0, "dist.num_processes", f"must be >= 0 (0: detect), got {d.num_processes}")
+    _require(
+        d.process_id == -1 or 0 <= d.process_id < max(d.num_processes, 1),
+        "dist.process_id",
+        f"{d.process_id} is not in [0, dist.num_processes={d.num_processes})",
+    )
+    _require(
+        not d.coordinator or (":" in d.coordinator and d.coordinator.rsplit(":", 1)[1].isdigit()),
+        "dist.coordinator",
+        f"expected host:port, got {d.coordinator!r}",
+    )
+    _require(d.heartbeat_timeout_s > 0, "dist.heartbeat_timeout_s", f"must be > 0, got {d.heartbeat_timeout_s}")
+    _require(d.init_timeout_s > 0, "dist.init_timeout_s", f"must be > 0, got {d.init_timeout_s}")
+    nan_steps(cfg)
     _require(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
     _require(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
     _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")

@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 from typing import Any, Iterator
 
 import jax
+import numpy as np
 
 from configs import Config, dump_config
+from configs.schema import nan_steps
 from data import global_batches, make_iterator
 from model import flops_per_token
+from sharding import distributed
 from trainer.checkpoint import Checkpointer
+from trainer.faults import Preempted, StopSignal, TooManyBadSteps, Watchdog, fingerprint
 from trainer.metrics import MetricsLogger, log
 from trainer.program import Prepared, Program, make_program, prepare
 from trainer.state import TrainState, init_state, param_count
@@ -46,72 +51,132 @@ class Built:
     program: Program
     state: TrainState
     start: int
-    batches: Iterator[dict[str, jax.Array]]
-    iterator: Any
+    iterator: Any  # the Grain iterator of this process's rows
     ckpt: Checkpointer
 
 
 def build(p: Prepared, devices: list) -> Built:
-    """Creates run.dir, then restores the latest checkpoint or creates the state, sharded."""
+    """Restores the newest readable checkpoint or creates the state, sharded; then writes the
+    resolved config into run.dir."""
     cfg, layout = p.cfg, p.layout
     program = make_program(p, devices)
     ckpt = Checkpointer(os.path.join(cfg.run.dir, "checkpoints"), cfg.checkpoint)
     iterator = make_iterator(cfg, p.source)
-    start = ckpt.latest_step()
-    _write_config(cfg.run.dir, cfg, start)
     log(
         f"mesh {' x '.join(f'{a}={s}' for a, s in layout.sizes.items())} on {len(devices)} "
         f"{devices[0].platform} devices, {jax.process_count()} process(es); "
         f"{param_count(p.shapes) / 1e6:.2f}M parameters"
     )
-    if start is None:
+    restored = ckpt.restore_latest(program.abstract_state(), iterator, warn=log)
+    if restored is None:
         start, state = 0, init_state(cfg.model, program.tx, cfg.run.seed, program.state_sh)
     else:
-        state = ckpt.restore(start, program.abstract_state(), iterator)
+        start, state = restored
         log(f"resumed from step {start}")
+    _write_config(cfg.run.dir, cfg, start)
     if layout.pipelined:
         log(
             f"pipeline: {layout.stages} stages x {layout.repeats} repeat(s), {layout.microbatches} microbatches, "
             f"{cfg.model.num_layers // (layout.stages * layout.repeats)} layers per stage and repeat; "
             f"bubble fraction {layout.bubble:.3f}"
         )
-    batches = global_batches(iterator, program.batch_sh, cfg.train.global_batch)
-    return Built(program, state, start, batches, iterator, ckpt)
+    return Built(program, state, start, iterator, ckpt)
+
+
+def _poisoned(batches: Iterator[dict[str, np.ndarray]], steps: set[int], start: int, vocab: int) -> Iterator:
+    """Fault injection (`debug.nan_steps`): token ids past the vocabulary at the given steps make
+    the embedding lookup return NaN, as a corrupt data file would."""
+    for step, batch in enumerate(batches, start=start + 1):
+        if step in steps:
+            batch = {**batch, "tokens": np.full_like(batch["tokens"], vocab)}
+        yield batch
 
 
 def run(cfg: Config, devices: list | None = None) -> list[dict[str, Any]]:
     """Trains `cfg.train.steps` steps in total (resuming if `run.dir` has checkpoints) on
-    `devices` (default: all). Returns the logged metrics of this invocation."""
+    `devices` (default: all). Returns the logged metrics of this invocation.
+
+    Raises ConfigError for bad input, Preempted after a signal (checkpoint committed) and
+    TooManyBadSteps after `train.max_bad_steps` non-finite steps in a row."""
+    distributed.initialize(cfg.dist)
+    distributed.check_same_everywhere(fingerprint(cfg), cfg.dist.init_timeout_s)
     devices = jax.devices() if devices is None else devices
     b = build(prepare(cfg, len(devices)), devices)
     logger = MetricsLogger(
         cfg.run.dir, cfg.train.steps, cfg.train.global_batch * cfg.model.seq_len, flops_per_token(cfg.model), devices
     )
-    state, start, ckpt = b.state, b.start, b.ckpt
-    if start >= cfg.train.steps:
-        log(f"nothing to do: the checkpoint at step {start} has reached train.steps={cfg.train.steps}")
-        ckpt.close()
+    if b.start >= cfg.train.steps:
+        log(f"nothing to do: the checkpoint at step {b.start} has reached train.steps={cfg.train.steps}")
+        b.ckpt.close()
         return logger.history
-
-    step_fn, seconds = b.program.compile(state)
+    step_fn, seconds = b.program.compile(b.state)
     log(f"compiled the train step in {seconds:.1f} s")
-    logger.start(start)
-    pending: tuple[int, dict] | None = None
-    for done in range(start + 1, cfg.train.steps + 1):
-        state, metrics = step_fn(state, next(b.batches))
-        if pending is not None:  # the previous step's metrics: ready by now, fetched without a stall
-            logger.write(*pending)
-        log_now = done % cfg.train.log_every == 0 or done in (start + 1, cfg.train.steps)
-        pending = (done, metrics) if log_now else None
-        if ckpt.due(done) or done == cfg.train.steps:
-            if pending is not None:
-                logger.write(*pending)
-                pending = None
-            ckpt.save(done, state, b.iterator)
-            logger.start(done)  # the save's blocking part is not step time
-    if pending is not None:
-        logger.write(*pending)
-    ckpt.wait()
-    ckpt.close()
-    log(f"done: step {cfg.train.steps}, checkpoints at {ckpt.directory} (steps {ckpt.all_steps()})")
+    stop, watchdog = StopSignal(), Watchdog(cfg.train.step_timeout_s)
+    try:
+        _loop(cfg, b, step_fn, logger, stop, watchdog)
+    finally:
+        watchdog.close()
+        stop.restore()
+        b.ckpt.close()
     return logger.history
+
+
+def _loop(cfg: Config, b: Built, step_fn: Any, logger: MetricsLogger, stop: StopSignal, watchdog: Watchdog) -> None:
+    state, ckpt, last = b.state, b.ckpt, cfg.train.steps
+    local = _poisoned(b.iterator, nan_steps(cfg), b.start, cfg.model.vocab_size) if cfg.debug.nan_steps else b.iterator
+    batches = global_batches(local, b.program.batch_sh, cfg.train.global_batch)
+    logger.start(b.start)
+    watchdog.beat(b.start)
+    streak, skipped, saved = 0, 0, b.start
+    previous: tuple[int, dict] | None = None  # the step before, whose flag we read one step late
+    for done in range(b.start + 1, last + 1):
+        state, metrics = step_fn(state, next(batches))
+        if previous is not None:
+            streak, skipped = _count_bad(previous, streak, skipped, cfg, saved)
+            watchdog.beat(previous[0])
+            if _log_due(previous[0], b.start, cfg):
+                logger.write(previous[0], {**previous[1], "skipped_steps": skipped})
+        previous = (done, metrics)
+        stopping = stop.requested(done)
+        if stopping or done == last or (ckpt.due(done) and streak == 0):
+            streak, skipped = _count_bad(previous, streak, skipped, cfg, saved)
+            if _log_due(done, b.start, cfg) or stopping:
+                logger.write(done, {**metrics, "skipped_steps": skipped})
+            previous = None
+            if streak == 0 or stopping:  # never save a state that only got here through bad steps
+                ckpt.save(done, state, b.iterator)
+                saved = done
+            logger.start(done)  # the save's blocking part is not step time
+            watchdog.beat(done)
+        if stopping:
+            watchdog.pause()
+            ckpt.wait()
+            signame = signal.Signals(stop.signum).name if stop.signum else "SIGTERM"
+            log(f"preempted by {signame}: checkpoint at step {done} committed in {ckpt.directory}; "
+                "run the same command to resume")
+            raise Preempted(cfg.train.preempt_exit_code)
+    if previous is not None:
+        _count_bad(previous, streak, skipped, cfg, saved)
+    watchdog.pause()
+    ckpt.wait()
+    log(f"done: step {last}, checkpoints at {ckpt.directory} (steps {ckpt.all_steps()})")
+
+
+def _log_due(step: int, start: int, cfg: Config) -> bool:
+    return step % cfg.train.log_every == 0 or step in (start + 1, cfg.train.steps)
+
+
+def _count_bad(record: tuple[int, dict], streak: int, skipped: int, cfg: Config, saved: int) -> tuple[int, int]:
+    """Reads a step's `finite` flag (this waits for that step) and updates the counts."""
+    step, metrics = record
+    if bool(jax.device_get(metrics["finite"])):
+        return 0, skipped
+    streak, skipped = streak + 1, skipped + 1
+    loss = float(jax.device_get(metrics["loss"]))
+    log(f"warning: step {step} has a non-finite loss ({loss}) or gradient norm; update skipped ({streak} in a row)")
+    if streak >= cfg.train.max_bad_steps:
+        raise TooManyBadSteps(
+            f"{streak} non-finite steps in a row (train.max_bad_steps={cfg.train.max_bad_steps}), the last at step "
+            f"{step}; the last good checkpoint is step {saved}"
+        )
+    return streak, skipped

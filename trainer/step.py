@@ -60,9 +60,17 @@ def make_train_step(
 
     def train_step(state: TrainState, batch: dict[str, Array]) -> tuple[TrainState, dict[str, Array]]:
         loss, grads = accumulate(loss_fn, state.params, batch["tokens"], grad_accum)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
-        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        # A non-finite loss or gradient skips the update: parameters and optimizer state stay
+        # as they were (the step counter and the data still advance).
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step), "finite": finite}
+        new = state.replace(
+            step=state.step + 1, params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state)
+        )
+        return new, metrics
 
     return train_step

@@ -1,0 +1,92 @@
+"""Several processes: `jax.distributed` start-up, cluster detection, a config fingerprint that
+every process must share, and the liveness of peers.
+
+One process per host (or per GPU); XLA collectives between them (gloo on CPU, NCCL on GPU). The
+coordination service's key-value store carries the fingerprints; its heartbeats tell which
+processes are alive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+
+from configs.schema import ConfigError, DistConfig
+
+_KEY = "meshlm/fingerprint"
+
+
+def detect_cluster() -> str | None:
+    """The launcher that `jax.distributed.initialize()` can read the process layout from."""
+    env = os.environ
+    if int(env.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_JOB_ID" in env:
+        return "SLURM"
+    if int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1:
+        return "Open MPI"
+    if len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1:
+        return "TPU pod"
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        return "JAX_COORDINATOR_ADDRESS"
+    return None
+
+
+def initialize(cfg: DistConfig) -> bool:
+    """Starts jax.distributed when the config or the environment asks for several processes.
+    Returns whether it did. Must run before anything else touches the devices."""
+    if _client() is not None:  # already started (a second run in the same process)
+        return True
+    explicit = bool(cfg.coordinator) or cfg.num_processes > 1
+    if not explicit and detect_cluster() is None:
+        return False
+    if explicit and not (cfg.coordinator and cfg.num_processes > 0 and cfg.process_id >= 0):
+        raise ConfigError(
+            "dist.coordinator, dist.num_processes and dist.process_id must be set together "
+            f"(got {cfg.coordinator!r}, {cfg.num_processes}, {cfg.process_id})"
+        )
+    jax.distributed.initialize(
+        coordinator_address=cfg.coordinator or None,
+        num_processes=cfg.num_processes or None,
+        process_id=cfg.process_id if cfg.process_id >= 0 else None,
+        initialization_timeout=cfg.init_timeout_s,
+        heartbeat_timeout_seconds=cfg.heartbeat_timeout_s,
+        # A process leaving with an error must not wait minutes for peers at exit.
+        shutdown_timeout_seconds=cfg.heartbeat_timeout_s,
+    )
+    return True
+
+
+def _client() -> Any:
+    from jax._src import distributed  # the runtime client: key-value store and liveness
+
+    return distributed.global_state.client
+
+
+def check_same_everywhere(fingerprint: dict[str, Any], timeout_s: int) -> None:
+    """Every process publishes its fingerprint (flat key -> value) and compares it with every
+    other's. A difference stops all of them with ConfigError naming the keys."""
+    if jax.process_count() == 1:
+        return
+    client, me = _client(), jax.process_index()
+    client.key_value_set(f"{_KEY}/{me}", json.dumps(fingerprint, sort_keys=True, default=str))
+    problems = []
+    for other in range(jax.process_count()):
+        if other == me:
+            continue
+        theirs = json.loads(client.blocking_key_value_get(f"{_KEY}/{other}", timeout_s * 1000))
+        for key in sorted(set(fingerprint) | set(theirs)):
+            if fingerprint.get(key) != theirs.get(key):
+                problems.append(f"{key}: {fingerprint.get(key)!r} here (process {me}), {theirs.get(key)!r} on process {other}")
+    if problems:
+        raise ConfigError("processes disagree on " + "; ".join(problems))
+
+
+def dead_processes() -> list[int]:
+    """Processes the coordination service no longer hears from (empty when single-process)."""
+    if jax.process_count() == 1:
+        return []
+    everyone = list(range(jax.process_count()))
+    live = _client().get_live_nodes(everyone)
+    return [p for p in everyone if p not in live]

@@ -1,0 +1,158 @@
+"""Failing loudly instead of hanging: preemption signals, a step watchdog, peer liveness.
+
+- `StopSignal`: SIGTERM/SIGINT ask the loop to stop after the current step. With several
+  processes the step to stop at is agreed through the coordination service (JAX's preemption
+  sync point), so every process saves the same checkpoint.
+- `Watchdog`: a daemon thread. If no step finishes within `train.step_timeout_s` it dumps every
+  thread's stack and exits 4; if a peer process stops sending heartbeats it says which and
+  exits 5, so no process waits forever in a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import faulthandler
+import hashlib
+import os
+import signal
+import sys
+import threading
+import time
+from types import FrameType
+
+import jax
+
+from configs import Config
+from sharding.distributed import dead_processes
+
+EXIT_BAD_STEPS = 3
+EXIT_HUNG = 4
+EXIT_PEER_LOST = 5
+
+PROJECT_DIRS = ("configs", "model", "sharding", "data", "trainer")
+
+
+class RunStopped(Exception):
+    """The run stopped before train.steps; `exit_code` is what the process should return."""
+
+    exit_code = 1
+
+
+class Preempted(RunStopped):
+    def __init__(self, exit_code: int):
+        super().__init__(f"preempted (exit {exit_code})")
+        self.exit_code = exit_code
+
+
+class TooManyBadSteps(RunStopped):
+    exit_code = EXIT_BAD_STEPS
+
+
+def code_version() -> str:
+    """A hash of the project's Python sources: processes running different code disagree on it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digest = hashlib.sha256()
+    for folder in PROJECT_DIRS:
+        for dirpath, dirnames, files in sorted(os.walk(os.path.join(root, folder))):
+            dirnames.sort()
+            for name in sorted(f for f in files if f.endswith(".py")):
+                with open(os.path.join(dirpath, name), "rb") as f:
+                    digest.update(name.encode() + f.read())
+    return digest.hexdigest()[:16]
+
+
+def fingerprint(cfg: Config) -> dict[str, object]:
+    """What every process must share: the resolved config (less its own process id) and the code."""
+    flat = {}
+    for section, values in dataclasses.asdict(cfg).items():
+        for key, value in values.items():
+            flat[f"{section}.{key}"] = value
+    flat.pop("dist.process_id")
+    flat["code version"] = code_version()
+    return flat
+
+
+class StopSignal:
+    """Set by SIGTERM or SIGINT; read by the loop at step boundaries."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+        self._multi = jax.process_count() > 1
+        # With several processes JAX's own notifier owns SIGTERM (it agrees on a sync step); a
+        # SIGINT is turned into a SIGTERM so that Ctrl-C takes the same path.
+        signals = [signal.SIGINT] if self._multi else [signal.SIGTERM, signal.SIGINT]
+        for signum in signals:
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._multi:
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        self.signum = signum
+
+    def requested(self, step: int) -> bool:
+        """True at the step where every process stops (call once per step, on every process)."""
+        if self._multi:
+            from jax.experimental import multihost_utils
+
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.signum is not None
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def _fatal(message: str, code: int, dump_stacks: bool) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    if dump_stacks:
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.flush()
+    os._exit(code)  # the main thread may be blocked inside XLA: no clean unwinding is possible
+
+
+class Watchdog:
+    """Call `beat(step)` when a step finishes; `pause()` around work that is not a step."""
+
+    def __init__(self, step_timeout_s: float, poll_s: float = 1.0):
+        self.timeout = step_timeout_s
+        self.poll = poll_s
+        self._last = time.monotonic()
+        self._step = 0
+        self._armed = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
+        self._thread.start()
+
+    def beat(self, step: int) -> None:
+        self._step, self._last, self._armed = step, time.monotonic(), True
+
+    def pause(self) -> None:
+        self._armed = False
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll):
+            try:
+                dead = dead_processes()
+            except Exception as e:  # the coordinator itself is gone
+                _fatal(f"lost the coordination service ({type(e).__name__}: {e}); stopping", EXIT_PEER_LOST, False)
+            if dead:
+                _fatal(
+                    f"process(es) {dead} of {jax.process_count()} stopped sending heartbeats (crashed or "
+                    "preempted); stopping instead of waiting in a collective. Resume with the same command.",
+                    EXIT_PEER_LOST,
+                    False,
+                )
+            waited = time.monotonic() - self._last
+            if self._armed and self.timeout and waited > self.timeout:
+                _fatal(
+                    f"step {self._step + 1} has run {waited:.0f} s, more than train.step_timeout_s={self.timeout:g}; "
+                    "stacks of every thread follow",
+                    EXIT_HUNG,
+                    True,
+                )
