@@ -138,7 +138,7 @@ def _loop(cfg: Config, b: Built, step_fn: Any, logger: MetricsLogger, stop: Stop
                 logger.write(previous[0], {**previous[1], "skipped_steps": skipped})
         previous = (done, metrics)
         stopping = stop.requested(done)
-        if stopping or done == last or (ckpt.due(done) and streak == 0):
+        if stopping or done == last or ckpt.due(done):
             streak, skipped = _count_bad(previous, streak, skipped, cfg, saved)
             if _log_due(done, b.start, cfg) or stopping:
                 logger.write(done, {**metrics, "skipped_steps": skipped})

@@ -1,0 +1,78 @@
+"""Real `train.py` processes for the fault tests: start, watch their output, signal, wait."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Train:
+    """`python train.py ARGS` with `devices` fake CPU devices; output collected line by line."""
+
+    def __init__(self, *args: str, devices: int = 8):
+        env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "train.py"), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float = 90) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if m := re.search(pattern, line):
+                    return m
+            if self.proc.poll() is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.01)
+        self.kill()
+        raise AssertionError(f"no line matching {pattern!r} within {timeout} s; output:\n{self.output[-3000:]}")
+
+    def finish(self, timeout: float = 120) -> int:
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"still running after {timeout} s; output:\n{self.output[-3000:]}") from None
+        self._reader.join(timeout=5)
+        return code
+
+    def signal(self, signum: int) -> None:
+        self.proc.send_signal(signum)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def run(*args: str, devices: int = 8, timeout: float = 120) -> tuple[int, str]:
+    t = Train(*args, devices=devices)
+    code = t.finish(timeout)
+    return code, t.output

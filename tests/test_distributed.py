@@ -1,0 +1,85 @@
+"""Several processes and elastic resume: 2 processes x 4 devices train exactly like 1 x 8, a
+checkpoint moves from 8 devices to 4 with the data continuing at the next example, a dead peer
+is detected within 60 s, and processes that disagree on the config refuse to start."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import trainer
+from configs import load_config
+from conftest import stdlib_glob
+from procs import TINY, Train, free_port
+
+DATA = f"data.path={stdlib_glob('json')}"
+LAYOUT = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+
+
+def cfg(run_dir, *overrides: str):
+    return load_config(TINY, [f"run.dir={run_dir}", DATA, "train.log_every=1", *overrides])
+
+
+def two_processes(run_dir, *extra: str, per_process: tuple[list[str], list[str]] = ([], []), heartbeat: int = 20):
+    port = free_port()
+    common = ["--config", TINY, f"run.dir={run_dir}", DATA, "train.log_every=1", f"dist.coordinator=127.0.0.1:{port}",
+              "dist.num_processes=2", f"dist.heartbeat_timeout_s={heartbeat}", "dist.init_timeout_s=60", *extra]
+    return [Train(*common, f"dist.process_id={i}", *per_process[i], devices=4) for i in range(2)]
+
+
+def metrics(run_dir) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_two_processes_train_like_one(tmp_path):
+    reference = trainer.run(cfg(tmp_path / "one", *LAYOUT, "train.steps=4"))
+    procs = two_processes(tmp_path / "two", *LAYOUT, "train.steps=4")
+    codes = [p.finish(180) for p in procs]
+    assert codes == [0, 0], procs[0].output + procs[1].output
+    records = metrics(tmp_path / "two")
+    assert [r["step"] for r in records] == [1, 2, 3, 4], "only process 0 writes metrics"
+    assert "step 1/4" in procs[0].output and "step 1/4" not in procs[1].output, "only process 0 logs"
+    np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in reference], rtol=2e-5)
+    assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["4"], "written collectively, once"
+    # The two-process checkpoint resumes in one process with another layout.
+    resumed = trainer.run(cfg(tmp_path / "two", "mesh.data=8", "train.steps=6"))
+    assert [r["step"] for r in resumed] == [5, 6]
+
+
+def test_elastic_resume_from_8_devices_to_4(tmp_path, capsys):
+    common = ["optim.schedule=constant", "optim.warmup_steps=0", "checkpoint.every=3"]
+    straight = trainer.run(cfg(tmp_path / "straight", "mesh.data=1", "mesh.fsdp=8", "train.steps=6", *common))
+    moved = tmp_path / "moved"
+    trainer.run(cfg(moved, "mesh.data=1", "mesh.fsdp=8", "train.steps=3", *common))
+    four = jax.devices()[:4]
+    resumed = trainer.run(cfg(moved, "mesh.data=2", "mesh.tensor=2", "train.steps=6", *common), devices=four)
+    out = capsys.readouterr().out
+    assert "resumed from step 3" in out and "on 4 cpu devices" in out
+    np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in straight[3:]], rtol=2e-5)
+
+
+def test_a_killed_peer_stops_the_others_within_60_s(tmp_path):
+    procs = two_processes(tmp_path, "train.steps=100000", "checkpoint.every=100000", heartbeat=5)
+    procs[0].wait_for(r"^step +3/", timeout=120)
+    procs[1].kill()
+    t0 = time.monotonic()
+    code = procs[0].finish(90)
+    elapsed = time.monotonic() - t0
+    assert code != 0 and elapsed < 60, (code, elapsed)
+    out = procs[0].output
+    assert "stopped sending heartbeats" in out or "another task died" in out, out[-2000:]
+
+
+def test_processes_with_different_configs_refuse_to_start(tmp_path):
+    procs = two_processes(tmp_path, "train.steps=4", per_process=(["optim.lr=0.001"], ["optim.lr=0.002"]))
+    codes = [p.finish(120) for p in procs]
+    assert codes == [2, 2], procs[0].output + procs[1].output
+    for p in procs:
+        assert "error: processes disagree on optim.lr: " in p.output
+    assert not os.path.exists(tmp_path / "checkpoints")

@@ -1,0 +1,202 @@
+"""Faults injected for real, in real processes and on real files: preemption signals, kill -9
+mid-run and mid-save, damaged checkpoints, non-finite steps, a hung step."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from conftest import stdlib_glob
+from procs import TINY, Train, run
+
+DATA = f"data.path={stdlib_glob('json')}"
+
+
+def args(run_dir, *extra: str) -> list[str]:
+    return ["--config", TINY, f"run.dir={run_dir}", DATA, "train.log_every=1", *extra]
+
+
+def final_losses(run_dir) -> dict[int, float]:
+    """Step -> loss from metrics.jsonl, the last line for a step winning (as after a resume)."""
+    out = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            out[r["step"]] = r["loss"]
+    return out
+
+
+def steps_on_disk(run_dir) -> list[int]:
+    return sorted(int(d) for d in os.listdir(os.path.join(run_dir, "checkpoints")) if d.isdigit())
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_the_current_step_and_the_same_command_resumes(tmp_path, signum):
+    cmd = args(tmp_path, "train.steps=60", "checkpoint.every=1000")
+    first = Train(*cmd)
+    first.wait_for(r"^step +5/60")
+    first.signal(signum)
+    assert first.finish(60) == 143, first.output
+    stopped = int(first.wait_for(r"preempted by SIG\w+: checkpoint at step (\d+) committed").group(1))
+    assert stopped >= 5 and steps_on_disk(tmp_path) == [stopped]
+    code, out = run(*cmd)
+    assert code == 0, out
+    assert f"resumed from step {stopped}" in out
+    assert sorted(final_losses(tmp_path)) == list(range(1, 61)), "every step's metrics are kept"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference: 12 steps without interruption."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    code, out = run(*args(run_dir, "train.steps=12", "checkpoint.every=4"))
+    assert code == 0, out
+    return final_losses(run_dir)
+
+
+def test_kill_9_mid_run_resumes_bit_for_bit(tmp_path, uninterrupted):
+    cmd = args(tmp_path, "train.steps=12", "checkpoint.every=4")
+    victim = Train(*cmd)
+    victim.wait_for(r"^step +6/12")
+    deadline = time.monotonic() + 30  # the save of step 4 commits in the background
+    while not (tmp_path / "checkpoints" / "4").exists() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    victim.kill()
+    on_disk = steps_on_disk(tmp_path)
+    assert 4 in on_disk and 12 not in on_disk, "killed mid-run"
+    code, out = run(*cmd)
+    assert code == 0 and f"resumed from step {max(on_disk)}" in out, out
+    assert final_losses(tmp_path) == uninterrupted
+
+
+BIG_STATE = ["model.d_model=128", "model.head_dim=8", "model.vocab_size=16384", "checkpoint.every=1",
+             "checkpoint.keep=2", "train.steps=6"]
+
+
+def test_kill_9_mid_save_ignores_the_half_written_checkpoint(tmp_path):
+    """A state of ~27 MB saved every step: kill -9 as soon as a save is seen in flight."""
+    reference = tmp_path / "reference"
+    code, out = run(*args(reference, *BIG_STATE))
+    assert code == 0, out
+    for attempt in range(3):
+        run_dir = tmp_path / f"attempt{attempt}"
+        victim = Train(*args(run_dir, *BIG_STATE))
+        victim.wait_for(r"^step +2/6")
+        deadline = time.monotonic() + 30
+        # At least one complete checkpoint, and a later save half-written.
+        while time.monotonic() < deadline and not (
+            glob.glob(str(run_dir / "checkpoints" / "*tmp*")) and steps_on_disk(run_dir)
+        ):
+            time.sleep(0.001)
+        victim.kill()
+        half = glob.glob(str(run_dir / "checkpoints" / "*tmp*"))
+        if half:
+            break
+    else:
+        pytest.fail("three attempts never caught a save in flight")
+    complete = steps_on_disk(run_dir)
+    code, out = run(*args(run_dir, *BIG_STATE))
+    assert code == 0, out
+    assert f"resumed from step {max(complete)}" in out
+    assert final_losses(run_dir) == final_losses(reference)
+
+
+@pytest.fixture(scope="module")
+def finished_8(tmp_path_factory):
+    """A run with checkpoints at steps 4 and 8, to be damaged in copies."""
+    run_dir = tmp_path_factory.mktemp("damaged") / "run"
+    code, out = run(*args(run_dir, "train.steps=8", "checkpoint.every=4"))
+    assert code == 0 and steps_on_disk(run_dir) == [4, 8], out
+    return run_dir
+
+
+def _truncate(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def _largest_file(folder) -> str:
+    files = [os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs]
+    return max(files, key=os.path.getsize)
+
+
+DAMAGE = {
+    "truncated array data": lambda step: _truncate(_largest_file(step / "state")),
+    "missing files": lambda step: shutil.rmtree(step / "state"),
+    "bad metadata": lambda step: (step / "state" / "_METADATA").write_text("{not json"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, finished_8, uninterrupted, damage):
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_8, run_dir)
+    DAMAGE[damage](run_dir / "checkpoints" / "8")
+    code, out = run(*args(run_dir, "train.steps=12", "checkpoint.every=4"))
+    assert code == 0, out
+    assert f"warning: checkpoint {run_dir / 'checkpoints' / '8'} cannot be read" in out
+    assert "resumed from step 4" in out
+    assert steps_on_disk(run_dir) == [8, 12]  # checkpoint.keep=2 in tiny.yaml
+    assert len(os.listdir(run_dir / "checkpoints.damaged")) == 1, "the damaged one is kept aside, not deleted"
+    losses = final_losses(run_dir)
+    assert {s: losses[s] for s in range(5, 13)} == {s: uninterrupted[s] for s in range(5, 13)}
+
+
+def test_no_readable_checkpoint_is_an_error_unless_asked_to_start_over(tmp_path, finished_8):
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_8, run_dir)
+    for step in (4, 8):
+        DAMAGE["truncated array data"](run_dir / "checkpoints" / str(step))
+    before = sorted(os.listdir(run_dir / "checkpoints"))
+    code, out = run(*args(run_dir, "train.steps=12", "checkpoint.every=4"))
+    assert code == 2, out
+    assert "error: no checkpoint in" in out and "checkpoint.fresh_if_unreadable=true" in out
+    assert sorted(os.listdir(run_dir / "checkpoints")) == before
+    code, out = run(*args(run_dir, "train.steps=12", "checkpoint.every=4", "checkpoint.fresh_if_unreadable=true"))
+    assert code == 0 and "starting over" in out and "resumed from" not in out, out
+
+
+def test_a_nan_batch_skips_its_update(tmp_path):
+    import orbax.checkpoint as ocp
+
+    code, out = run(*args(tmp_path, "train.steps=5", "debug.nan_steps=3", "checkpoint.every=1", "checkpoint.keep=10"))
+    assert code == 0, out
+    assert "warning: step 3 has a non-finite loss" in out
+    with open(tmp_path / "metrics.jsonl") as f:
+        records = {r["step"]: r for r in map(json.loads, f)}
+    assert np.isnan(records[3]["loss"])
+    # Had the NaN gradients been applied, every later loss would be NaN too.
+    assert np.isfinite(records[4]["loss"]) and np.isfinite(records[5]["loss"])
+    assert [records[s]["skipped_steps"] for s in range(1, 6)] == [0, 0, 1, 1, 1]
+    assert steps_on_disk(tmp_path) == [1, 2, 4, 5], "no checkpoint is written inside a bad streak"
+    adam_updates = {
+        s: int(ocp.StandardCheckpointer().restore(tmp_path / "checkpoints" / str(s) / "state")["opt_state"][1][0]["count"])
+        for s in (2, 4)
+    }
+    assert adam_updates == {2: 2, 4: 3}, "step 3 left the optimizer state as it was"
+
+
+def test_too_many_bad_steps_in_a_row_stop_the_run(tmp_path):
+    code, out = run(*args(tmp_path, "train.steps=10", "debug.nan_steps=3,4,5", "train.max_bad_steps=3",
+                          "checkpoint.every=1"))
+    assert code == 3, out
+    assert "error: 3 non-finite steps in a row (train.max_bad_steps=3), the last at step 5; " \
+           "the last good checkpoint is step 2" in out
+    assert max(steps_on_disk(tmp_path)) == 2
+
+
+def test_a_hung_step_dumps_stacks_and_exits(tmp_path):
+    """The default model's step takes about a second on this CPU: far past a 0.2 s timeout."""
+    t0 = time.monotonic()
+    code, out = run("train.steps=50", f"run.dir={tmp_path}", DATA, "train.step_timeout_s=0.2")
+    assert code == 4, out
+    assert "has run" in out and "more than train.step_timeout_s=0.2" in out
+    assert "Thread 0x" in out or "Current thread" in out, "every thread's stack is dumped"
+    assert time.monotonic() - t0 < 60
