@@ -4,6 +4,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 ARGS   ?=
+# The hf extra needs torch; pinning it first takes a CPU build (the bare name would pull
+# several GB of CUDA packages). Override with TORCH=torch on a GPU box, or TORCH= to skip.
+TORCH  ?= torch==2.13.0
 
 .PHONY: train test venv clean
 
@@ -13,7 +16,8 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -e '.[dev,hf,data]'
 	touch $(STAMP)
 
 train: $(STAMP)

@@ -15,7 +15,8 @@ from typing import Any
 REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch")
 ATTENTION_IMPLS = ("xla", "dot_product", "cudnn")
 DTYPES = ("float32", "bfloat16", "float16")
-DATA_SOURCES = ("text", "synthetic")
+DATA_SOURCES = ("text", "prepared", "synthetic")
+PACKINGS = ("concat", "document")
 SCHEDULES = ("cosine", "linear", "constant")
 MESH_AXES = ("pipeline", "data", "fsdp", "tensor")  # outermost first
 
@@ -97,9 +98,20 @@ class ModelConfig:
 @dataclass(kw_only=True)
 class DataConfig:
     source: str = "text"
-    path: str = ""  # glob of text files; empty: the running Python's standard library
+    path: str = ""  # text: glob of files (empty: Python's standard library); prepared: the directory
+    mixture: str = ""  # prepared corpora with weights, "DIR_A:0.7,DIR_B:0.3" (instead of data.path)
+    tokenizer: str = "byte"  # "byte", or a path to a tokenizer.json or a SentencePiece .model
+    packing: str = "concat"  # concat: join and cut; document: whole documents, attention within each
+    eval_fraction: float = 0.02  # text source: share of documents held out (by content hash) for eval
     read_threads: int = 2
     prefetch: int = 4
+    workers: int = 0  # Grain worker processes (0: threads only)
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    every: int = 50  # steps between evals of the held-out split; 0: off
+    batches: int = 4  # global batches per eval (the same ones every time)
 
 
 @dataclass(kw_only=True)
@@ -121,6 +133,11 @@ class CheckpointConfig:
     keep: int = 3
     async_save: bool = True
     fresh_if_unreadable: bool = False  # no readable checkpoint: start over instead of exit 2
+
+
+@dataclass(kw_only=True)
+class ProfileConfig:
+    steps: list[int] = field(default_factory=list)  # [a, b]: trace steps a..b into run.dir/profile/; []: off
 
 
 @dataclass(kw_only=True)
@@ -169,10 +186,12 @@ class Config:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
 
@@ -196,6 +215,33 @@ def _require(ok: bool, key: str, message: str) -> None:
 
 def _one_of(value: str, key: str, choices: tuple[str, ...]) -> None:
     _require(value in choices, key, f"{value!r} is not one of {', '.join(choices)}")
+
+
+def _check_data(cfg: Config) -> None:
+    d = cfg.data
+    _one_of(d.source, "data.source", DATA_SOURCES)
+    _one_of(d.packing, "data.packing", PACKINGS)
+    _require(d.workers >= 0, "data.workers", f"must be >= 0, got {d.workers}")
+    _require(0 <= d.eval_fraction < 1, "data.eval_fraction", f"must be in [0, 1), got {d.eval_fraction}")
+    _require(not d.mixture or d.source == "prepared", "data.mixture", "needs data.source=prepared")
+    _require(not (d.mixture and d.path), "data.mixture", "set either data.path or data.mixture, not both")
+    _require(d.source != "prepared" or bool(d.path or d.mixture), "data.path", "data.source=prepared needs a directory")
+    _require(d.source != "synthetic" or d.packing == "concat", "data.packing", "synthetic data has no documents")
+    _require(cfg.eval.every >= 0, "eval.every", f"must be >= 0 (0: off), got {cfg.eval.every}")
+    _require(cfg.eval.batches > 0, "eval.batches", f"must be > 0, got {cfg.eval.batches}")
+
+
+def _check_profile(cfg: Config) -> None:
+    steps = cfg.profile.steps
+    if not steps:
+        return
+    _require(len(steps) == 2, "profile.steps", f"expected [first, last] (two steps), got {steps}")
+    first, last = steps
+    _require(
+        1 <= first <= last <= cfg.train.steps,
+        "profile.steps",
+        f"{steps} must satisfy 1 <= first <= last <= train.steps={cfg.train.steps}",
+    )
 
 
 def validate_static(cfg: Config) -> None:
@@ -239,7 +285,7 @@ def validate_static(cfg: Config) -> None:
     _one_of(m.dtype, "model.dtype", DTYPES)
     _one_of(m.remat, "model.remat", REMAT_POLICIES)
     _one_of(m.attention, "model.attention", ATTENTION_IMPLS)
-    _one_of(cfg.data.source, "data.source", DATA_SOURCES)
+    _check_data(cfg)
     _one_of(o.schedule, "optim.schedule", SCHEDULES)
     _require(t.step_timeout_s >= 0, "train.step_timeout_s", f"must be >= 0 (0: off), got {t.step_timeout_s}")
     _require(t.max_bad_steps > 0, "train.max_bad_steps", f"must be > 0, got {t.max_bad_steps}")
@@ -259,6 +305,7 @@ def validate_static(cfg: Config) -> None:
     _require(d.heartbeat_timeout_s > 0, "dist.heartbeat_timeout_s", f"must be > 0, got {d.heartbeat_timeout_s}")
     _require(d.init_timeout_s > 0, "dist.init_timeout_s", f"must be > 0, got {d.init_timeout_s}")
     nan_steps(cfg)
+    _check_profile(cfg)
     _require(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
     _require(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
     _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")

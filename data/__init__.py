@@ -1,6 +1,27 @@
 """Grain input pipeline: sources, tokenizer, per-process slicing and global batch assembly."""
 
-from data.pipeline import global_batches, make_iterator, open_source, process_dataset, to_global
+from data.pipeline import (
+    DataSources,
+    batch_fields,
+    describe,
+    eval_batches,
+    global_batches,
+    make_iterator,
+    open_source,
+    process_dataset,
+    to_global,
+)
 from data.tokenizer import ByteTokenizer
 
-__all__ = ["ByteTokenizer", "global_batches", "make_iterator", "open_source", "process_dataset", "to_global"]
+__all__ = [
+    "ByteTokenizer",
+    "DataSources",
+    "batch_fields",
+    "describe",
+    "eval_batches",
+    "global_batches",
+    "make_iterator",
+    "open_source",
+    "process_dataset",
+    "to_global",
+]

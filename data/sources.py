@@ -1,21 +1,25 @@
-"""Random-access sources of training windows, each `seq_len + 1` tokens long.
+"""Where documents come from, before packing into rows.
 
 `text`: files matching a glob (default: the running Python's standard-library `*.py` files,
-which every machine has), sorted, tokenized, joined with an end-of-document token, and cut into
-consecutive windows that overlap by one token (so every token is a target exactly once).
-`synthetic`: uniformly random tokens, a pure function of (seed, index), for benchmarks.
+which every machine has), sorted, one file per document, tokenized in memory.
+`prepared`: ArrayRecord shards written by `python -m data.prepare` (see data.prepared).
+`synthetic`: uniformly random rows, a pure function of (seed, index), for benchmarks.
+
+A document goes to the held-out (eval) split by a hash of its content, so the split does not
+depend on file order or on which other files exist; `data.prepare` uses the same rule.
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import sysconfig
 
 import numpy as np
 
 from configs.schema import ConfigError
-from data.tokenizer import ByteTokenizer
+from data.packing import StreamDocuments
 
 
 def stdlib_files() -> list[str]:
@@ -35,37 +39,32 @@ def text_files(pattern: str) -> list[str]:
     return files
 
 
-def token_stream(files: list[str], tokenizer: ByteTokenizer) -> np.ndarray:
-    """All documents, each followed by the end-of-document token, as one uint16 array."""
-    docs = []
+def held_out(content: bytes, fraction: float) -> bool:
+    """Whether a document belongs to the eval split: its hash, not its place, decides."""
+    if fraction <= 0:
+        return False
+    bucket = int.from_bytes(hashlib.blake2b(content, digest_size=8).digest(), "little") % 1_000_000
+    return bucket < fraction * 1_000_000
+
+
+def text_documents(
+    files: list[str], tokenizer, eval_fraction: float
+) -> tuple[StreamDocuments, StreamDocuments | None]:
+    """(train, eval) documents of the given files; eval is None when no file is held out."""
+    splits: tuple[list, list] = ([], [])
     for path in files:
         with open(path, "rb") as f:
-            docs.append(tokenizer.encode(f.read()))
-    stream = np.full(sum(len(d) + 1 for d in docs), tokenizer.eod_id, dtype=np.uint16)
-    offset = 0
-    for doc in docs:
-        stream[offset : offset + len(doc)] = doc
-        offset += len(doc) + 1
-    return stream
+            content = f.read()
+        if not content:
+            continue
+        data = content if tokenizer.kind == "byte" else content.decode("utf-8", errors="replace")
+        splits[held_out(content, eval_fraction)].append(tokenizer.encode(data))
+    train, held = splits
+    return StreamDocuments(train, tokenizer.eod_id), StreamDocuments(held, tokenizer.eod_id) if held else None
 
 
-class TokenWindows:
-    """Window i = stream[i * seq_len : i * seq_len + seq_len + 1] as int32."""
-
-    def __init__(self, stream: np.ndarray, seq_len: int):
-        self.stream, self.seq_len = stream, seq_len
-        self._len = max(0, (len(stream) - 1) // seq_len)
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __getitem__(self, index: int) -> np.ndarray:
-        start = index * self.seq_len
-        return self.stream[start : start + self.seq_len + 1].astype(np.int32)
-
-
-class SyntheticWindows:
-    """Random tokens; the same (seed, index) always gives the same window."""
+class SyntheticRows:
+    """Random tokens; the same (seed, index) always gives the same row."""
 
     def __init__(self, vocab_size: int, seq_len: int, seed: int, length: int = 1 << 30):
         self.vocab_size, self.seq_len, self.seed, self._len = vocab_size, seq_len, seed, length
@@ -73,6 +72,6 @@ class SyntheticWindows:
     def __len__(self) -> int:
         return self._len
 
-    def __getitem__(self, index: int) -> np.ndarray:
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         rng = np.random.default_rng([self.seed, index])
-        return rng.integers(0, self.vocab_size, self.seq_len + 1, dtype=np.int32)
+        return {"tokens": rng.integers(0, self.vocab_size, self.seq_len + 1, dtype=np.int32)}

@@ -40,9 +40,9 @@ def loss_and_grads(cfg, devices=None):
     program = abstract_program(cfg, devices)
     state = init_state(cfg.model, program.tx, 0, program.state_sh)
     tokens = np.asarray(jax.random.randint(jax.random.key(7), (16, cfg.model.seq_len + 1), 0, 257))
-    batch = jax.device_put(tokens, program.batch_sh)
+    batch = {"tokens": jax.device_put(tokens, program.batch_sh)}
     loss_fn = make_loss_fn(program.graphdef, program.runner)
-    fn = jax.jit(lambda params, tokens: accumulate(loss_fn, params, tokens, cfg.train.grad_accum))
+    fn = jax.jit(lambda params, batch: accumulate(loss_fn, params, batch, cfg.train.grad_accum))
     with activation_rules(program.mesh, program.layout.act_rules):
         loss, grads = fn(state.params, batch)
     return float(loss), jax.tree.map(np.asarray, grads)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import time
 from typing import Any, Iterator
 
 import jax
@@ -18,12 +19,14 @@ import numpy as np
 
 from configs import Config, dump_config
 from configs.schema import nan_steps
-from data import global_batches, make_iterator
+from data import describe, eval_batches, global_batches, make_iterator, to_global
 from model import flops_per_token
 from sharding import distributed
 from trainer.checkpoint import Checkpointer
 from trainer.faults import Preempted, StopSignal, TooManyBadSteps, Watchdog, fingerprint
+from trainer.goodput import Goodput
 from trainer.metrics import MetricsLogger, log
+from trainer.observe import instrument
 from trainer.program import Prepared, Program, make_program, prepare
 from trainer.state import TrainState, init_state, param_count
 
@@ -53,6 +56,7 @@ class Built:
     start: int
     iterator: Any  # the Grain iterator of this process's rows
     ckpt: Checkpointer
+    eval_rows: list[dict[str, np.ndarray]]  # this process's rows of the held-out batches; [] = no eval
 
 
 def build(p: Prepared, devices: list) -> Built:
@@ -62,6 +66,13 @@ def build(p: Prepared, devices: list) -> Built:
     program = make_program(p, devices)
     ckpt = Checkpointer(os.path.join(cfg.run.dir, "checkpoints"), cfg.checkpoint)
     iterator = make_iterator(cfg, p.source)
+    log(describe(p.source, cfg))
+    eval_rows: list = []
+    if cfg.eval.every and p.source.eval is None:
+        log(f"warning: eval.every={cfg.eval.every} but data.source={cfg.data.source} has no held-out split; no eval")
+    elif cfg.eval.every:
+        args = (cfg.train.global_batch, cfg.eval.batches, cfg.run.seed, jax.process_index(), jax.process_count())
+        eval_rows = eval_batches(p.source, *args)
     log(
         f"mesh {' x '.join(f'{a}={s}' for a, s in layout.sizes.items())} on {len(devices)} "
         f"{devices[0].platform} devices, {jax.process_count()} process(es); "
@@ -80,7 +91,7 @@ def build(p: Prepared, devices: list) -> Built:
             f"{cfg.model.num_layers // (layout.stages * layout.repeats)} layers per stage and repeat; "
             f"bubble fraction {layout.bubble:.3f}"
         )
-    return Built(program, state, start, iterator, ckpt)
+    return Built(program, state, start, iterator, ckpt, eval_rows)
 
 
 def _poisoned(batches: Iterator[dict[str, np.ndarray]], steps: set[int], start: int, vocab: int) -> Iterator:
@@ -98,6 +109,7 @@ def run(cfg: Config, devices: list | None = None) -> list[dict[str, Any]]:
 
     Raises ConfigError for bad input, Preempted after a signal (checkpoint committed) and
     TooManyBadSteps after `train.max_bad_steps` non-finite steps in a row."""
+    goodput = Goodput()
     distributed.initialize(cfg.dist)
     distributed.check_same_everywhere(fingerprint(cfg), cfg.dist.init_timeout_s)
     devices = jax.devices() if devices is None else devices
@@ -105,78 +117,123 @@ def run(cfg: Config, devices: list | None = None) -> list[dict[str, Any]]:
     logger = MetricsLogger(
         cfg.run.dir, cfg.train.steps, cfg.train.global_batch * cfg.model.seq_len, flops_per_token(cfg.model), devices
     )
+    goodput.begin(cfg.run.dir, b.start)
     if b.start >= cfg.train.steps:
         log(f"nothing to do: the checkpoint at step {b.start} has reached train.steps={cfg.train.steps}")
         b.ckpt.close()
+        goodput.finish(cfg, logger)
         return logger.history
     step_fn, seconds = b.program.compile(b.state)
     log(f"compiled the train step in {seconds:.1f} s")
+    evaluate = _evaluator(cfg, b, logger)
+    goodput.lap("compile")
+    step_fn = instrument(step_fn, cfg, b.start, goodput)  # step count for goodput; profile.steps trace
     stop, watchdog = StopSignal(), Watchdog(cfg.train.step_timeout_s)
     try:
-        _loop(cfg, b, step_fn, logger, stop, watchdog)
+        _loop(cfg, b, step_fn, logger, stop, watchdog, evaluate, goodput)
     finally:
         watchdog.close()
         stop.restore()
         b.ckpt.close()
+        goodput.finish(cfg, logger)  # summary.json and its lines, also when preempted or stopped
     return logger.history
 
 
-def _loop(cfg: Config, b: Built, step_fn: Any, logger: MetricsLogger, stop: StopSignal, watchdog: Watchdog) -> None:
+def _evaluator(cfg: Config, b: Built, logger: MetricsLogger) -> Any:
+    """evaluate(step, state): the mean loss over the held-out batches, logged. None if eval is off."""
+    if not b.eval_rows:
+        return None
+    loss_fn = b.program.compile_eval()
+    batches = [to_global(rows, b.program.batch_sh, cfg.train.global_batch) for rows in b.eval_rows]
+
+    def evaluate(step: int, state: TrainState) -> None:
+        losses = [loss_fn(state.params, batch) for batch in batches]
+        logger.write_eval(step, float(np.mean(jax.device_get(losses))))
+
+    return evaluate
+
+
+def _timed(batches: Iterator, logger: MetricsLogger) -> Iterator:
+    """The batches, with the time spent waiting for each reported to the logger."""
+    while True:
+        t0 = time.perf_counter()
+        batch = next(batches, None)
+        logger.waited(time.perf_counter() - t0)
+        if batch is None:
+            return
+        yield batch
+
+
+def _loop(
+    cfg: Config, b: Built, step_fn: Any, logger: MetricsLogger, stop: StopSignal, watchdog: Watchdog, evaluate: Any,
+    goodput: Goodput,
+) -> None:
     state, ckpt, last = b.state, b.ckpt, cfg.train.steps
     local = _poisoned(b.iterator, nan_steps(cfg), b.start, cfg.model.vocab_size) if cfg.debug.nan_steps else b.iterator
-    batches = global_batches(local, b.program.batch_sh, cfg.train.global_batch)
+    batches = _timed(global_batches(local, b.program.batch_sh, cfg.train.global_batch), logger)
     logger.start(b.start)
     watchdog.beat(b.start)
-    streak, skipped, saved = 0, 0, b.start
+    books = _Books(cfg, b.start, logger)
     previous: tuple[int, dict] | None = None  # the step before, whose flag we read one step late
     for done in range(b.start + 1, last + 1):
         state, metrics = step_fn(state, next(batches))
         if previous is not None:
-            streak, skipped = _count_bad(previous, streak, skipped, cfg, saved)
+            books.settle(*previous)
             watchdog.beat(previous[0])
-            if _log_due(previous[0], b.start, cfg):
-                logger.write(previous[0], {**previous[1], "skipped_steps": skipped})
         previous = (done, metrics)
         stopping = stop.requested(done)
-        if stopping or done == last or ckpt.due(done):
-            streak, skipped = _count_bad(previous, streak, skipped, cfg, saved)
-            if _log_due(done, b.start, cfg) or stopping:
-                logger.write(done, {**metrics, "skipped_steps": skipped})
+        saving = stopping or done == last or ckpt.due(done)
+        evaluating = evaluate is not None and not stopping and (done % cfg.eval.every == 0 or done == last)
+        if saving or evaluating:
+            books.settle(done, metrics, force_log=stopping)
             previous = None
-            if streak == 0 or stopping:  # never save a state that only got here through bad steps
-                ckpt.save(done, state, b.iterator)
-                saved = done
-            logger.start(done)  # the save's blocking part is not step time
+            if saving and (books.streak == 0 or stopping):  # never save a state reached only through bad steps
+                with goodput.phase("checkpoint"):
+                    ckpt.save(done, state, b.iterator)
+                books.saved = done
+            if evaluating:
+                with goodput.phase("eval"):
+                    evaluate(done, state)
+            logger.start(done)  # the save's blocking part and eval are not step time
             watchdog.beat(done)
         if stopping:
             watchdog.pause()
-            ckpt.wait()
+            with goodput.phase("checkpoint"):
+                ckpt.wait()
             signame = signal.Signals(stop.signum).name if stop.signum else "SIGTERM"
             log(f"preempted by {signame}: checkpoint at step {done} committed in {ckpt.directory}; "
                 "run the same command to resume")
             raise Preempted(cfg.train.preempt_exit_code)
     if previous is not None:
-        _count_bad(previous, streak, skipped, cfg, saved)
+        books.settle(*previous)
     watchdog.pause()
-    ckpt.wait()
+    with goodput.phase("checkpoint"):
+        ckpt.wait()
     log(f"done: step {last}, checkpoints at {ckpt.directory} (steps {ckpt.all_steps()})")
 
 
-def _log_due(step: int, start: int, cfg: Config) -> bool:
-    return step % cfg.train.log_every == 0 or step in (start + 1, cfg.train.steps)
+class _Books:
+    """Per-step bookkeeping outside jit: reads each step's `finite` flag (which waits for that
+    step), counts bad steps, and logs the steps that are due."""
 
+    def __init__(self, cfg: Config, start: int, logger: MetricsLogger):
+        self.cfg, self.start, self.logger = cfg, start, logger
+        self.streak = self.skipped = 0
+        self.saved = start  # the newest checkpointed step
 
-def _count_bad(record: tuple[int, dict], streak: int, skipped: int, cfg: Config, saved: int) -> tuple[int, int]:
-    """Reads a step's `finite` flag (this waits for that step) and updates the counts."""
-    step, metrics = record
-    if bool(jax.device_get(metrics["finite"])):
-        return 0, skipped
-    streak, skipped = streak + 1, skipped + 1
-    loss = float(jax.device_get(metrics["loss"]))
-    log(f"warning: step {step} has a non-finite loss ({loss}) or gradient norm; update skipped ({streak} in a row)")
-    if streak >= cfg.train.max_bad_steps:
-        raise TooManyBadSteps(
-            f"{streak} non-finite steps in a row (train.max_bad_steps={cfg.train.max_bad_steps}), the last at step "
-            f"{step}; the last good checkpoint is step {saved}"
-        )
-    return streak, skipped
+    def settle(self, step: int, metrics: dict, force_log: bool = False) -> None:
+        cfg = self.cfg
+        if bool(jax.device_get(metrics["finite"])):
+            self.streak = 0
+        else:
+            self.streak, self.skipped = self.streak + 1, self.skipped + 1
+            loss = float(jax.device_get(metrics["loss"]))
+            log(f"warning: step {step} has a non-finite loss ({loss}) or gradient norm; update skipped "
+                f"({self.streak} in a row)")
+            if self.streak >= cfg.train.max_bad_steps:
+                raise TooManyBadSteps(
+                    f"{self.streak} non-finite steps in a row (train.max_bad_steps={cfg.train.max_bad_steps}), the "
+                    f"last at step {step}; the last good checkpoint is step {self.saved}"
+                )
+        if force_log or step % cfg.train.log_every == 0 or step in (self.start + 1, cfg.train.steps):
+            self.logger.write(step, {**metrics, "skipped_steps": self.skipped})

@@ -1,4 +1,5 @@
-"""Metrics out of the loop: `metrics.jsonl` (appended, never truncated), a console line, MFU.
+"""Metrics out of the loop: `metrics.jsonl` (appended, never truncated), the same scalars as
+TensorBoard events in `run.dir/tb/`, a console line, MFU.
 
 Only process 0 writes. Throughput is measured between two logged steps (the loop fetches
 metrics one step late, so the time covers finished device work, not dispatch).
@@ -14,6 +15,8 @@ import time
 from typing import Any
 
 import jax
+
+from trainer.observe import TensorBoard
 
 # Dense bf16 peak FLOP/s per device, by a substring of `device_kind`. Longest match wins.
 PEAK_FLOPS = {
@@ -62,6 +65,14 @@ class MetricsLogger:
         self.is_main = jax.process_index() == 0
         self.history: list[dict[str, Any]] = []
         self._mark: tuple[int, float] | None = None
+        self._waited = 0.0  # seconds the loop waited for data since the last record
+        self.data_wait_total = 0.0  # ... and in all of this invocation (for the goodput summary)
+        self.tb = TensorBoard(run_dir)
+
+    def waited(self, seconds: float) -> None:
+        """Adds time the loop spent waiting for the next batch."""
+        self._waited += seconds
+        self.data_wait_total += seconds
 
     def start(self, step: int) -> None:
         """Sets the point throughput is measured from (after compile, at the first step)."""
@@ -76,16 +87,28 @@ class MetricsLogger:
         if self._mark is not None and step > self._mark[0]:
             step_s = (now - self._mark[1]) / (step - self._mark[0])
             tokens_per_s = self.tokens_per_step / step_s
-            record.update(step_s=step_s, tokens_per_s=tokens_per_s)
+            record.update(step_s=step_s, tokens_per_s=tokens_per_s, data_wait_s=self._waited / (step - self._mark[0]))
             if self.peak:
                 record["mfu"] = tokens_per_s * self.flops_per_token / (self.num_devices * self.peak)
-        self._mark = (step, now)
+        self._mark, self._waited = (step, now), 0.0
+        self._append(record)
+        if self.is_main:
+            self._print(record)
+        return record
+
+    def write_eval(self, step: int, loss: float) -> dict[str, Any]:
+        """Records a held-out loss and its perplexity."""
+        record = {"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}
+        self._append(record)
+        log(f"eval at step {step}: loss {loss:.4f} | perplexity {record['eval_perplexity']:.2f}")
+        return record
+
+    def _append(self, record: dict[str, Any]) -> None:
         self.history.append(record)
         if self.is_main:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
-            self._print(record)
-        return record
+            self.tb.write(record)
 
     def _print(self, r: dict[str, Any]) -> None:
         width = len(str(self.total_steps))
@@ -94,7 +117,7 @@ class MetricsLogger:
         parts.append(f"lr {r['lr']:.2e}")
         if "tokens_per_s" in r:
             eta = (self.total_steps - r["step"]) * r["step_s"]
-            parts += [f"{r['tokens_per_s']:,.0f} tok/s", f"{r['step_s']:.3f} s/step"]
+            parts += [f"{r['tokens_per_s']:,.0f} tok/s", f"{r['step_s']:.3f} s/step", f"data wait {r['data_wait_s']:.3f} s"]
             if "mfu" in r:
                 parts.append(f"MFU {100 * r['mfu']:.1f}%")
             parts.append(f"ETA {_duration(eta)}")

@@ -20,13 +20,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from configs import Config, ConfigError
-from data import open_source
+from data import batch_fields, open_source
 from sharding import activation_rules, batch_sharding, check_divisible, make_mesh, shardings
 from trainer.checkpoint import check_resumable
 from trainer.layout import Layout, layer_runner, plan_layout
 from trainer.optimizer import make_optimizer
 from trainer.state import TrainState, abstract_model, abstract_state, state_shardings
-from trainer.step import make_train_step
+from trainer.step import make_loss_fn, make_train_step
 
 
 @dataclasses.dataclass
@@ -68,13 +68,14 @@ class Program:
     graphdef: nnx.GraphDef
     runner: Callable | None  # the layer runner (None: the model's scan)
     step: Callable  # jitted, state donated
+    eval_loss: Callable  # jitted (params, batch) -> mean loss, no update
 
     def abstract_state(self) -> TrainState:
         return abstract_state(self.tx, self.shapes, self.state_sh)
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         shape = (self.cfg.train.global_batch, self.cfg.model.seq_len + 1)
-        return {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sh)}
+        return {f: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sh) for f in batch_fields(self.cfg)}
 
     def lower(self, state: Any = None) -> jax.stages.Lowered:
         with activation_rules(self.mesh, self.layout.act_rules):  # the model's constraints bind while tracing
@@ -85,6 +86,10 @@ class Program:
         t0 = time.perf_counter()
         compiled = self.lower(state).compile()
         return compiled, time.perf_counter() - t0
+
+    def compile_eval(self) -> jax.stages.Compiled:
+        with activation_rules(self.mesh, self.layout.act_rules):
+            return self.eval_loss.lower(self.abstract_state().params, self.abstract_batch()).compile()
 
 
 def make_program(p: Prepared, devices: list) -> Program:
@@ -100,7 +105,8 @@ def make_program(p: Prepared, devices: list) -> Program:
         out_shardings=(state_sh, None),
         donate_argnums=(0,),
     )
-    return Program(cfg, layout, mesh, tx, state_sh, batch_sh, p.shapes, p.graphdef, runner, step)
+    eval_loss = jax.jit(make_loss_fn(p.graphdef, runner), in_shardings=(state_sh.params, batch_sh))
+    return Program(cfg, layout, mesh, tx, state_sh, batch_sh, p.shapes, p.graphdef, runner, step, eval_loss)
 
 
 def abstract_program(cfg: Config, devices: list | None = None) -> Program:

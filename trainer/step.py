@@ -15,32 +15,45 @@ from trainer.state import TrainState
 Array = jax.Array
 
 
-def cross_entropy(logits: Array, targets: Array) -> Array:
-    """Mean next-token loss; logits arrive in float32 so the log-softmax is exact enough."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
+def cross_entropy(logits: Array, targets: Array, mask: Array | None = None) -> Array:
+    """Mean next-token loss over the targets `mask` keeps (all if None); logits arrive in
+    float32 so the log-softmax is exact enough."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    if mask is None:
+        return losses.mean()
+    return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1)
 
 
-def make_loss_fn(graphdef: nnx.GraphDef, runner: LayerRunner | None = None) -> Callable[[dict, Array], Array]:
-    def loss_fn(params: dict, tokens: Array) -> Array:
+def make_loss_fn(graphdef: nnx.GraphDef, runner: LayerRunner | None = None) -> Callable[[dict, dict], Array]:
+    """loss(params, batch). A batch is {"tokens"} (rows of seq_len + 1), plus "segment_ids" and
+    "positions" for document packing: then attention stays within a document, positions restart
+    per document, and padding (segment 0) and targets across a document boundary carry no loss."""
+
+    def loss_fn(params: dict, batch: dict[str, Array]) -> Array:
         model = nnx.merge(graphdef, params)
-        logits = model(tokens[:, :-1], runner=runner)
-        return cross_entropy(logits, tokens[:, 1:])
+        tokens = batch["tokens"]
+        segments = batch.get("segment_ids")
+        if segments is None:
+            return cross_entropy(model(tokens[:, :-1], runner=runner), tokens[:, 1:])
+        logits = model(tokens[:, :-1], batch["positions"][:, :-1], segments[:, :-1], runner=runner)
+        mask = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] != 0)
+        return cross_entropy(logits, tokens[:, 1:], mask)
 
     return loss_fn
 
 
-def accumulate(loss_fn: Callable, params: dict, tokens: Array, steps: int) -> tuple[Array, dict]:
+def accumulate(loss_fn: Callable, params: dict, batch: dict[str, Array], steps: int) -> tuple[Array, dict]:
     """Mean loss and gradients over `steps` equal micro-batches, summed in float32 by a scan.
 
     Micro-batch a takes rows a, a + steps, a + 2*steps, ...: each device's contiguous block of
     rows then holds whole groups, so splitting the batch moves no data between devices."""
     grad_fn = jax.value_and_grad(loss_fn)
     if steps == 1:
-        return grad_fn(params, tokens)
-    batch = tokens.shape[0]
-    micro = tokens.reshape(batch // steps, steps, -1).swapaxes(0, 1)  # [steps, batch/steps, length]
+        return grad_fn(params, batch)
+    split = lambda x: x.reshape(x.shape[0] // steps, steps, -1).swapaxes(0, 1)  # noqa: E731 [steps, B/steps, L]
+    micro = jax.tree.map(split, batch)
 
-    def body(carry: tuple[Array, dict], mb: Array) -> tuple[tuple[Array, dict], None]:
+    def body(carry: tuple[Array, dict], mb: dict[str, Array]) -> tuple[tuple[Array, dict], None]:
         loss, grads = grad_fn(params, mb)
         return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], grads)), None
 
@@ -59,7 +72,7 @@ def make_train_step(
     loss_fn = make_loss_fn(graphdef, runner)
 
     def train_step(state: TrainState, batch: dict[str, Array]) -> tuple[TrainState, dict[str, Array]]:
-        loss, grads = accumulate(loss_fn, state.params, batch["tokens"], grad_accum)
+        loss, grads = accumulate(loss_fn, state.params, batch, grad_accum)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)

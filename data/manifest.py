@@ -1,0 +1,89 @@
+"""The on-disk contract of a prepared corpus (`python -m data.prepare`), and its validation.
+
+A prepared directory holds:
+- `train-00000-of-0000N.array_record` ... and `eval-00000-of-0000M.array_record` (none when the
+  eval fraction is 0): ArrayRecord files (group_size 1, for random access), one record per
+  document, its token ids as little-endian uint32 without an end-of-document token;
+- `train.lengths.npy`, `eval.lengths.npy`: int64, the token count of every record in order;
+- `manifest.json`: tokenizer, format, inputs with their bad-data counts, splits, content hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+
+import numpy as np
+
+from configs.schema import ConfigError
+
+FORMAT_VERSION = 1
+SPLITS = ("train", "eval")
+MANIFEST = "manifest.json"
+_OWN_FILE = re.compile(r"(manifest\.json|(train|eval)\.lengths\.npy|(train|eval)-\d{5}-of-\d{5}\.array_record)")
+
+
+def shard_name(split: str, index: int, count: int) -> str:
+    return f"{split}-{index:05d}-of-{count:05d}.array_record"
+
+
+def lengths_name(split: str) -> str:
+    return f"{split}.lengths.npy"
+
+
+def is_prepared_file(name: str) -> bool:
+    """Whether a file name is one that `data.prepare` writes (so replacing it loses nothing else)."""
+    return _OWN_FILE.fullmatch(name) is not None
+
+
+def content_hash(directory: str, splits: dict[str, list[str]]) -> str:
+    """sha256 over every shard's bytes then the lengths file, split by split (train, eval)."""
+    h = hashlib.sha256()
+    for split in SPLITS:
+        for name in splits.get(split, []) + [lengths_name(split)]:
+            with open(os.path.join(directory, name), "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+    return h.hexdigest()
+
+
+def read_manifest(directory: str, key: str = "data.path") -> dict:
+    """The manifest of a prepared directory, after checking that every shard and lengths file it
+    names is there and that the lengths match the documents counted. Raises ConfigError with one
+    line naming the file at fault (`key` names the setting that pointed here)."""
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.isfile(path):
+        raise ConfigError(f"{key}: {directory!r} is not a prepared corpus (no {MANIFEST}); run python -m data.prepare")
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: unreadable manifest ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
+        version = manifest.get("format_version") if isinstance(manifest, dict) else None
+        raise ConfigError(f"{path}: format_version {version!r}, this reader knows {FORMAT_VERSION}; prepare it again")
+    try:
+        tokenizer, splits = manifest["tokenizer"], manifest["splits"]
+        tokenizer["fingerprint"], tokenizer["eod_id"], tokenizer["vocab_size"]  # noqa: B018 - must exist
+        for split in SPLITS:
+            splits[split]["documents"], splits[split]["tokens"], splits[split]["shards"]  # noqa: B018
+    except (KeyError, TypeError) as e:
+        raise ConfigError(f"{path}: the manifest lacks {e}; prepare it again") from None
+    for split in SPLITS:
+        info = splits[split]
+        for shard in info["shards"]:
+            if not os.path.isfile(os.path.join(directory, shard)):
+                raise ConfigError(f"{os.path.join(directory, shard)}: shard named in the manifest is missing")
+        lengths_path = os.path.join(directory, lengths_name(split))
+        try:
+            lengths = np.load(lengths_path, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{lengths_path}: missing or unreadable ({e}); prepare it again") from None
+        if lengths.ndim != 1 or len(lengths) != info["documents"] or int(lengths.sum()) != info["tokens"]:
+            raise ConfigError(
+                f"{lengths_path}: {len(lengths)} lengths summing to {int(lengths.sum())} tokens, the manifest says "
+                f"{info['documents']} documents of {info['tokens']} tokens; prepare it again"
+            )
+    return manifest
