@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 
 from configs.schema import Config, ConfigError
 from data.packing import ConcatRows, Documents, DocumentRows
-from data.prepared import open_split
+from data.prepared import open_corpus
 from data.sources import SyntheticRows, stdlib_files, text_documents, text_files
 from data.tokenizer import load_tokenizer
 
@@ -79,11 +79,10 @@ def open_source(cfg: Config) -> DataSources:
         train_docs, eval_docs = text_documents(files, tokenizer, d.eval_fraction)
         corpora = [(d.path or "the standard library", train_docs, eval_docs, 1.0)]
     else:
+        key = "data.mixture" if d.mixture else "data.path"
         named = parse_mixture(d.mixture) if d.mixture else [(d.path, 1.0)]
         corpora = [
-            (path, open_split(path, "train", tokenizer.fingerprint(), tokenizer.eod_id),
-             open_split(path, "eval", tokenizer.fingerprint(), tokenizer.eod_id), weight)
-            for path, weight in named
+            (path, *open_corpus(path, tokenizer.fingerprint(), tokenizer.eod_id, key), weight) for path, weight in named
         ]
     train = []
     for where, docs, _, weight in corpora:
@@ -132,6 +131,10 @@ def make_iterator(cfg: Config, sources: DataSources) -> grain.DatasetIterator:
     options = grain.ReadOptions(num_threads=cfg.data.read_threads, prefetch_buffer_size=cfg.data.prefetch)
     it = ds.to_iter_dataset(options)
     if cfg.data.workers > 0:
+        from absl import flags  # Grain's worker processes read absl flags, which nobody parsed here
+
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS.mark_as_parsed()
         it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.data.workers))
     return iter(it)
 

@@ -8,13 +8,13 @@ is refused.
 
 from __future__ import annotations
 
-import json
 import os
 
 import grain
 import numpy as np
 
 from configs.schema import ConfigError
+from data.manifest import lengths_name, read_manifest
 from data.packing import span_from_docs
 
 
@@ -25,14 +25,13 @@ class ArrayRecordDocuments:
         self.eod_id = eod_id
         paths = [os.path.join(directory, s) for s in shards]
         self.source = grain.sources.ArrayRecordDataSource(paths)
-        lengths_path = os.path.join(directory, f"{split}.lengths.npy")
+        lengths_path = os.path.join(directory, lengths_name(split))
         raw = np.load(lengths_path)
         if len(raw) != len(self.source):
             raise ConfigError(
-                f"{lengths_path}: {len(raw)} lengths for {len(self.source)} records; the directory is damaged, "
-                "prepare it again"
+                f"{lengths_path}: {len(raw)} lengths for {len(self.source)} records; prepare the corpus again"
             )
-        self.lengths = raw.astype(np.int64) + 1
+        self.lengths = raw.astype(np.int64) + 1  # the end-of-document token appended on read
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths)])
 
     def __len__(self) -> int:
@@ -46,34 +45,16 @@ class ArrayRecordDocuments:
         return span_from_docs(self, self.offsets, start, stop)
 
 
-def read_manifest(directory: str) -> dict:
-    """The manifest of a prepared directory. Raises ConfigError naming the file if it is missing
-    or unreadable."""
-    path = os.path.join(directory, "manifest.json")
-    if not os.path.isfile(path):
-        raise ConfigError(f"data.path: {directory!r} is not a prepared corpus (no manifest.json); run python -m data.prepare")
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
-        manifest["splits"], manifest["tokenizer"]  # noqa: B018 - both must exist
-    except (OSError, ValueError, KeyError) as e:
-        raise ConfigError(f"{path}: unreadable manifest ({e})") from None
-    return manifest
-
-
-def open_split(directory: str, split: str, fingerprint: str, eod_id: int) -> ArrayRecordDocuments | None:
-    """The named split, or None if the corpus has none. Raises ConfigError if the corpus was
-    prepared with another tokenizer."""
-    manifest = read_manifest(directory)
-    theirs = manifest["tokenizer"].get("fingerprint")
+def open_corpus(
+    directory: str, fingerprint: str, eod_id: int, key: str = "data.path"
+) -> tuple[ArrayRecordDocuments | None, ArrayRecordDocuments | None]:
+    """(train, eval) documents of a prepared directory (None for an empty split). Raises
+    ConfigError if the directory is damaged or was prepared with another tokenizer."""
+    manifest = read_manifest(directory, key)
+    theirs = manifest["tokenizer"]["fingerprint"]
     if theirs != fingerprint:
         raise ConfigError(
             f"data.tokenizer: {directory!r} was prepared with tokenizer {theirs!r}, the config uses {fingerprint!r}"
         )
-    shards = manifest["splits"].get(split, {}).get("shards", [])
-    if not shards:
-        return None
-    for shard in shards:
-        if not os.path.isfile(os.path.join(directory, shard)):
-            raise ConfigError(f"{os.path.join(directory, shard)}: shard named in the manifest is missing")
-    return ArrayRecordDocuments(directory, split, shards, eod_id)
+    shards = {split: manifest["splits"][split]["shards"] for split in ("train", "eval")}
+    return tuple(ArrayRecordDocuments(directory, s, shards[s], eod_id) if shards[s] else None for s in shards)

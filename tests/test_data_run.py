@@ -1,0 +1,74 @@
+"""The data features inside real runs: eval on the held-out split, data-wait timing, document
+packing that trains and resumes exactly, and training from prepared corpora and mixtures."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import trainer
+from conftest import stdlib_glob
+
+
+def _losses(history: list[dict]) -> list[float]:
+    return [r["loss"] for r in history if "loss" in r]
+
+
+def test_eval_reads_the_held_out_split_and_leaves_training_alone(tiny):
+    common = ["train.steps=6", f"data.path={stdlib_glob('email')}", "data.eval_fraction=0.3"]
+    with_eval = trainer.run(tiny(*common, "eval.every=3", "eval.batches=2"))
+    evals = [r for r in with_eval if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [3, 6]
+    assert all(np.isfinite(r["eval_loss"]) and r["eval_perplexity"] > 1 for r in evals)
+    assert evals[1]["eval_loss"] < evals[0]["eval_loss"]  # the model learns what it was not shown
+    trained = [r for r in with_eval if "loss" in r]
+    assert all(r["data_wait_s"] >= 0 for r in trained if "step_s" in r) and "data_wait_s" in trained[-1]
+    without = trainer.run(tiny(*common, "eval.every=0", "run.dir=" + str(tiny().run.dir) + "-plain"))
+    assert not any("eval_loss" in r for r in without)
+    np.testing.assert_array_equal(_losses(with_eval), _losses(without))
+
+
+def test_document_packing_trains_and_resumes_bitwise(tiny, tmp_path):
+    common = ["data.packing=document", "optim.schedule=constant", "optim.warmup_steps=0", "checkpoint.every=3",
+              "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+    straight = trainer.run(tiny("train.steps=6", *common, f"run.dir={tmp_path / 'a'}"))
+    first = trainer.run(tiny("train.steps=3", *common, f"run.dir={tmp_path / 'b'}"))
+    second = trainer.run(tiny("train.steps=6", *common, f"run.dir={tmp_path / 'b'}", "mesh.data=4", "mesh.fsdp=1"))
+    np.testing.assert_allclose(_losses(first + second), _losses(straight), rtol=2e-5)
+    concat = trainer.run(tiny("train.steps=3", *common, "data.packing=concat", f"run.dir={tmp_path / 'c'}"))
+    assert _losses(concat)[0] != _losses(straight)[0]  # the packings really feed different rows
+
+
+def _prepare(tmp_path, name: str, package: str, *extra: str) -> str:
+    from data.prepare import main as prepare
+
+    out = str(tmp_path / name)
+    args = ["--input", stdlib_glob(package), "--output", out, "--eval-fraction", "0.2", "--workers", "1", *extra]
+    assert prepare(args) == 0
+    return out
+
+
+def test_training_from_a_prepared_corpus_and_a_mixture(tiny, tmp_path):
+    import pytest
+
+    from configs import ConfigError
+
+    json_dir, email_dir = _prepare(tmp_path, "json", "json"), _prepare(tmp_path, "email", "email")
+    common = ["train.steps=3", "data.source=prepared", "data.path=", "eval.every=3", "data.packing=document"]
+    history = trainer.run(tiny(*common, f"data.path={email_dir}", f"run.dir={tmp_path / 'one'}"))
+    assert len(_losses(history)) == 3 and [r["step"] for r in history if "eval_loss" in r] == [3]
+    mixed = trainer.run(tiny(*common, f"data.mixture={email_dir}:0.8,{json_dir}:0.2", f"run.dir={tmp_path / 'mix'}"))
+    assert _losses(mixed) != _losses(history) and np.isfinite(_losses(mixed)).all()
+    # A corpus tokenized otherwise, or a model whose vocabulary does not fit the tokenizer, is refused.
+    with pytest.raises(ConfigError, match="model.vocab_size=512"):
+        trainer.run(tiny(*common, f"data.path={email_dir}", "model.vocab_size=512", f"run.dir={tmp_path / 'x'}"))
+    import json
+    import shutil
+
+    other = shutil.copytree(json_dir, tmp_path / "other")
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["tokenizer"]["fingerprint"] = "hf:0123"
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError, match="prepared with tokenizer 'hf:0123'"):
+        trainer.run(tiny(*common, f"data.path={other}", f"run.dir={tmp_path / 'z'}"))
+    with pytest.raises(ConfigError, match="no manifest.json"):
+        trainer.run(tiny(*common, f"data.path={tmp_path}", f"run.dir={tmp_path / 'y'}"))
