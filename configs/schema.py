@@ -89,6 +89,7 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype; parameters are always float32
     remat: str = "none"
     attention: str = "xla"
+    loss_chunk: int = 0  # > 0: output head + loss this many positions at a time (no full f32 logits)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -282,6 +283,11 @@ def validate_static(cfg: Config) -> None:
         f"{m.num_heads} does not divide model.d_model={m.d_model}; set model.head_dim explicitly",
     )
     _require(m.resolved_head_dim % 2 == 0, "model.head_dim", f"must be even for rotary embeddings, got {m.resolved_head_dim}")
+    _require(
+        m.loss_chunk >= 0 and (m.loss_chunk == 0 or m.seq_len % m.loss_chunk == 0),
+        "model.loss_chunk",
+        f"{m.loss_chunk} must be 0 (off) or divide model.seq_len={m.seq_len}",
+    )
     _one_of(m.dtype, "model.dtype", DTYPES)
     _one_of(m.remat, "model.remat", REMAT_POLICIES)
     _one_of(m.attention, "model.attention", ATTENTION_IMPLS)

@@ -1,4 +1,11 @@
-"""The loop's parts: train state, step, optimizer, checkpointing, metrics, and the run itself."""
+"""The loop's parts: train state, step, optimizer, checkpointing, metrics, and the run itself.
+
+Importing it sets the stack's XLA flags (trainer.xla_env) before any backend starts.
+"""
+
+from trainer.xla_env import set_default_flags
+
+set_default_flags()
 
 from trainer.faults import Preempted, RunStopped, TooManyBadSteps
 from trainer.loop import run

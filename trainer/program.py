@@ -8,9 +8,8 @@ data path) before anything is compiled or written.
 from __future__ import annotations
 
 import dataclasses
-import re
+import math
 import time
-from collections import Counter
 from typing import Any, Callable
 
 import jax
@@ -21,7 +20,17 @@ from jax.sharding import Mesh, NamedSharding
 
 from configs import Config, ConfigError
 from data import batch_fields, open_source
-from sharding import activation_rules, batch_sharding, check_divisible, make_mesh, shardings
+from sharding import (
+    activation_rules,
+    batch_sharding,
+    check_divisible,
+    logical_to_spec,
+    make_mesh,
+    resolve_mesh_shape,
+    shardings,
+    to_rules,
+)
+from sharding.hlo import COLLECTIVES, static_counts  # noqa: F401  (COLLECTIVES: re-exported)
 from trainer.checkpoint import check_resumable
 from trainer.layout import Layout, layer_runner, plan_layout
 from trainer.optimizer import make_optimizer
@@ -100,12 +109,12 @@ def make_program(p: Prepared, devices: list) -> Program:
     batch_sh = batch_sharding(mesh, layout.act_rules)
     runner = layer_runner(layout, cfg.model.remat)
     step = jax.jit(
-        make_train_step(p.graphdef, tx, schedule, cfg.train.grad_accum, runner),
+        make_train_step(p.graphdef, tx, schedule, cfg.train.grad_accum, runner, cfg.model.loss_chunk),
         in_shardings=(state_sh, batch_sh),
         out_shardings=(state_sh, None),
         donate_argnums=(0,),
     )
-    eval_loss = jax.jit(make_loss_fn(p.graphdef, runner), in_shardings=(state_sh.params, batch_sh))
+    eval_loss = jax.jit(make_loss_fn(p.graphdef, runner, cfg.model.loss_chunk), in_shardings=(state_sh.params, batch_sh))
     return Program(cfg, layout, mesh, tx, state_sh, batch_sh, p.shapes, p.graphdef, runner, step, eval_loss)
 
 
@@ -115,13 +124,33 @@ def abstract_program(cfg: Config, devices: list | None = None) -> Program:
     return make_program(prepare(cfg, len(devices), with_data=False), devices)
 
 
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+def fill_microbatches(cfg: Config, num_devices: int) -> Config:
+    """A pipelined config that names no `pipeline.microbatches` gets as many as the per-replica
+    batch allows (the smallest bubble); any other config comes back as it is."""
+    sizes = resolve_mesh_shape(cfg.mesh, num_devices)
+    if sizes["pipeline"] == 1 or cfg.pipeline.microbatches:
+        return cfg
+    batch = logical_to_spec(("batch",), to_rules(cfg.sharding.activations))[0] or ()
+    shards = math.prod(sizes[a] for a in (batch if isinstance(batch, tuple) else (batch,)) if a != "pipeline")
+    per_replica = max(cfg.train.global_batch // (shards * cfg.train.grad_accum), 1)
+    return dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, microbatches=per_replica))
+
+
+def compiled_stats(compiled: jax.stages.Compiled) -> dict[str, float]:
+    """Per-device bytes from `memory_analysis()` and FLOPs from `cost_analysis()`, which counts
+    the body of a loop (the layer scan, pipeline ticks) once, not once per trip."""
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return {
+        "argument_bytes": mem.argument_size_in_bytes,
+        "output_bytes": mem.output_size_in_bytes,
+        "alias_bytes": mem.alias_size_in_bytes,
+        "temp_bytes": mem.temp_size_in_bytes,
+        "xla_flops": cost.get("flops", float("nan")),
+    }
 
 
 def collective_counts(hlo_text: str) -> dict[str, int]:
     """How many collective ops of each kind the compiled HLO holds (async start/done pairs once)."""
-    found = Counter()
-    for kind in COLLECTIVES:
-        # `%name = TYPE kind(operands)`; TYPE may be a tuple with spaces, the name has a `%`.
-        found[kind] = len(re.findall(rf" {kind}(?:-start)?\(", hlo_text))
-    return dict(found)
+    return static_counts(hlo_text)

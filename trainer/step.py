@@ -24,20 +24,46 @@ def cross_entropy(logits: Array, targets: Array, mask: Array | None = None) -> A
     return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1)
 
 
-def make_loss_fn(graphdef: nnx.GraphDef, runner: LayerRunner | None = None) -> Callable[[dict, dict], Array]:
+def chunked_cross_entropy(model: nnx.Module, x: Array, targets: Array, mask: Array | None, chunk: int) -> Array:
+    """The same mean loss as `cross_entropy(model.logits(x), ...)`, computed `chunk` positions at
+    a time under remat: the [batch, length, vocab] float32 logits never exist at once (with a
+    128k vocabulary they would be the largest tensor of the step); the backward pass recomputes
+    each chunk's logits instead of storing them."""
+    b, length, d = x.shape
+    n = length // chunk
+    split = lambda a: a.reshape(b, n, chunk, *a.shape[2:]).swapaxes(0, 1)  # noqa: E731 [n, batch, chunk, ...]
+    weights = jnp.ones(targets.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
+
+    @jax.checkpoint
+    def body(total: Array, piece: tuple[Array, Array, Array]) -> tuple[Array, None]:
+        xc, tc, wc = piece
+        losses = optax.softmax_cross_entropy_with_integer_labels(model.logits(xc).astype(jnp.float32), tc)
+        return total + jnp.sum(losses * wc), None
+
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (split(x), split(targets), split(weights)))
+    return total / jnp.maximum(jnp.sum(weights), 1)
+
+
+def make_loss_fn(
+    graphdef: nnx.GraphDef, runner: LayerRunner | None = None, loss_chunk: int = 0
+) -> Callable[[dict, dict], Array]:
     """loss(params, batch). A batch is {"tokens"} (rows of seq_len + 1), plus "segment_ids" and
     "positions" for document packing: then attention stays within a document, positions restart
-    per document, and padding (segment 0) and targets across a document boundary carry no loss."""
+    per document, and padding (segment 0) and targets across a document boundary carry no loss.
+    `loss_chunk` > 0 computes the output head and loss that many positions at a time."""
 
     def loss_fn(params: dict, batch: dict[str, Array]) -> Array:
         model = nnx.merge(graphdef, params)
-        tokens = batch["tokens"]
-        segments = batch.get("segment_ids")
+        tokens, segments = batch["tokens"], batch.get("segment_ids")
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
         if segments is None:
-            return cross_entropy(model(tokens[:, :-1], runner=runner), tokens[:, 1:])
-        logits = model(tokens[:, :-1], batch["positions"][:, :-1], segments[:, :-1], runner=runner)
-        mask = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] != 0)
-        return cross_entropy(logits, tokens[:, 1:], mask)
+            x, mask = model.features(inputs, runner=runner), None
+        else:
+            x = model.features(inputs, batch["positions"][:, :-1], segments[:, :-1], runner=runner)
+            mask = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] != 0)
+        if loss_chunk:
+            return chunked_cross_entropy(model, x, targets, mask, loss_chunk)
+        return cross_entropy(model.logits(x), targets, mask)
 
     return loss_fn
 
@@ -68,8 +94,9 @@ def make_train_step(
     schedule: optax.Schedule,
     grad_accum: int,
     runner: LayerRunner | None = None,
+    loss_chunk: int = 0,
 ) -> Callable[[TrainState, dict[str, Array]], tuple[TrainState, dict[str, Array]]]:
-    loss_fn = make_loss_fn(graphdef, runner)
+    loss_fn = make_loss_fn(graphdef, runner, loss_chunk)
 
     def train_step(state: TrainState, batch: dict[str, Array]) -> tuple[TrainState, dict[str, Array]]:
         loss, grads = accumulate(loss_fn, state.params, batch, grad_accum)

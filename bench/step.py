@@ -1,0 +1,117 @@
+"""Time the real train step on the local devices: tokens/s, step time, MFU, TFLOP/s, peak
+memory and compile time, on synthetic tokens.
+
+    python -m bench.step --config configs/llama3-1b.yaml                       # one GPU
+    python -m bench.step --config configs/llama3-1b.yaml train.global_batch=8 model.loss_chunk=512
+    python -m bench.step --config tiny --steps 5 mesh.data=1                    # CPU, what CI runs
+
+The step is compiled ahead of time (the same program `train.py` runs, state donated), warmed
+up, then timed step by step, each blocked on its result; the table gives the median. The
+throughput of the same steps run back to back without blocking is printed too: that is what the
+training loop sees, as it reads metrics one step late.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+
+from configs import ConfigError, load_config
+from data import batch_fields
+from model import flops_per_token
+from trainer.metrics import peak_flops  # importing trainer sets the stack's XLA flags
+from trainer.program import abstract_program
+from trainer.state import init_state, param_count
+
+
+def peak_memory(compiled: jax.stages.Compiled) -> tuple[float, str]:
+    """Peak bytes on device 0: the allocator's own figure where it keeps one (GPU, TPU), else
+    the compiler's estimate (arguments + outputs + temporaries)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        return float(stats["peak_bytes_in_use"]), "allocator"
+    m = compiled.memory_analysis()
+    return float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes), "compiler"
+
+
+def bench(config: str | None, overrides: list[str], steps: int, warmup: int) -> dict:
+    cfg = load_config(config, [*overrides, "data.source=synthetic", "data.packing=concat"])
+    program = abstract_program(cfg)
+    state = init_state(cfg.model, program.tx, cfg.run.seed, program.state_sh)
+    step, compile_s = program.compile(state)
+    rng = np.random.default_rng(0)
+    shape = (cfg.train.global_batch, cfg.model.seq_len + 1)
+    batch = {f: jax.device_put(rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32), program.batch_sh)
+             for f in batch_fields(cfg)}
+    for _ in range(warmup):
+        state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+    back_to_back = (time.perf_counter() - t0) / steps
+    step_s = statistics.median(times)
+    tokens = cfg.train.global_batch * cfg.model.seq_len
+    devices = jax.devices()
+    flops = flops_per_token(cfg.model) * tokens / step_s / len(devices)  # per device
+    peak = peak_flops(devices[0])
+    memory, source = peak_memory(step)
+    return {
+        "device": f"{len(devices)} x {devices[0].device_kind}",
+        "config": config or "default",
+        "overrides": " ".join(overrides),
+        "params_m": param_count(program.shapes) / 1e6,
+        "batch": cfg.train.global_batch,
+        "seq": cfg.model.seq_len,
+        "tokens_per_s": tokens / step_s,
+        "tokens_per_s_back_to_back": tokens / back_to_back,
+        "step_ms": 1e3 * step_s,
+        "tflops_per_device": flops / 1e12,
+        "mfu": flops / peak if peak else None,
+        "peak_memory_gib": memory / 2**30,
+        "memory_from": source,
+        "compile_s": compile_s,
+        "loss": float(metrics["loss"]),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", help="a YAML preset (path or name in configs/)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps after compile")
+    parser.add_argument("--json", help="also write the result to this file")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    args = parser.parse_args(argv)
+    try:
+        r = bench(args.config, args.overrides, args.steps, args.warmup)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+    print("| device | config | batch x seq | tokens/s | back-to-back | step ms | TFLOP/s/dev | MFU | peak GiB | compile s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"| {r['device']} | {r['config']} {r['overrides']} | {r['batch']} x {r['seq']} | {r['tokens_per_s']:,.0f} | "
+          f"{r['tokens_per_s_back_to_back']:,.0f} | {r['step_ms']:.1f} | {r['tflops_per_device']:.2f} | {mfu} | "
+          f"{r['peak_memory_gib']:.2f} ({r['memory_from']}) | {r['compile_s']:.1f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

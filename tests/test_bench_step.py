@@ -1,0 +1,35 @@
+"""The step benchmark runs on CPU (what CI can check of it) and the stack's XLA flags are set
+without overriding the user's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+from trainer.xla_env import GPU_DEFAULTS, set_default_flags
+
+
+def test_the_step_benchmark_prints_a_row_and_writes_json(tmp_path):
+    out = tmp_path / "r.json"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    cmd = [sys.executable, "-m", "bench.step", "--config", "tiny", "--steps", "2", "--warmup", "1",
+           "--json", str(out), "mesh.data=2", "model.loss_chunk=8"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    row = done.stdout.strip().splitlines()[-1]
+    assert row.startswith("| 2 x cpu | tiny mesh.data=2 model.loss_chunk=8 | 16 x 32 |")
+    r = json.loads(out.read_text())
+    assert r["tokens_per_s"] > 0 and r["step_ms"] > 0 and r["compile_s"] > 0 and r["peak_memory_gib"] > 0
+    assert r["mfu"] is None  # no known peak for a CPU: no made-up MFU
+    bad = subprocess.run([*cmd[:5], "model.loss_chunk=5"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "model.loss_chunk" in bad.stderr
+
+
+def test_default_flags_never_override_the_users():
+    env = {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false"}
+    assert set_default_flags(env) == [] and env["XLA_FLAGS"].endswith("=false")
+    empty: dict[str, str] = {}
+    assert len(set_default_flags(empty)) == len(GPU_DEFAULTS) and "latency_hiding" in empty["XLA_FLAGS"]

@@ -1,0 +1,45 @@
+"""The chunked output head and loss (`model.loss_chunk`): the same loss and gradients as the
+whole-sequence one, with document masks and with the vocabulary sharded over `tensor`."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from configs import ConfigError
+from sharding import activation_rules
+from trainer.program import abstract_program
+from trainer.state import init_state
+from trainer.step import accumulate, make_loss_fn
+
+
+def _loss_and_grads(cfg, batch, chunk):
+    program = abstract_program(cfg)
+    params = init_state(cfg.model, program.tx, 0, program.state_sh).params
+    loss_fn = make_loss_fn(program.graphdef, program.runner, chunk)
+    batch = {k: jax.device_put(v, program.batch_sh) for k, v in batch.items()}
+    with activation_rules(program.mesh, program.layout.act_rules):
+        loss, grads = jax.jit(lambda p, b: accumulate(loss_fn, p, b, 1))(params, batch)
+    return float(loss), jax.tree.map(np.asarray, grads)
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_chunked_loss_equals_the_whole_one(tiny, documents):
+    cfg = tiny("mesh.data=2", "mesh.tensor=4")  # the vocabulary is sharded four ways
+    rng = np.random.default_rng(0)
+    batch = {"tokens": rng.integers(0, 257, (16, 33)).astype(np.int32)}
+    if documents:
+        cut = rng.integers(1, 32, 16)[:, None]
+        batch["segment_ids"] = np.where(np.arange(33) < cut, 1, 2).astype(np.int32)
+        batch["positions"] = np.where(np.arange(33) < cut, np.arange(33), np.arange(33) - cut).astype(np.int32)
+    whole, whole_grads = _loss_and_grads(cfg, batch, 0)
+    chunked, chunked_grads = _loss_and_grads(cfg, batch, 8)
+    np.testing.assert_allclose(chunked, whole, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7), chunked_grads, whole_grads)
+    assert np.abs(whole_grads["embedding"]).max() > 0  # gradients that are all zero would prove nothing
+
+
+def test_a_chunk_must_divide_the_sequence(tiny):
+    with pytest.raises(ConfigError, match="model.loss_chunk: 5 must be 0"):
+        tiny("model.loss_chunk=5")
