@@ -180,7 +180,8 @@ def _parquet_tasks(path: str, field: str) -> Iterator[Task]:
     if field not in schema.names:
         raise ConfigError(f"{path}: no column {field!r} (columns: {', '.join(schema.names)}); give --field")
     kind = schema.field(field).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or getattr(pa.types, "is_string_view", bool)(kind)):
+    is_view = getattr(pa.types, "is_string_view", lambda _: False)  # pyarrow >= 16
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or is_view(kind)):
         raise ConfigError(f"{path}: column {field!r} holds {kind}, not strings; give --field")
     rows_total = max(pf.metadata.num_rows, 1)
     bytes_per_row = os.path.getsize(path) / rows_total

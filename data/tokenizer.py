@@ -24,6 +24,7 @@ from configs.schema import ConfigError
 # Names that end a document in common vocabularies (GPT-2/Qwen, Llama 3, Llama 2/Mistral/T5, Gemma);
 # a document separator, not a chat turn end, is what packing needs.
 EOD_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+INSTALL = "pip install 'meshlm[data]'"
 
 
 class Tokenizer(Protocol):
@@ -70,7 +71,7 @@ class ByteTokenizer:
         return "byte"
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": self.kind, "vocab_size": self.vocab_size, "eod_id": self.eod_id, "fingerprint": "byte", "path": None}
+        return {"kind": "byte", "vocab_size": 257, "eod_id": 256, "fingerprint": "byte", "path": None}
 
 
 def _sha256(path: str) -> str:
@@ -133,7 +134,7 @@ class HFTokenizer(_FileTokenizer):
         try:
             import tokenizers
         except ImportError:
-            raise ConfigError(f"{key}: reading {path!r} needs the `tokenizers` package (pip install 'meshlm[data]')") from None
+            raise ConfigError(f"{key}: reading {path!r} needs the `tokenizers` package ({INSTALL})") from None
         super().__init__(path)
         try:
             self._tok = tokenizers.Tokenizer.from_file(self.path)
@@ -170,7 +171,7 @@ class SentencePieceTokenizer(_FileTokenizer):
         try:
             import sentencepiece
         except ImportError:
-            raise ConfigError(f"{key}: reading {path!r} needs the `sentencepiece` package (pip install 'meshlm[data]')") from None
+            raise ConfigError(f"{key}: reading {path!r} needs the `sentencepiece` package ({INSTALL})") from None
         super().__init__(path)
         try:
             self._sp = sentencepiece.SentencePieceProcessor(model_file=self.path)
