@@ -72,3 +72,11 @@ def test_training_from_a_prepared_corpus_and_a_mixture(tiny, tmp_path):
         trainer.run(tiny(*common, f"data.path={other}", f"run.dir={tmp_path / 'z'}"))
     with pytest.raises(ConfigError, match="no manifest.json"):
         trainer.run(tiny(*common, f"data.path={tmp_path}", f"run.dir={tmp_path / 'y'}"))
+
+
+def test_worker_processes_feed_the_same_batches_and_resume(tiny, tmp_path):
+    common = ["optim.schedule=constant", "optim.warmup_steps=0", "checkpoint.every=2", "mesh.data=8"]
+    threads = trainer.run(tiny("train.steps=4", *common, f"run.dir={tmp_path / 't'}"))
+    first = trainer.run(tiny("train.steps=2", *common, "data.workers=1", f"run.dir={tmp_path / 'w'}"))
+    second = trainer.run(tiny("train.steps=4", *common, "data.workers=1", f"run.dir={tmp_path / 'w'}"))
+    np.testing.assert_array_equal(_losses(first + second), _losses(threads))
