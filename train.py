@@ -1,4 +1,5 @@
-"""Entry point: `python train.py [--config FILE] [dotted.key=value ...]`.
+"""Entry point: `python train.py [--config FILE] [dotted.key=value ...]`, or
+`python train.py --sweep FILE [--emit slurm | --summarize] [dotted.key=value ...]` (trainer.sweep).
 
 Parses the command line, loads the config and hands it to the trainer. Exit status: 0 done;
 2 bad input (one line naming the key or file, before anything is compiled or written);
@@ -20,12 +21,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         epilog="Overrides are dotted config keys, e.g. mesh.fsdp=2 train.steps=50 run.dir=runs/a",
     )
     parser.add_argument("--config", help="a YAML preset (a path, or a name in configs/ such as 'tiny')")
+    parser.add_argument("--sweep", metavar="FILE", help="run every point of a sweep file (configs/sweeps/) in turn")
+    parser.add_argument("--emit", choices=["slurm"], help="with --sweep: write a SLURM array job instead of running")
+    parser.add_argument("--summarize", action="store_true", help="with --sweep: only rewrite the summary and plot")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.sweep or args.emit or args.summarize:
+        from trainer import sweep
+
+        return sweep.main(args.sweep, args.config, args.overrides, args.emit, args.summarize)
     try:
         cfg = load_config(args.config, args.overrides)
         import trainer  # after the config is known good: importing JAX takes a while

@@ -75,6 +75,17 @@ def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
         if isinstance(value, dict):
             return dict(value)
         tname = "mapping"
+    elif typing.get_origin(tp) is list:
+        if from_cli and isinstance(value, str):  # `[3,5]` (YAML flow) or `3,5`; empty: []
+            value = yaml.safe_load(value) if value.strip() else []
+            value = [v.strip() for v in value.split(",")] if isinstance(value, str) else value
+        (item_tp,) = typing.get_args(tp)
+        if isinstance(value, list):
+            try:
+                return [_coerce(key, item_tp, v, from_cli) for v in value]
+            except ConfigError:
+                pass
+        tname = f"a list of {item_tp.__name__}"
     raise ConfigError(f"{key}: expected {tname}, got {value!r}")
 
 

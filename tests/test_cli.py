@@ -111,4 +111,4 @@ def test_real_process_trains_a_sharded_run(tmp_path):
                f"run.dir={tmp_path / 'a'}", f"data.path={stdlib_glob('json')}")
     assert out.returncode == 0, out.stderr
     assert "compiled the train step" in out.stdout and "step 3/3" in out.stdout
-    assert sorted(os.listdir(tmp_path / "a")) == ["checkpoints", "config.yaml", "metrics.jsonl"]
+    assert sorted(os.listdir(tmp_path / "a")) == ["checkpoints", "config.yaml", "metrics.jsonl", "summary.json", "tb"]

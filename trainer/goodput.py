@@ -1,0 +1,209 @@
+"""Where the time of a run went: goodput bookkeeping and `run.dir/summary.json`.
+
+Goodput is productive step time over the wall time of an invocation (from `trainer.run`'s
+start to its end; interpreter start-up and imports are not counted). The rest is split into:
+init (distributed start-up, checks, building or restoring the state), compile, checkpoint
+(the blocking part of saves and the final wait), eval, data wait (the loop waiting for a
+batch), profile (finishing a trace), and recompute: steps this invocation ran again because an
+earlier one had reached them before it stopped (the highest step in metrics.jsonl beyond the
+checkpoint resumed from), estimated at this invocation's mean step time.
+
+The loop marks boundaries with `lap` (the time since the previous lap, less the phases inside
+it, goes to one bucket) and times nested parts with `phase`. `finish` writes summary.json,
+which keeps every invocation of the run directory, and prints a few lines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from typing import Any, Callable, Iterator
+
+import jax
+
+from configs import Config
+from trainer.faults import Preempted
+from trainer.metrics import MetricsLogger, log
+from trainer.observe import last_value, read_metrics
+
+SUMMARY = "summary.json"
+BUCKETS = ("init", "compile", "checkpoint", "eval", "data_wait", "profile", "recompute")
+
+
+class Goodput:
+    """Timers for one invocation of `trainer.run`."""
+
+    def __init__(self) -> None:
+        self.t0 = self._mark = time.perf_counter()
+        self.started = datetime.datetime.now().isoformat(timespec="seconds")
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._inner = 0.0  # seconds of phases since the last lap
+        self.start = 0
+        self.last_step: int | None = None  # the last step run (set by observe.instrument)
+        self.high_water = 0  # the highest step logged before this invocation
+        self.cleanup: list[Callable[[], None]] = []  # run by `finish` first (e.g. stop an open trace)
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] += now - self._mark - self._inner
+        self._mark, self._inner = now, 0.0
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - t0
+            self.seconds[name] += elapsed
+            self._inner += elapsed
+
+    def begin(self, run_dir: str, start: int) -> None:
+        """After the state is built (init ends here), before metrics of this invocation exist."""
+        self.lap("init")
+        self.start = start
+        if jax.process_index() == 0:
+            records = read_metrics(run_dir)
+            self.high_water = int(records[-1]["step"]) if records else 0
+
+    def finish(self, cfg: Config, logger: MetricsLogger) -> dict[str, Any] | None:
+        """Closes the books of this invocation (also when an exception is on its way out),
+        updates summary.json and prints the summary. Never raises: it must not hide the
+        exception that ended the run. Returns the summary (process 0) or None."""
+        for fn in self.cleanup:
+            fn()
+        self.lap("loop")
+        if jax.process_index() != 0:
+            return None
+        try:
+            invocation = self._invocation(cfg, logger, sys.exc_info()[1])
+            summary = _update(cfg, invocation)
+            lines = describe(summary)
+        except Exception as e:  # a full disk or a hand-edited summary.json must not hide the run's own end
+            log(f"warning: could not write {os.path.join(cfg.run.dir, SUMMARY)}: {type(e).__name__}: {e}")
+            return None
+        for line in lines:
+            log(line)
+        return summary
+
+    def _invocation(self, cfg: Config, logger: MetricsLogger, error: BaseException | None) -> dict[str, Any]:
+        wall = time.perf_counter() - self.t0
+        end = self.start if self.last_step is None else self.last_step
+        seconds = {k: self.seconds.get(k, 0.0) for k in BUCKETS}
+        seconds["data_wait"] = logger.data_wait_total
+        steps_s = max(self.seconds.get("loop", 0.0) - seconds["data_wait"], 0.0)  # productive + recompute
+        ran, again = end - self.start, max(0, min(self.high_water, end) - self.start)
+        seconds["recompute"] = steps_s * again / ran if ran else 0.0
+        seconds["productive"] = steps_s - seconds["recompute"]
+        if error is None:
+            outcome = "done" if ran else "nothing to do"
+        else:
+            outcome = "preempted" if isinstance(error, Preempted) else f"stopped: {type(error).__name__}"
+        tokens = ran * logger.tokens_per_step
+        tokens_per_s = tokens / steps_s if steps_s > 0 else None
+        return {
+            "started": self.started,
+            "outcome": outcome,
+            "start_step": self.start,
+            "end_step": end,
+            "recomputed_steps": again,
+            "devices": logger.num_devices,
+            "wall_s": wall,
+            "seconds": seconds,
+            "goodput": seconds["productive"] / wall if wall > 0 else None,
+            "tokens": tokens,
+            "tokens_per_s": tokens_per_s,
+            "mfu": _mfu(tokens_per_s, logger),
+        }
+
+
+def _mfu(tokens_per_s: float | None, logger: MetricsLogger) -> float | None:
+    if tokens_per_s is None or not logger.peak:
+        return None
+    return tokens_per_s * logger.flops_per_token / (logger.num_devices * logger.peak)
+
+
+def read_summary(run_dir: str) -> dict[str, Any] | None:
+    """run.dir/summary.json, or None if missing or unreadable."""
+    try:
+        with open(os.path.join(run_dir, SUMMARY)) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+def _update(cfg: Config, invocation: dict[str, Any]) -> dict[str, Any]:
+    """summary.json with this invocation appended and the totals over all of them."""
+    previous = read_summary(cfg.run.dir) or {}
+    invocations = [*previous.get("invocations", []), invocation]
+    seconds: dict[str, float] = defaultdict(float)
+    for inv in invocations:
+        for k, v in inv["seconds"].items():
+            seconds[k] += v
+    wall = sum(inv["wall_s"] for inv in invocations)
+    step_s = seconds["productive"] + seconds["recompute"]
+    timed = [inv for inv in invocations if inv["mfu"] is not None]
+    records = read_metrics(cfg.run.dir)
+    loss, eval_loss = last_value(records, "loss"), last_value(records, "eval_loss")
+    summary = {
+        "run_dir": cfg.run.dir,
+        "final_step": invocation["end_step"],
+        "train_steps": cfg.train.steps,
+        "final_loss": loss[1] if loss else None,
+        "eval_loss": eval_loss[1] if eval_loss else None,
+        "tokens_per_s": sum(inv["tokens"] for inv in invocations) / step_s if step_s > 0 else None,
+        "mfu": (
+            sum(inv["mfu"] * (inv["tokens"] / inv["tokens_per_s"]) for inv in timed)
+            / sum(inv["tokens"] / inv["tokens_per_s"] for inv in timed)
+            if timed else None
+        ),
+        "goodput": seconds["productive"] / wall if wall > 0 else None,
+        "wall_s": wall,
+        "seconds": dict(seconds),
+        "recomputed_steps": sum(inv["recomputed_steps"] for inv in invocations),
+        "invocations": invocations,
+    }
+    path = os.path.join(cfg.run.dir, SUMMARY)
+    with open(path + ".tmp", "w") as f:
+        json.dump(summary, f, indent=1)
+    os.replace(path + ".tmp", path)  # a reader never sees half a file
+    return summary
+
+
+def _pct(x: float | None) -> str:
+    return "?" if x is None else f"{100 * x:.1f}%"
+
+
+def describe(summary: dict[str, Any]) -> list[str]:
+    """The printed summary: results, then where this invocation's time went, then the totals."""
+    inv = summary["invocations"][-1]
+    head = [f"summary: step {summary['final_step']}/{summary['train_steps']} ({inv['outcome']})"]
+    if summary["final_loss"] is not None:
+        head.append(f"loss {summary['final_loss']:.4f}")
+    if summary["eval_loss"] is not None:
+        head.append(f"eval loss {summary['eval_loss']:.4f}")
+    if inv["tokens_per_s"] is not None:
+        head.append(f"{inv['tokens_per_s']:,.0f} tok/s")
+    if inv["mfu"] is not None:
+        head.append(f"MFU {_pct(inv['mfu'])}")
+    s = inv["seconds"]
+    rest = ", ".join(f"{k.replace('_', ' ')} {s[k]:.1f} s" for k in BUCKETS if s.get(k, 0.0) >= 0.05)
+    lines = [
+        " | ".join(head),
+        f"goodput {_pct(inv['goodput'])} of {inv['wall_s']:.1f} s wall: steps {s['productive']:.1f} s"
+        + (f"; {rest}" if rest else "")
+        + (f" ({inv['recomputed_steps']} steps recomputed)" if inv["recomputed_steps"] else ""),
+    ]
+    n = len(summary["invocations"])
+    if n > 1:
+        lines.append(
+            f"over {n} invocations of this run.dir: goodput {_pct(summary['goodput'])} of "
+            f"{summary['wall_s']:.1f} s wall, {summary['recomputed_steps']} steps recomputed"
+        )
+    return lines

@@ -1,0 +1,140 @@
+"""Watching a run: TensorBoard scalars, profiler traces, and the metrics read back.
+
+- `TensorBoard`: every numeric value of every metrics.jsonl record also goes to an event file
+  in `run.dir/tb/` (process 0). Events are written and flushed synchronously, one record at a
+  time (records come every `train.log_every` steps), so a killed run keeps what it logged.
+- `instrument`: wraps the compiled step to count the steps this invocation ran (for the
+  goodput summary) and, with `profile.steps=[a, b]`, to trace steps a..b with `jax.profiler`
+  into `run.dir/profile/` (TensorBoard's profile plugin or XProf read it).
+- `read_metrics`, `read_scalars`: metrics.jsonl and event files back as Python values.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import struct
+import time
+from typing import Any, Callable
+
+import jax
+from tensorboardX.event_file_writer import EventsWriter
+from tensorboardX.proto.event_pb2 import Event
+from tensorboardX.proto.summary_pb2 import Summary
+
+from configs import Config
+
+TB_DIR = "tb"
+PROFILE_DIR = "profile"
+
+
+class TensorBoard:
+    """One event file per invocation under `run_dir/tb/`, created at the first record."""
+
+    def __init__(self, run_dir: str):
+        self.dir = os.path.join(run_dir, TB_DIR)
+        self._writer: EventsWriter | None = None
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Every number in `record` but `step` becomes a scalar of that name at that step."""
+        values = [
+            Summary.Value(tag=k, simple_value=float(v))
+            for k, v in record.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+        ]
+        if not values:
+            return
+        if self._writer is None:
+            os.makedirs(self.dir, exist_ok=True)
+            # The pid keeps two invocations within the same second from sharing a file name.
+            self._writer = EventsWriter(os.path.join(self.dir, "events"), filename_suffix=f".{os.getpid()}")
+        self._writer.write_event(Event(wall_time=time.time(), step=int(record["step"]), summary=Summary(value=values)))
+        self._writer.flush()
+
+
+def _records(path: str) -> list[bytes]:
+    """The payloads of a TFRecord file: [u64 length][u32 crc][payload][u32 crc] each; a record
+    cut short by a killed writer ends the list."""
+    with open(path, "rb") as f:
+        data = f.read()
+    out, pos = [], 0
+    while pos + 12 <= len(data):
+        (length,) = struct.unpack("<Q", data[pos : pos + 8])
+        end = pos + 12 + length + 4
+        if end > len(data):
+            break
+        out.append(data[pos + 12 : pos + 12 + length])
+        pos = end
+    return out
+
+
+def read_scalars(tb_dir: str) -> dict[str, list[tuple[int, float]]]:
+    """tag -> [(step, value), ...] from every event file in `tb_dir`, oldest file first."""
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(glob.glob(os.path.join(tb_dir, "events.out.tfevents.*")), key=os.path.getmtime):
+        for payload in _records(path):
+            event = Event.FromString(payload)
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+def read_metrics(run_dir: str) -> list[dict[str, Any]]:
+    """metrics.jsonl as one merged record per step, in step order. Records for the same step
+    are merged with the later line winning each key: a resumed run's re-run steps replace the
+    old values, and an eval record joins the train record of its step."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    by_step: dict[int, dict[str, Any]] = {}
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # the last line of a killed run may be cut short
+                continue
+            if isinstance(record, dict) and "step" in record:
+                by_step.setdefault(int(record["step"]), {}).update(record)
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def last_value(records: list[dict[str, Any]], key: str) -> tuple[int, float] | None:
+    """(step, value) of the last record that has `key`."""
+    for record in reversed(records):
+        if key in record:
+            return int(record["step"]), float(record[key])
+    return None
+
+
+def instrument(step_fn: Callable, cfg: Config, start: int, goodput: Any) -> Callable:
+    """`step_fn` that also tells `goodput` the step it ran and traces `profile.steps` (on
+    process 0; a resumed run starting inside the range traces the rest of it)."""
+    first, last = cfg.profile.steps or (0, -1)
+    tracing = bool(cfg.profile.steps) and jax.process_index() == 0 and start < last
+    trace_dir = os.path.join(cfg.run.dir, PROFILE_DIR)
+    step = start
+
+    def stop_trace() -> None:
+        jax.profiler.stop_trace()
+        print(f"profile of steps {max(first, start + 1)}..{min(step, last)} written to {trace_dir}", flush=True)
+
+    def run_step(state: Any, batch: Any) -> Any:
+        nonlocal step
+        step += 1
+        goodput.last_step = step
+        if not tracing or not first <= step <= last:
+            return step_fn(state, batch)
+        if step == max(first, start + 1):
+            jax.profiler.start_trace(trace_dir)
+            goodput.cleanup.append(stop_trace)  # a run stopped inside the range still writes its trace
+        with jax.profiler.StepTraceAnnotation("train", step_num=step):
+            out = step_fn(state, batch)
+        if step == last:
+            with goodput.phase("profile"):
+                jax.block_until_ready(out)
+                goodput.cleanup.remove(stop_trace)
+                stop_trace()
+        return out
+
+    return run_step
