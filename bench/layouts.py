@@ -45,25 +45,18 @@ def measure(config: str, overrides: list[str]) -> dict:
     from configs import load_config
     from model import flops_per_token
     from trainer import abstract_program, collective_counts
-    from trainer.layout import plan_layout
+    from trainer.program import compiled_stats, fill_microbatches
 
-    cfg = load_config(config, overrides)
-    if cfg.mesh.pipeline > 1 and cfg.pipeline.microbatches == 0:
-        # As many microbatches as the per-replica batch allows: the smallest bubble.
-        sizes = plan_layout(cfg, jax.device_count()).sizes
-        per_replica = cfg.train.global_batch // (sizes["data"] * sizes["fsdp"] * cfg.train.grad_accum)
-        cfg = load_config(config, overrides + [f"pipeline.microbatches={per_replica}"])
+    cfg = fill_microbatches(load_config(config, overrides), jax.device_count())
     program = abstract_program(cfg)
     compiled, seconds = program.compile()
-    mem = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
+    stats = compiled_stats(compiled)
     tokens = cfg.train.global_batch * cfg.model.seq_len
     return {
         "compile_s": seconds,
-        "args": mem.argument_size_in_bytes,
-        "temps": mem.temp_size_in_bytes,
-        "xla_flops": cost.get("flops", float("nan")),
+        "args": stats["argument_bytes"],
+        "temps": stats["temp_bytes"],
+        "xla_flops": stats["xla_flops"],
         "model_flops": flops_per_token(cfg.model) * tokens / jax.device_count(),
         "collectives": collective_counts(compiled.as_text()),
         "bubble": program.layout.bubble if program.layout.pipelined else 0.0,

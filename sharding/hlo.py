@@ -1,0 +1,217 @@
+"""Collectives in compiled HLO text: what kind, how many bytes, over which mesh axes, how often.
+
+`collectives(hlo_text, mesh_shape)` reads every all-reduce, all-gather, reduce-scatter,
+all-to-all and collective-permute of a compiled (SPMD-partitioned) module and returns one
+`Collective` per op. Sizes come from the op's result type (dtype x dims; a tuple result is the
+sum of its parts). Device groups come from `replica_groups` in any of the three forms XLA
+prints (explicit `{{0,1},{2,3}}`, iota `[4,2]<=[2,4]T(1,0)`, and named `mesh['axis_0'=2,...]
+device_ids=(...) {'axis_0'}`) or from `source_target_pairs`; a group's ids are positions in
+the device assignment, which is the jit mesh flattened in row-major order, so the mesh axes
+a group spans are those whose coordinate varies inside it.
+
+Loops: `lax.scan` over the layer stack, over micro-batches and over pipeline ticks compiles
+to a `while` whose body is a separate computation. XLA records the trip count of such loops
+in the while's backend_config (`known_trip_count`); an op's `count` is the product of the trip
+counts of the loops around it (found by walking call edges from ENTRY), so a per-layer
+all-gather in the scanned stack counts num_layers times. A loop without a known trip count
+counts once and is reported in `unknown_trip_counts`.
+
+CPU compiles reduce bf16 in f32 (the reducer is renamed `..._promoted`); such ops are counted
+at the bf16 size the program asked for, as a GPU or TPU would move them.
+
+This module knows no trainer or model: the plan (`sharding.plan`) hands it text and a mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import defaultdict
+
+import numpy as np
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+# Ring-algorithm bytes each device sends per byte of the op's full buffer (n devices per group):
+# all-reduce = reduce-scatter + all-gather; a permute sends its whole operand once.
+RING_FACTORS = {
+    "all-reduce": lambda n: 2 * (n - 1) / n,
+    "all-gather": lambda n: (n - 1) / n,
+    "reduce-scatter": lambda n: (n - 1) / n,
+    "all-to-all": lambda n: (n - 1) / n,
+    "collective-permute": lambda n: 1.0,
+}
+
+_OP = re.compile(r"^\s*(?:ROOT\s+)?%\S+ = (.+?) (" + "|".join(COLLECTIVES) + r")(-start)?\(")
+_SHAPE = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")
+_HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
+_CALL = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    kind: str
+    axes: tuple[str, ...]  # mesh axes the device groups span, mesh order; () = no movement
+    group_size: int
+    bytes: int  # the op's full buffer: result size, or operand size for reduce-scatter
+    count: int  # executions per step (static occurrences x enclosing loop trip counts)
+    inter_node: bool  # some group holds devices of more than one node
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes one device sends per execution under the ring algorithm."""
+        return RING_FACTORS[self.kind](self.group_size) * self.bytes if self.group_size > 1 else 0.0
+
+
+def dtype_bytes(dtype: str) -> float:
+    if dtype == "pred":
+        return 1.0
+    return int(re.search(r"\d+", dtype).group()) / 8  # f32 -> 4, bf16 -> 2, c64 -> 8, s4 -> 0.5
+
+
+def shape_bytes(type_text: str) -> int:
+    """Bytes of an HLO type: `f32[4,8]{1,0}` or a tuple `(f32[4]{0}, s32[])`."""
+    return int(sum(dtype_bytes(dt) * math.prod(int(d) for d in dims.split(",") if d) for dt, dims in _SHAPE.findall(type_text)))
+
+
+def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    return ids.transpose(perm) if perm else ids
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _named_groups(line: str, num_devices: int) -> list[list[int]]:
+    """`mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_0'}` -> groups of ids: the
+    devices (iota by default) laid out on that mesh; a group varies the axes in braces. A
+    selected sub-axis `'axis_0':(pre)size` takes `size` out of the middle of that axis."""
+    dims = [(name, int(size)) for name, size in re.findall(r"'(\w+)'=(\d+)", re.search(r"mesh\[([^\]]*)\]", line).group(1))]
+    iota = re.search(r"device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\)", line)
+    listed = re.search(r"device_ids=\{([\d,]*)\}", line)
+    if iota:
+        devices = _iota(_ints(iota.group(1)), _ints(iota.group(2)) if iota.group(2) else None).reshape(-1)
+    else:
+        devices = np.array(_ints(listed.group(1))) if listed else np.arange(num_devices)
+    chosen = re.search(r"mesh\[[^\]]*\](?:, device_ids=\S+)?\s*\{([^}]*)\}", line)
+    chosen = chosen.group(1) if chosen else ""
+    sub = {name: (int(pre), int(size)) for name, pre, size in re.findall(r"'(\w+)':\((\d+)\)(\d+)", chosen)}
+    whole = set(re.findall(r"'(\w+)'(?!:)", chosen))
+    shape, selected = [], []
+    for name, size in dims:
+        if name in sub:
+            pre, part = sub[name]
+            shape += [pre, part, size // (pre * part)]
+            selected.append(len(shape) - 2)
+        else:
+            shape.append(size)
+            if name in whole:
+                selected.append(len(shape) - 1)
+    rest = [i for i in range(len(shape)) if i not in selected]
+    size = math.prod(shape[i] for i in selected)
+    return devices.reshape(shape).transpose(rest + selected).reshape(-1, size).tolist()
+
+
+def device_groups(line: str, num_devices: int) -> list[list[int]]:
+    """The device groups of one collective instruction (a permute: its source/target pairs)."""
+    pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line)
+    if pairs:
+        return [[int(s), int(t)] for s, t in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
+    if "replica_groups=mesh[" in line:
+        return _named_groups(line, num_devices)
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if m:
+        return _iota(_ints(m.group(2)), _ints(m.group(3)) if m.group(3) else None).reshape(_ints(m.group(1))).tolist()
+    m = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
+    groups = [_ints(g) for g in re.findall(r"\{([\d,]*)\}", m.group(1))] if m else []
+    return groups or [list(range(num_devices))]  # `{}`: every device in one group
+
+
+def spanned_axes(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    names = list(mesh_shape)
+    coords = np.array(np.unravel_index(np.array(groups), tuple(mesh_shape.values())))  # [axis, group, member]
+    varies = (coords != coords[:, :, :1]).any(axis=(1, 2))
+    return tuple(n for n, v in zip(names, varies) if v)
+
+
+def _multiplicities(lines: list[str]) -> tuple[dict[str, int], int]:
+    """Executions per step of every computation, and how many loops had no known trip count."""
+    callers: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    entry, current, unknown = None, None, 0
+    for line in lines:
+        header = _HEADER.match(line)
+        if header:
+            current = header.group(2)
+            entry = current if header.group(1) else entry
+            continue
+        if current is None:
+            continue
+        trip = _TRIP.search(line)
+        if " while(" in line and not trip:
+            unknown += 1
+        for role, callee in _CALL.findall(line):
+            callers[callee].append((current, int(trip.group(1)) if role == "body" and trip else 1))
+        for branches in _BRANCHES.findall(line):
+            for callee in re.findall(r"%([\w.\-]+)", branches):
+                callers[callee].append((current, 1))
+    memo: dict[str, int] = {entry: 1}
+
+    def mult(name: str) -> int:
+        if name not in memo:
+            memo[name] = 0  # guards against a cycle, which valid HLO does not have
+            memo[name] = sum(mult(c) * f for c, f in callers.get(name, []))
+        return memo[name]
+
+    return {name: mult(name) for name in set(callers) | {entry}}, unknown
+
+
+def collectives(hlo_text: str, mesh_shape: dict[str, int], devices_per_node: int) -> tuple[list[Collective], int]:
+    """Every collective op of a compiled module, and the number of loops of unknown trip count.
+
+    mesh_shape: axis name -> size, outermost first, as the jit mesh. devices_per_node: device
+    positions p and q share a node iff p // devices_per_node == q // devices_per_node."""
+    lines = hlo_text.splitlines()
+    mults, unknown = _multiplicities(lines)
+    num_devices = math.prod(mesh_shape.values())
+    found, current = [], None
+    for line in lines:
+        header = _HEADER.match(line)
+        if header:
+            current = header.group(2)
+            continue
+        op = _OP.match(line)
+        if not op or current is None or mults.get(current, 0) == 0:
+            continue
+        type_text, kind, start = op.groups()
+        if start and type_text.startswith("("):
+            # Async pairs (GPU) carry (operands, results) in one tuple: the largest part is the buffer.
+            size = max(shape_bytes(f"{dt}[{dims}]") for dt, dims in _SHAPE.findall(type_text))
+        elif re.search(r"to_apply=%[\w.\-]*_promoted\b", line):
+            # The CPU backend reduces bf16 in f32 (it widens the op and names the reducer
+            # `..._promoted`); a GPU or TPU reduces the bf16 the program asked for.
+            size = shape_bytes(type_text.replace("f32[", "bf16["))
+        else:
+            size = shape_bytes(type_text)
+        groups = device_groups(line, num_devices)
+        n = max(len(g) for g in groups) if kind != "collective-permute" else 2
+        if kind == "reduce-scatter":
+            size *= n  # the result is one shard of the reduced buffer
+        nodes = [{p // devices_per_node for p in g} for g in groups]
+        found.append(
+            Collective(kind, spanned_axes(groups, mesh_shape), n, size, mults[current], any(len(s) > 1 for s in nodes))
+        )
+    return found, unknown
+
+
+def static_counts(hlo_text: str) -> dict[str, int]:
+    """How many collective ops of each kind the text holds (each op once, loops not unrolled)."""
+    counts = dict.fromkeys(COLLECTIVES, 0)
+    for line in hlo_text.splitlines():
+        op = _OP.match(line)
+        if op:
+            counts[op.group(2)] += 1
+    return counts

@@ -1,0 +1,214 @@
+"""Plan before you launch: compile the real train step for N devices you do not have, and
+predict per-device memory, FLOPs, collective traffic, step time and MFU on named hardware.
+
+    python -m sharding.plan --config configs/llama3-8b.yaml --devices 64 mesh.data=1 mesh.fsdp=64
+    python -m sharding.plan --config configs/llama3-8b.yaml --devices 64 --search --out plan.json
+    python -m sharding.plan --config tiny --devices 8 --search mesh.pipeline=1 --remat none,full
+
+The compile runs in a child process started with `--xla_force_host_platform_device_count=N`
+and `JAX_PLATFORMS=cpu`, on the whole model (the layer stack is one scan, so an 8B model
+compiles for 64 devices in about 3 s: no depth reduction is needed). Memory is XLA's
+`memory_analysis()` of that compile, parameters and optimizer state are the shard sizes the
+rules give; FLOPs are the model formula (model/flops.py) plus remat recompute, with XLA's
+`cost_analysis()` shown beside them; collectives are parsed from the compiled HLO
+(sharding/hlo.py); the step-time model is sharding/hardware.py.
+
+`--search` tries every factorization of N over pipeline x data x fsdp x tensor (axes named on
+the command line stay as given) and each remat policy of `--remat`, skips layouts the layout
+checks reject (with the reason) and, per mesh, policies that recompute more than one that
+already fits (they can only be slower); it ranks what fits by predicted step time.
+
+Exit status: 0 fits (search: something fits); 1 does not fit; 2 bad input (one line, before
+any compile). This file is an entry point above the trainer, like train.py; what it uses below
+it knows nothing of the trainer: sharding/hlo.py (the HLO parser), sharding/hardware.py (the
+hardware table and step-time model), sharding/report.py (the arithmetic and printout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+import jax
+from jax.sharding import AbstractMesh
+
+from configs import Config, ConfigError, load_config
+from configs.schema import MESH_AXES, REMAT_POLICIES
+from sharding import shardings
+from sharding.hardware import HARDWARE, Hardware
+from sharding.hlo import collectives
+from sharding.report import evaluate, print_plan, print_search
+from trainer.optimizer import make_optimizer
+from trainer.program import abstract_program, compiled_stats, fill_microbatches, prepare
+from trainer.state import abstract_state, state_shardings
+
+DEFAULT_REMATS = ("none", "save_dots", "full")  # in order of growing recompute
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="a YAML preset (a path, or a name in configs/)")
+    parser.add_argument("--devices", type=int, help="how many devices to plan for")
+    parser.add_argument("--hardware", default="h100", choices=sorted(HARDWARE))
+    parser.add_argument("--search", action="store_true", help="try every valid layout and remat policy")
+    parser.add_argument("--remat", default=",".join(DEFAULT_REMATS), help="policies --search tries, in order")
+    parser.add_argument("--out", help="write the plan as JSON here (--search: plan.json by default)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: the compiling process
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    return parser.parse_args(argv)
+
+
+def _pinned(overrides: list[str]) -> dict[str, str]:
+    return dict(o.split("=", 1) for o in overrides if "=" in o)
+
+
+def _factorizations(n: int, axes: list[str]) -> list[dict[str, int]]:
+    if len(axes) == 1:
+        return [{axes[0]: n}]
+    return [{axes[0]: d, **rest} for d in range(1, n + 1) if n % d == 0 for rest in _factorizations(n // d, axes[1:])]
+
+
+def candidates(overrides: list[str], n: int, search: bool, remats: list[str]) -> list[list[str]]:
+    """Override lists to plan: the command line as given, or (search) one per mesh and policy."""
+    if not search:
+        return [overrides]
+    pinned = _pinned(overrides)
+    fixed = {a: int(pinned[f"mesh.{a}"]) for a in MESH_AXES if pinned.get(f"mesh.{a}", "-1") != "-1"}
+    free = [a for a in MESH_AXES if a not in fixed]
+    rest = math.prod(fixed.values())
+    if rest <= 0 or n % rest or not free and rest != n:
+        raise ConfigError(f"--devices={n}: the pinned mesh axes {fixed} do not divide it")
+    meshes = _factorizations(n // rest, free) if free else [{}]
+    policies = [pinned["model.remat"]] if "model.remat" in pinned else remats
+    base = [o for o in overrides if not o.startswith(("mesh.", "model.remat="))]
+    return [
+        base + [f"mesh.{a}={({**fixed, **m})[a]}" for a in MESH_AXES] + [f"model.remat={r}"] for m in meshes for r in policies
+    ]
+
+
+def check(config: str | None, overrides: list[str], n: int) -> Config:
+    """The config for this candidate, after every layout check that needs no devices."""
+    cfg = fill_microbatches(load_config(config, overrides), n)
+    prepare(cfg, n, with_data=False)
+    return cfg
+
+
+def state_bytes(cfg: Config, n: int) -> dict[str, int]:
+    """Per-device bytes of parameters and optimizer state (the step counter included), from the
+    shardings the rules give on an abstract mesh of n devices: exact, nothing compiled."""
+    p = prepare(cfg, n, with_data=False)
+    mesh = AbstractMesh(tuple(p.layout.sizes[a] for a in MESH_AXES), MESH_AXES)
+    tx, _ = make_optimizer(cfg.optim, cfg.train.steps, p.axes)
+    sh = state_shardings(tx, p.shapes, shardings(p.axes, p.layout.param_rules, mesh), mesh)
+    state = abstract_state(tx, p.shapes, sh)
+
+    def per_device(tree: Any) -> int:
+        return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+    return {"params": per_device(state.params), "optimizer": per_device(state.opt_state) + per_device(state.step)}
+
+
+def measure(cfg: Config, devices_per_node: int) -> dict[str, Any]:
+    """Compile `cfg` on this process's devices; what the compile says, per device. `cudnn`
+    attention has no CPU lowering: the compile uses `xla`, whose [batch, heads, T, T] scores
+    flash attention would not hold, so the temporaries are then an upper bound."""
+    notes = []
+    if cfg.model.attention == "cudnn":
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="xla"))
+        notes.append("attention compiled as xla (cudnn has no CPU lowering): temporaries hold the "
+                     "[batch, heads, T, T] scores flash attention would not, an upper bound")
+    program = abstract_program(cfg)
+    compiled, seconds = program.compile()
+    ops, unknown = collectives(compiled.as_text(), program.layout.sizes, devices_per_node)
+    if unknown:
+        notes.append(f"{unknown} loop(s) of unknown trip count: their collectives are counted once")
+    batch = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(program.abstract_batch())) // len(jax.devices())
+    return {
+        **compiled_stats(compiled),
+        "compile_s": seconds,
+        "batch_bytes": batch,
+        "collectives": [{**dataclasses.asdict(c), "wire_bytes": c.wire_bytes} for c in ops],
+        "bubble": program.layout.bubble if program.layout.pipelined else 0.0,
+        "notes": notes,
+    }
+
+
+def run_child(config: str | None, jobs: list[list[str]], n: int, devices_per_node: int) -> list[dict]:
+    """Measures each job in one child process that sees n fake CPU devices."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = os.path.join(tmp, "spec.json")
+        with open(spec, "w") as f:
+            json.dump({"config": config, "jobs": jobs, "devices_per_node": devices_per_node}, f)
+        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        done = subprocess.run([sys.executable, "-m", "sharding.plan", "--child", spec], env=env, cwd=root,
+                              capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"the compiling process failed ({done.returncode}):\n{done.stderr[-4000:]}")
+        with open(spec + ".out") as f:
+            return json.load(f)
+
+
+def child_main(spec_path: str) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    results = []
+    for overrides in spec["jobs"]:
+        try:
+            cfg = fill_microbatches(load_config(spec["config"], overrides), jax.device_count())
+            results.append(measure(cfg, spec["devices_per_node"]))
+        except Exception as e:  # one layout XLA cannot compile must not sink the others
+            results.append({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"})
+    with open(spec_path + ".out", "w") as f:
+        json.dump(results, f)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        child_main(args.child)
+        return 0
+    hw: Hardware = HARDWARE[args.hardware]
+    try:
+        if args.devices is None or args.devices <= 0:
+            raise ConfigError(f"--devices: a positive device count is required, got {args.devices}")
+        remats = [r.strip() for r in args.remat.split(",") if r.strip()]
+        for r in remats:
+            if r not in REMAT_POLICIES:
+                raise ConfigError(f"--remat: {r!r} is not one of {', '.join(REMAT_POLICIES)}")
+        load_config(args.config, args.overrides)  # a bad key fails here, whatever the layout
+        rows = []
+        for overrides in candidates(args.overrides, args.devices, args.search, remats):
+            try:
+                cfg = check(args.config, overrides, args.devices)
+                rows.append({"overrides": overrides, "cfg": cfg, "status": "pending"})
+            except ConfigError as e:
+                if not args.search:
+                    raise
+                rows.append({"overrides": overrides, "cfg": None, "status": "invalid", "reason": str(e)})
+        if not any(r["cfg"] for r in rows):
+            raise ConfigError(f"--devices={args.devices}: no valid layout ({rows[0]['reason']})")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    plan = evaluate(args, rows, hw, lambda jobs: run_child(args.config, jobs, args.devices, hw.devices_per_node), state_bytes)
+    (print_search if args.search else print_plan)(plan)
+    out = args.out or ("plan.json" if args.search else None)
+    if out:
+        with open(out, "w") as f:
+            json.dump(plan, f, indent=1)
+        print(f"wrote {out}")
+    return 0 if plan["best"] is not None else 1
+
+
+if __name__ == "__main__":
+    jax.config.update("jax_platforms", "cpu")  # the planning process needs no accelerator; its child sees N CPUs
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""The plan's arithmetic and its printout: from what a compile measured to memory against the
+device's budget, FLOPs, per-axis collective traffic, predicted step time and MFU (the model
+in sharding/hardware.py), and the ranking `--search` prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections import defaultdict
+from typing import Any, Callable
+
+import numpy as np
+
+from configs import Config
+from model import flops_per_token, matmul_params
+from sharding.mesh import resolve_mesh_shape
+from sharding.hardware import Hardware, hbm_bytes, predict
+
+GB = 1e9
+
+
+def recompute_flops_per_token(cfg: Config) -> float:
+    """FLOPs the remat policy adds per token: `full` reruns the layers' forward (a third of
+    their 6N + attention), `save_dots_no_batch` reruns the attention's batch matmuls, and
+    `save_dots` and `none` keep every matmul output."""
+    m = cfg.model
+    if m.remat == "full":
+        return (flops_per_token(m) - 6.0 * m.d_model * m.vocab_size) / 3
+    if m.remat == "save_dots_no_batch":
+        return 2.0 * m.num_layers * m.seq_len * m.d_model
+    return 0.0
+
+
+def _aggregate(ops: list[dict]) -> list[dict]:
+    """Per (kind, mesh axes, link): executions per step, buffer bytes and ring bytes sent."""
+    total: dict[tuple, dict] = defaultdict(lambda: {"count": 0, "bytes": 0.0, "wire_bytes": 0.0})
+    for op in ops:
+        if not op["axes"]:
+            continue  # a group of one device moves nothing
+        t = total[(op["kind"], tuple(op["axes"]), op["inter_node"])]
+        t["count"] += op["count"]
+        t["bytes"] += op["count"] * op["bytes"]
+        t["wire_bytes"] += op["count"] * op["wire_bytes"]
+    return [{"kind": k, "axes": list(a), "inter_node": i, **v} for (k, a, i), v in sorted(total.items())]
+
+
+def entry(cfg: Config, n: int, hw: Hardware, measured: dict, state: dict[str, int]) -> dict[str, Any]:
+    """One plan: memory, FLOPs, collectives and predicted time for a measured compile."""
+    sizes = resolve_mesh_shape(cfg.mesh, n)
+    tokens = cfg.train.global_batch * cfg.model.seq_len
+    model_flops = flops_per_token(cfg.model) * tokens / n
+    hardware_flops = model_flops + recompute_flops_per_token(cfg) * tokens / n
+    total = measured["argument_bytes"] + measured["temp_bytes"] + measured["output_bytes"] - measured["alias_bytes"]
+    memory = {
+        "params": state["params"],
+        "optimizer": state["optimizer"],
+        "batch": measured["batch_bytes"],
+        "arguments": measured["argument_bytes"],
+        "temps": measured["temp_bytes"],
+        "outputs_not_aliased": measured["output_bytes"] - measured["alias_bytes"],
+        "total": total,
+        "budget": hw.memory_budget,
+        "margin": hw.memory_budget - total,
+    }
+    collectives = _aggregate(measured["collectives"])
+    itemsize = np.dtype(cfg.model.dtype).itemsize
+    weights = matmul_params(cfg.model) * itemsize / (sizes["tensor"] * sizes["pipeline"])
+    passes = 3 + (cfg.model.remat == "full")
+    hbm = hbm_bytes(state["params"] + state["optimizer"], weights, passes, measured["temp_bytes"])
+    time = predict(hw=hw, model_flops=model_flops, hardware_flops=hardware_flops, hbm=hbm,
+                   collectives=collectives, bubble=measured["bubble"])
+    return {
+        "memory": memory,
+        "fits": total <= hw.memory_budget,
+        "flops": {"model": model_flops, "with_recompute": hardware_flops, "xla_cost_analysis": measured["xla_flops"]},
+        "hbm_bytes": hbm,
+        "collectives": collectives,
+        "time": time,
+        "compile_s": measured["compile_s"],
+        "notes": measured["notes"],
+    }
+
+
+def _describe(cfg: Config | None, overrides: list[str], n: int) -> dict[str, Any]:
+    if cfg is None:
+        return {"overrides": overrides}
+    layout = resolve_mesh_shape(cfg.mesh, n)
+    if cfg.mesh.pipeline > 1:
+        layout.update(microbatches=cfg.pipeline.microbatches, repeats=cfg.pipeline.repeats)
+    return {"overrides": overrides, "layout": layout, "remat": cfg.model.remat}
+
+
+def evaluate(
+    args: argparse.Namespace,
+    rows: list[dict],
+    hw: Hardware,
+    measure: Callable[[list[list[str]]], list[dict]],
+    state_bytes: Callable[[Config, int], dict[str, int]],
+) -> dict[str, Any]:
+    """Measures the candidate rows in rounds, one remat policy per round (one child process
+    each), skipping policies that cannot win; returns the ranked plan."""
+    n = args.devices
+    for row in rows:
+        row.update(_describe(row["cfg"], row["overrides"], n))
+    pending = [r for r in rows if r["status"] == "pending"]
+    for r in pending:
+        r["state"] = state_bytes(r["cfg"], n)
+        if args.search and r["state"]["params"] + r["state"]["optimizer"] > hw.memory_budget:
+            need = (r["state"]["params"] + r["state"]["optimizer"]) / GB
+            r.update(status="does not fit", reason=f"parameters + optimizer state alone need {need:.1f} GB")
+    # Memory falls and time grows along --remat (none saves most, full least). Per mesh: the
+    # fastest policy first; if it does not fit, the most frugal; if that fits, the ones between
+    # in order. The first that fits ends the mesh; if the most frugal does not fit, none will.
+    order = list(dict.fromkeys(r["remat"] for r in pending))
+    rounds = order[:1] + order[-1:] + order[1:-1] if len(order) > 1 else order
+    mesh_of = lambda r: " ".join(o for o in r["overrides"] if not o.startswith("model.remat="))  # noqa: E731
+    fitting: dict[str, str] = {}  # mesh -> the policy that fits
+    frugal_fails: set[str] = set()
+    for i, policy in enumerate(rounds):
+        batch = [r for r in pending if r["remat"] == policy and r["status"] == "pending"]
+        for r in batch:
+            if mesh_of(r) in fitting:
+                r.update(status="skipped", reason=f"recomputes more than remat {fitting[mesh_of(r)]}, which fits")
+            elif mesh_of(r) in frugal_fails:
+                r.update(status="skipped", reason=f"saves more than remat {order[-1]}, which does not fit")
+        batch = [r for r in batch if r["status"] == "pending"]
+        for r, measured in zip(batch, measure([r["overrides"] for r in batch]) if batch else []):
+            if "error" in measured:
+                r.update(status="failed", reason=f"compile failed: {measured['error']}")
+                continue
+            r.update(entry(r["cfg"], n, hw, measured, r["state"]))
+            r["status"] = "fits" if r["fits"] else "does not fit"
+            if r["fits"]:
+                fitting[mesh_of(r)] = policy
+            elif i == 1:
+                frugal_fails.add(mesh_of(r))
+    rank = {"fits": 0, "does not fit": 1, "skipped": 2, "failed": 3, "invalid": 4}
+    rows.sort(key=lambda r: (rank[r["status"]], r.get("time", {}).get("step_s", float("inf"))))
+    plans = [{k: v for k, v in r.items() if k not in ("cfg", "fits", "state")} for r in rows]
+    return {
+        "config": args.config,
+        "devices": n,
+        "hardware": {**dataclasses.asdict(hw), "memory_budget": hw.memory_budget},
+        "plans": plans,
+        "best": 0 if plans and plans[0]["status"] == "fits" else None,
+    }
+
+
+def _size(n: float) -> str:
+    return f"{n / GB:.3f} GB" if abs(n) >= 0.1 * GB else f"{n / 1e6:.3f} MB"
+
+
+def _layout_text(p: dict) -> str:
+    if "layout" not in p:
+        return " ".join(o for o in p["overrides"] if o.startswith("mesh."))
+    return " ".join(f"{k}={v}" for k, v in p["layout"].items() if v != 1 or k in ("data", "fsdp"))
+
+
+def print_plan(plan: dict) -> None:
+    p, hw = plan["plans"][0], plan["hardware"]
+    if "memory" not in p:
+        print(f"{plan['config']} on {plan['devices']} x {hw['name']}: {_layout_text(p)}: {p['status']}: {p['reason']}")
+        return
+    m, f, t = p["memory"], p["flops"], p["time"]
+    print(f"{plan['config']} on {plan['devices']} x {hw['name']}: {_layout_text(p)}, remat {p['remat']}")
+    for note in p["notes"]:
+        print(f"  note: {note}")
+    print(f"memory per device (budget {hw['memory_budget'] / GB:.1f} = {hw['memory_bytes'] / GB:.0f} "
+          f"GB less {hw['memory_reserve']:.0%} runtime reserve)")
+    for key in ("params", "optimizer", "batch", "temps", "outputs_not_aliased"):
+        print(f"  {key:<22}{_size(m[key]):>14}")
+    verdict = "fits" if p["status"] == "fits" else "does NOT fit"
+    print(f"  {'total':<22}{_size(m['total']):>14}  -> {verdict}, margin {m['margin'] / GB:.1f} GB")
+    print(f"FLOPs per device per step: model {f['model']:.3e}, with remat recompute {f['with_recompute']:.3e}, "
+          f"XLA cost_analysis {f['xla_cost_analysis']:.3e} (loop bodies counted once)")
+    print("collectives per device per step (count includes loop trips; sent = ring-algorithm bytes)")
+    print(f"  {'kind':<20}{'axes':<20}{'count':>7}{'buffer':>14}{'sent':>14}  {'link':<6}{'seconds':>9}  overlap")
+    for c in p["collectives"]:
+        link = "inter" if c["inter_node"] else "intra"
+        print(f"  {c['kind']:<20}{'+'.join(c['axes']):<20}{c['count']:>7}{_size(c['bytes']):>14}"
+              f"{_size(c['wire_bytes']):>14}  {link:<6}{c['seconds']:>9.4f}  {'yes' if c['overlapped'] else 'no'}")
+    print(f"predicted step {t['step_s']:.3f} s, MFU {t['mfu']:.1%}: compute {t['compute_s']:.3f} s, "
+          f"HBM {t['hbm_s']:.3f} s, overlapped comm {t['overlapped_comm_s']:.3f} s, exposed comm "
+          f"{t['exposed_comm_s']:.3f} s, bubble {t['bubble']:.3f} (compile {p['compile_s']:.1f} s)")
+
+
+def print_search(plan: dict) -> None:
+    hw = plan["hardware"]
+    print(f"{plan['config']} on {plan['devices']} x {hw['name']} (budget {hw['memory_budget'] / GB:.1f} GB per device)")
+    print("| rank | layout | remat | status | GB/dev | step s | MFU | compute s | exposed comm s | overlapped comm s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for i, p in enumerate(plan["plans"]):
+        rank = str(i + 1) if p["status"] == "fits" else "-"
+        if "time" in p:
+            t = p["time"]
+            cols = [f"{p['memory']['total'] / GB:.2f}", f"{t['step_s']:.3f}", f"{t['mfu']:.1%}",
+                    f"{t['compute_s']:.3f}", f"{t['exposed_comm_s']:.3f}", f"{t['overlapped_comm_s']:.3f}"]
+        else:
+            cols = [p.get("reason", "")] + [""] * 5
+        print(f"| {rank} | {_layout_text(p)} | {p.get('remat', '')} | {p['status']} | " + " | ".join(cols) + " |")
+    notes = {note for p in plan["plans"] for note in p.get("notes", [])}
+    for note in sorted(notes):
+        print(f"note: {note}")

@@ -1,0 +1,194 @@
+"""The AOT planner (sharding.plan): the HLO collective parser on known text and on real
+compiles, predicted memory against real compiles and materialized state, fits / does not fit
+(the Llama-3-8B shape on 64 H100s), the --search ranking and plan.json, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from configs import load_config
+from sharding.hlo import collectives, device_groups, static_counts
+from sharding.plan import main, state_bytes
+from conftest import ROOT
+from trainer.program import abstract_program, compiled_stats
+
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+LLAMA_8B = os.path.join(ROOT, "configs", "llama3-8b.yaml")
+BOUND = 0.01  # predicted vs compiled/materialized bytes: the same program, so within 1%
+
+KNOWN_HLO = """\
+HloModule known
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  ROOT %s = f32[] add(f32[] %a, f32[] %b)
+}
+
+%body.1 (arg: (s32[], bf16[8,16])) -> (s32[], bf16[8,16]) {
+  %ag.1 = bf16[8,16]{1,0} all-gather(%x), channel_id=1, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, dimensions={0}
+  %cp.1 = f32[4]{0} collective-permute(%y), channel_id=2, source_target_pairs={{0,4},{1,5},{2,6},{3,7}}
+  ROOT %t = (s32[], bf16[8,16]) tuple(%i, %ag.1)
+}
+
+%cond.2 (arg: (s32[], bf16[8,16])) -> pred[] {
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main.3 (p0: f32[8,16]) -> f32[8,16] {
+  %w = (s32[], bf16[8,16]) while(%init), condition=%cond.2, body=%body.1, backend_config={"known_trip_count":{"n":"6"}}
+  %ar = (f32[8,16]{1,0}, f32[]) all-reduce(%a, %b), channel_id=3, replica_groups=[2,4]<=[8], to_apply=%add
+  %rs = f32[2,16]{1,0} reduce-scatter(%c), channel_id=4, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, to_apply=%add
+  ROOT %a2a = f32[8,16]{1,0} all-to-all(%d), channel_id=5, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}
+}
+"""
+PROMOTED = "  %ar.9 = f32[8,16]{1,0} all-reduce(%e), channel_id=6, replica_groups={}, to_apply=%add.1.clone_promoted\n"
+
+
+def test_parser_on_known_hlo():
+    ops, unknown = collectives(KNOWN_HLO, {"data": 2, "fsdp": 4}, devices_per_node=4)
+    got = {c.kind: (c.axes, c.group_size, c.bytes, c.count, c.wire_bytes, c.inter_node) for c in ops}
+    assert unknown == 0
+    assert got == {
+        "all-gather": (("fsdp",), 4, 8 * 16 * 2, 6, 0.75 * 256, False),  # in the loop: 6 trips
+        "collective-permute": (("data",), 2, 16, 6, 16.0, True),
+        "all-reduce": (("fsdp",), 4, 8 * 16 * 4 + 4, 1, 2 * 0.75 * 516, False),
+        "reduce-scatter": (("fsdp",), 4, 4 * 2 * 16 * 4, 1, 0.75 * 512, False),  # the operand: 4 shards
+        "all-to-all": (("data",), 2, 8 * 16 * 4, 1, 0.5 * 512, True),
+    }
+    assert static_counts(KNOWN_HLO) == {k: 1 for k in got}
+    # A bf16 all-reduce the CPU backend widened to f32 counts at its bf16 size.
+    widened = KNOWN_HLO.replace("  ROOT %a2a", PROMOTED + "  ROOT %a2a")
+    extra = [c for c in collectives(widened, {"data": 2, "fsdp": 4}, 4)[0] if c not in ops]
+    assert [(c.kind, c.axes, c.bytes) for c in extra] == [("all-reduce", ("data", "fsdp"), 8 * 16 * 2)]
+
+
+@pytest.mark.parametrize(
+    "text, groups",
+    [
+        ("replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_0'}", [[0, 1], [2, 3], [4, 5], [6, 7]]),
+        ("replica_groups=mesh['axis_0'=8] {'axis_0':(2)2}", [[0, 2], [1, 3], [4, 6], [5, 7]]),
+        ("replica_groups=[2,4]<=[4,2]T(1,0), ", [[0, 2, 4, 6], [1, 3, 5, 7]]),
+        ("replica_groups={}, ", [list(range(8))]),
+    ],
+)
+def test_device_group_forms(text: str, groups: list[list[int]]):
+    assert sorted(device_groups(text, 8)) == groups
+
+
+def _tiny(*overrides: str):
+    return load_config(TINY, ["data.source=synthetic", *overrides])
+
+
+@pytest.fixture(scope="module")
+def searched(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
+    """One real `--search` over data x fsdp on 4 devices (pipeline and tensor pinned to 1)."""
+    out = tmp_path_factory.mktemp("plan") / "plan.json"
+    args = ["--config", TINY, "--devices", "4", "--search", "--remat", "none,full", "--out", str(out),
+            "mesh.pipeline=1", "mesh.tensor=1", "data.source=synthetic"]
+    done = subprocess.run([sys.executable, "-m", "sharding.plan", *args], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done, json.loads(out.read_text())
+
+
+def test_search_ranks_and_writes_plan_json(searched):
+    done, plan = searched
+    assert plan["devices"] == 4 and plan["hardware"]["name"] == "h100" and plan["best"] == 0
+    fits = [p for p in plan["plans"] if p["status"] == "fits"]
+    assert {(p["layout"]["data"], p["layout"]["fsdp"]) for p in fits} == {(4, 1), (2, 2), (1, 4)}
+    steps = [p["time"]["step_s"] for p in fits]
+    assert steps == sorted(steps) and len(set(steps)) > 1  # ranked, and the layouts really differ
+    skipped = [p for p in plan["plans"] if p["status"] == "skipped"]  # `full` never beats a fitting `none`
+    assert len(skipped) == 3 and all(p["remat"] == "full" and "remat none" in p["reason"] for p in skipped)
+    for p in fits:
+        assert set(p["memory"]) >= {"params", "optimizer", "temps", "total", "budget", "margin"}
+        assert set(p["time"]) >= {"compute_s", "hbm_s", "exposed_comm_s", "overlapped_comm_s", "step_s", "mfu"}
+        assert p["flops"]["model"] > p["flops"]["xla_cost_analysis"] > 0  # XLA counts the layer scan once
+        assert all({"kind", "axes", "count", "bytes", "wire_bytes", "seconds"} <= set(c) for c in p["collectives"])
+    first = fits[0]["layout"]
+    assert f"| 1 | data={first['data']} fsdp={first['fsdp']} | none | fits |" in done.stdout
+
+
+def test_predicted_memory_matches_real_compile_and_state(searched):
+    """The planned pure-data and pure-FSDP layouts against an independent compile in this
+    process, and the FSDP plan's parameter and optimizer bytes against the state really
+    materialized on the first device."""
+    from trainer.state import init_state
+
+    _, plan = searched
+    devices = jax.devices()[:4]
+    by_layout = {(p["layout"]["data"], p["layout"]["fsdp"]): p for p in plan["plans"] if p["status"] == "fits"}
+    totals = []
+    for layout in [(4, 1), (1, 4)]:
+        p = by_layout[layout]
+        program = abstract_program(_tiny(*p["overrides"]), devices)
+        stats = compiled_stats(program.compile()[0])
+        real = stats["argument_bytes"] + stats["temp_bytes"] + stats["output_bytes"] - stats["alias_bytes"]
+        m = p["memory"]
+        assert abs(m["total"] - real) <= BOUND * real, (layout, m["total"], real)
+        args = m["params"] + m["optimizer"] + m["batch"]
+        assert abs(args - stats["argument_bytes"]) <= BOUND * stats["argument_bytes"], layout
+        totals.append(m["total"])
+    assert totals[0] != totals[1]  # the two layouts really differ
+    state = init_state(program.cfg.model, program.tx, 0, program.state_sh)
+    on_first = sum(s.data.nbytes for x in jax.tree.leaves(state) for s in x.addressable_shards if s.device == devices[0])
+    assert on_first == m["params"] + m["optimizer"]
+
+
+def test_collectives_land_on_the_right_axes(searched):
+    _, plan = searched
+    by_layout = {(p["layout"]["data"], p["layout"]["fsdp"]): p for p in plan["plans"] if p["status"] == "fits"}
+    param_bytes = state_bytes(_tiny("mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"), 1)["params"]
+    data = {(c["kind"], tuple(c["axes"])): c for c in by_layout[(4, 1)]["collectives"]}
+    assert set(data) == {("all-reduce", ("data",))}  # pure data parallel: gradients all-reduced, nothing gathered
+    assert param_bytes <= data[("all-reduce", ("data",))]["bytes"] <= 1.1 * param_bytes
+    fsdp = {(c["kind"], tuple(c["axes"])): c for c in by_layout[(1, 4)]["collectives"]}
+    assert ("all-gather", ("fsdp",)) in fsdp and not any("data" in axes for _, axes in fsdp)
+    gathered = fsdp[("all-gather", ("fsdp",))]
+    assert gathered["bytes"] >= param_bytes  # every weight gathered at least once per step
+    layers = _tiny().model.num_layers
+    assert gathered["count"] >= 2 * layers  # forward and backward of each scanned layer
+
+
+def test_llama3_8b_on_64_h100(tmp_path, capsys):
+    """Pure data parallel cannot fit (its state alone is 96 GB: decided without compiling);
+    mesh.fsdp=64 fits (a real 64-device compile in a child process)."""
+    data_parallel = ["--config", LLAMA_8B, "--devices", "64", "--search", "--out", str(tmp_path / "dp.json"),
+                     "mesh.pipeline=1", "mesh.data=64", "mesh.fsdp=1", "mesh.tensor=1", "model.remat=full"]
+    assert main(data_parallel) == 1
+    assert "parameters + optimizer state alone need 96.4 GB" in capsys.readouterr().out
+    out = tmp_path / "fsdp.json"
+    args = ["--config", LLAMA_8B, "--devices", "64", "--out", str(out), "mesh.data=1", "mesh.fsdp=64"]
+    done = subprocess.run([sys.executable, "-m", "sharding.plan", *args], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    p = json.loads(out.read_text())["plans"][0]
+    assert p["status"] == "fits" and "fits" in done.stdout
+    assert 0 < p["memory"]["total"] < p["memory"]["budget"]
+    gather = [c for c in p["collectives"] if c["kind"] == "all-gather" and c["axes"] == ["fsdp"]]
+    assert gather and gather[0]["inter_node"]  # 64 devices span 8 nodes
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--devices", "6", "mesh.fsdp=4"], "mesh"),
+        (["--devices", "0"], "--devices"),
+        (["--devices", "3", "--search"], "no valid layout"),
+        (["--devices", "8", "--search", "--remat", "some"], "--remat"),
+        (["--devices", "8", "mesh.fsdpp=2"], "did you mean mesh.fsdp"),
+    ],
+)
+def test_bad_input_exits_2_before_compiling(args: list[str], message: str, capsys):
+    assert main(["--config", TINY, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_cli_bad_device_count_exit_status():
+    done = subprocess.run([sys.executable, "-m", "sharding.plan", "--config", TINY, "--devices", "6", "mesh.fsdp=4"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.startswith("error: mesh")
