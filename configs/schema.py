@@ -137,6 +137,13 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True)
+class InitConfig:
+    """Where the parameters of a run with no checkpoint come from (default: random, run.seed)."""
+
+    from_hf: str = ""  # a Hugging Face Llama directory (config.json + safetensors); see model/hf.py
+
+
+@dataclass(kw_only=True)
 class ProfileConfig:
     steps: list[int] = field(default_factory=list)  # [a, b]: trace steps a..b into run.dir/profile/; []: off
 
@@ -190,6 +197,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    init: InitConfig = field(default_factory=InitConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)

@@ -1,0 +1,119 @@
+"""Incremental decoding with a key/value cache, reusing the model's own modules and parameters.
+
+`forward` runs new tokens through the stacked blocks at positions `start ...`, writing their
+keys and values into a fixed-size cache and attending over everything cached so far; the
+prompt goes through it once (prefill), then one token per step. Norms, the MLP, the rotary
+embedding and the output head are the model's; only attention is written here, because the
+training path attends within one sequence and has no cache. `generate` runs prefill and the
+whole decode loop inside one `jit` (a `lax.scan` over new tokens), greedy or sampled.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from model.layers import Block, rotary
+from model.transformer import Transformer
+
+Array = jax.Array
+
+
+class Cache(NamedTuple):
+    k: Array  # [layers, batch, max_len, kv_heads, head_dim]
+    v: Array
+
+
+def init_cache(model: Transformer, batch: int, max_len: int) -> Cache:
+    cfg = model.cfg
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.resolved_head_dim)
+    zeros = jnp.zeros(shape, jnp.dtype(cfg.dtype))
+    return Cache(zeros, zeros)
+
+
+def _attend_cached(q: Array, k: Array, v: Array, q_pos: Array) -> Array:
+    """q [b, t, h, d] at positions q_pos [t] over the whole cache k, v [b, S, kv, d]; a slot is
+    seen iff its position <= the query's (slots past the written ones are never seen)."""
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, t, kv, h // kv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * d**-0.5
+    visible = jnp.arange(k.shape[1])[None, :] <= q_pos[:, None]  # [t, S]
+    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
+
+
+def _block(
+    block: Block, x: Array, positions: Array, start: Array | int, k_cache: Array, v_cache: Array
+) -> tuple[Array, Array, Array]:
+    """One decoder layer on new tokens x [b, t, d]; returns x and the updated cache of this layer."""
+    attn, dt = block.attn, x.dtype
+    h = block.attn_norm(x)
+    theta = attn.cfg.rope_theta
+    pos_bt = jnp.broadcast_to(positions, x.shape[:2])
+    q = rotary(jnp.einsum("bld,dhk->blhk", h, attn.q[...].astype(dt)), pos_bt, theta)
+    k = rotary(jnp.einsum("bld,dhk->blhk", h, attn.k[...].astype(dt)), pos_bt, theta)
+    v = jnp.einsum("bld,dhk->blhk", h, attn.v[...].astype(dt))
+    k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, start, 0, 0))
+    v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, start, 0, 0))
+    out = _attend_cached(q, k_cache, v_cache, positions)
+    x = x + jnp.einsum("blhk,hkd->bld", out, attn.o[...].astype(dt))
+    x = x + block.mlp(block.mlp_norm(x))
+    return x, k_cache, v_cache
+
+
+def forward(model: Transformer, tokens: Array, cache: Cache, start: Array | int) -> tuple[Array, Cache]:
+    """tokens [batch, t] at positions start..start+t-1 -> (logits [batch, t, vocab] float32, cache)."""
+    positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    x = jnp.take(model.embedding[...], tokens, axis=0).astype(jnp.dtype(model.cfg.dtype))
+    graphdef, stacked = nnx.split(model.layers)
+
+    def body(h: Array, layer: tuple[nnx.State, Array, Array]) -> tuple[Array, tuple[Array, Array]]:
+        state, k_cache, v_cache = layer
+        h, k_cache, v_cache = _block(nnx.merge(graphdef, state), h, positions, start, k_cache, v_cache)
+        return h, (k_cache, v_cache)
+
+    x, (k, v) = jax.lax.scan(body, x, (stacked, cache.k, cache.v))
+    return model.logits(model.final_norm(x)), Cache(k, v)
+
+
+def sample(logits: Array, key: Array, temperature: float, top_k: int) -> Array:
+    """logits [batch, vocab] -> token ids [batch]: argmax at temperature 0, else a draw from the
+    softmax at `temperature` over the `top_k` most likely tokens (0: all)."""
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def generate(
+    model: Transformer, prompt: Array, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0, seed: int = 0
+) -> Array:
+    """prompt [batch, t] int -> the next `max_new_tokens` tokens [batch, max_new_tokens]."""
+    graphdef, state = nnx.split(model)
+    batch, length = prompt.shape
+
+    @jax.jit
+    def run(state: nnx.State, prompt: Array, key: Array) -> Array:
+        m = nnx.merge(graphdef, state)
+        logits, cache = forward(m, prompt, init_cache(m, batch, length + max_new_tokens), 0)
+        keys = jax.random.split(key, max_new_tokens)
+        first = sample(logits[:, -1], keys[0], temperature, top_k)
+
+        def step(carry: tuple[Array, Cache, Array], key: Array) -> tuple[tuple[Array, Cache, Array], Array]:
+            token, cache, pos = carry
+            logits, cache = forward(m, token[:, None], cache, pos)
+            nxt = sample(logits[:, -1], key, temperature, top_k)
+            return (nxt, cache, pos + 1), nxt
+
+        _, rest = jax.lax.scan(step, (first, cache, jnp.int32(length)), keys[1:])
+        return jnp.concatenate([first[:, None], rest.T], axis=1)
+
+    return run(state, jnp.asarray(prompt, jnp.int32), jax.random.key(seed))
