@@ -29,6 +29,9 @@ class ConfigError(ValueError):
 class RunConfig:
     dir: str = "runs/default"
     seed: int = 0
+    # A directory for XLA's persistent compilation cache ("": off): a restarted or resumed job
+    # with the same program skips the compile (minutes at scale). Shared storage on a cluster.
+    compile_cache: str = ""
 
 
 @dataclass(kw_only=True)

@@ -35,7 +35,8 @@ BAD = {
     "microbatches vs batch": (["mesh.pipeline=4", "mesh.data=2", "pipeline.microbatches=6"],
                               "pipeline.microbatches=6 does not divide the per-replica batch 8"),
     "repeats without stages": (["pipeline.repeats=2"], "pipeline.repeats=2 needs mesh.pipeline > 1"),
-    "vocab below tokenizer": (["model.vocab_size=128"], "model.vocab_size=128 is smaller than the byte tokenizer's 257"),
+    "vocab below tokenizer": (["model.vocab_size=128"], "model.vocab_size=128 does not match the 'byte' tokenizer's 257 tokens"),
+    "vocab far above tokenizer": (["model.vocab_size=512"], "model.vocab_size=512 does not match the 'byte' tokenizer's 257 tokens"),
 }
 
 
@@ -112,3 +113,19 @@ def test_real_process_trains_a_sharded_run(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "compiled the train step" in out.stdout and "step 3/3" in out.stdout
     assert sorted(os.listdir(tmp_path / "a")) == ["checkpoints", "config.yaml", "metrics.jsonl", "summary.json", "tb"]
+
+
+def test_compile_cache_serves_a_second_run(tmp_path):
+    """run.compile_cache: the first run fills the directory; an identical second run (a fresh
+    run.dir, as after a lost disk) finds every program there and adds nothing."""
+    cache = tmp_path / "cache"
+
+    def train(name: str) -> set[str]:
+        out = _cli("--config", TINY, "mesh.fsdp=8", "train.steps=2", f"run.dir={tmp_path / name}",
+                   f"data.path={stdlib_glob('json')}", f"run.compile_cache={cache}")
+        assert out.returncode == 0, out.stderr
+        return set(os.listdir(cache))
+
+    first = train("a")
+    assert any(name.startswith("jit_train_step") for name in first), first
+    assert train("b") == first

@@ -30,6 +30,7 @@ from trainer.metrics import MetricsLogger, log
 from trainer.observe import instrument
 from trainer.program import Prepared, Program, make_program, prepare
 from trainer.state import TrainState, init_state, param_count
+from trainer.xla_env import use_compile_cache
 
 
 def _write_config(run_dir: str, cfg: Config, resume_step: int | None) -> None:
@@ -125,6 +126,7 @@ def run(cfg: Config, devices: list | None = None) -> list[dict[str, Any]]:
     Raises ConfigError for bad input, Preempted after a signal (checkpoint committed) and
     TooManyBadSteps after `train.max_bad_steps` non-finite steps in a row."""
     goodput = Goodput()
+    use_compile_cache(cfg.run.compile_cache)
     distributed.initialize(cfg.dist)
     distributed.check_same_everywhere(fingerprint(cfg), cfg.dist.init_timeout_s)
     devices = jax.devices() if devices is None else devices
