@@ -15,7 +15,7 @@ import pytest
 import trainer
 from configs import load_config
 from conftest import stdlib_glob
-from procs import TINY, Train, free_port
+from bench.procs import TINY, Train, free_port
 
 DATA = f"data.path={stdlib_glob('json')}"
 LAYOUT = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]

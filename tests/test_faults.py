@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import stdlib_glob
-from procs import TINY, Train, run
+from bench.procs import TINY, Train, run
 
 DATA = f"data.path={stdlib_glob('json')}"
 

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import ROOT, stdlib_glob
 from configs import ConfigError, load_config
-from procs import Train
+from bench.procs import Train
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 

@@ -1,4 +1,5 @@
-"""Real `train.py` processes for the fault tests: start, watch their output, signal, wait."""
+"""Real `train.py` processes, started, watched line by line, signalled and waited for: what the
+fault tests and `bench.faults` inject their faults into."""
 
 from __future__ import annotations
 
@@ -30,12 +31,15 @@ class Train:
             [sys.executable, os.path.join(ROOT, "train.py"), *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
         )
+        self.started = time.monotonic()
         self.lines: list[str] = []
+        self.stamps: list[float] = []  # time.monotonic() when each line arrived
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
+            self.stamps.append(time.monotonic())  # first: a reader of `lines` then finds its stamp
             self.lines.append(line.rstrip("\n"))
 
     @property
@@ -53,6 +57,13 @@ class Train:
             time.sleep(0.01)
         self.kill()
         raise AssertionError(f"no line matching {pattern!r} within {timeout} s; output:\n{self.output[-3000:]}")
+
+    def seen_at(self, pattern: str) -> float:
+        """time.monotonic() of the first line matching `pattern` (one already seen)."""
+        for line, stamp in zip(self.lines, self.stamps):
+            if re.search(pattern, line):
+                return stamp
+        raise AssertionError(f"no line matching {pattern!r}; output:\n{self.output[-3000:]}")
 
     def finish(self, timeout: float = 120) -> int:
         try:
