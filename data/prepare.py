@@ -18,6 +18,7 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import sys
 import time
@@ -231,6 +232,7 @@ def prepare(inputs: list[str], output: str, progress: bool = True, **options: ob
     check_output(output, files, opts.overwrite)
     parent, base = os.path.split(output)
     os.makedirs(parent, exist_ok=True)
+    _remove_stale(parent, base, progress)
     tmp = os.path.join(parent, f".{base}.prepare-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.mkdir(tmp)
@@ -290,6 +292,28 @@ def _check_file(stats: FileStats, fmt: str, field: str) -> None:
         raise ConfigError(
             f"{stats.path}: no document in {stats.skipped} {items} ({reasons}); check --field {field!r} and --format"
         )
+
+
+def _remove_stale(parent: str, base: str, say: bool) -> None:
+    """Deletes the staging directories that killed runs for this output left behind (their
+    process is gone). A `.old` one is the previous output mid-swap: kept unless the output exists."""
+    for name in os.listdir(parent):
+        m = re.fullmatch(rf"\.{re.escape(base)}\.prepare-(\d+)(\.old)?", name)
+        if not m or _alive(int(m.group(1))) or (m.group(2) and not os.path.isdir(os.path.join(parent, base))):
+            continue
+        shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        if say:
+            print(f"removed {os.path.join(parent, name)}, left by a killed run (process {m.group(1)})", file=sys.stderr)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def _swap_in(tmp: str, output: str) -> None:

@@ -225,6 +225,23 @@ def test_a_failed_run_leaves_nothing_behind(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["1.jsonl", "2.jsonl"]  # no output, no temporary directory
 
 
+def test_a_killed_runs_staging_directory_is_removed_by_the_next_run(tmp_path):
+    """kill -9 leaves `.out.prepare-PID` behind; the next run for that output deletes it, but not
+    one whose process still runs (a concurrent prepare)."""
+    write_jsonl(tmp_path / "c.jsonl", [{"text": t} for t in sentences(30)])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for pid in (dead.pid, alive.pid):
+            (tmp_path / f".out.prepare-{pid}").mkdir()
+            (tmp_path / f".out.prepare-{pid}" / "train-00000-of-00001.array_record").write_bytes(b"half")
+        run([tmp_path / "c.jsonl"], tmp_path / "out", shard_docs=10)
+        assert sorted(os.listdir(tmp_path)) == sorted([".out.prepare-%d" % alive.pid, "c.jsonl", "out"])
+    finally:
+        alive.kill()
+
+
 def test_read_manifest_names_the_damaged_file(tmp_path):
     write_jsonl(tmp_path / "c.jsonl", [{"text": t} for t in sentences(30)])
     run([tmp_path / "c.jsonl"], tmp_path / "out", shard_docs=10)
