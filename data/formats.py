@@ -6,22 +6,31 @@ and `parquet` (one row is one document, column `field`). The main process cuts t
 turns a task into `Documents` (texts, their split keys, per-file bad-data counts). So the output
 depends only on the inputs, never on how many workers parsed them.
 
+Text and JSONL files may be compressed (`.gz`, `.bz2`, `.xz`: the format is that of the name
+without the suffix); a compressed file that does not decompress is an error naming it.
+
 Bad data never stops a run: blank documents, lines that are not JSON objects, a missing or
 non-string field are skipped and counted, invalid UTF-8 is replaced and counted.
 """
 
 from __future__ import annotations
 
+import bz2
 import dataclasses
 import glob
+import gzip
 import json
+import lzma
 import os
-from typing import Iterator
+from typing import BinaryIO, Iterator
 
 from configs.schema import ConfigError
 
 FORMATS = ("text", "jsonl", "parquet")
 EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
+# Each wraps an open binary file (GzipFile's first argument is a name, hence the lambda).
+COMPRESSED = {".gz": lambda f: gzip.GzipFile(fileobj=f), ".bz2": bz2.BZ2File, ".xz": lzma.LZMAFile}
+DECOMPRESS_ERRORS = (OSError, EOFError, lzma.LZMAError)  # gzip.BadGzipFile is an OSError
 BAD_LINES_KEPT = 10  # the first few bad line numbers per file, to find them without a full report
 TEXT_TASK_BYTES = 1 << 20  # text files batched per task so small files do not cost one round trip each
 JSONL_TASK_BYTES = 4 << 20
@@ -118,11 +127,33 @@ def detect_format(files: list[str], fmt: str | None) -> str:
         return fmt
     found: dict[str, str] = {}
     for path in files:
-        found.setdefault(EXTENSIONS.get(os.path.splitext(path)[1].lower(), "text"), path)
+        found.setdefault(EXTENSIONS.get(extension(path), "text"), path)
     if len(found) > 1:
         examples = ", ".join(f"{os.path.basename(p)} ({f})" for f, p in sorted(found.items()))
         raise ConfigError(f"--format: the inputs mix formats ({examples}); give --format or separate runs")
     return next(iter(found))
+
+
+def extension(path: str) -> str:
+    """The extension that names the format: `.jsonl` for both `a.jsonl` and `a.jsonl.gz`."""
+    stem, ext = os.path.splitext(path.lower())
+    return os.path.splitext(stem)[1] if ext in COMPRESSED else ext
+
+
+def open_input(path: str) -> tuple[BinaryIO, BinaryIO]:
+    """(the decompressed stream, the raw file under it, whose position counts compressed bytes)."""
+    raw = open(path, "rb")
+    wrap = COMPRESSED.get(os.path.splitext(path.lower())[1])
+    return (wrap(raw) if wrap else raw), raw
+
+
+def read_all(path: str) -> bytes:
+    f, raw = open_input(path)
+    with raw, f:
+        try:
+            return f.read()
+        except DECOMPRESS_ERRORS as e:
+            raise ConfigError(f"{path}: does not decompress ({e})") from None
 
 
 def plan_tasks(files: list[str], fmt: str, field: str) -> Iterator[Task]:
@@ -150,15 +181,21 @@ def plan_tasks(files: list[str], fmt: str, field: str) -> Iterator[Task]:
 def _jsonl_tasks(path: str) -> Iterator[Task]:
     line = 1
     pending: Task | None = None
-    with open(path, "rb") as f:
+    f, raw = open_input(path)
+    with raw, f:
+        done = 0  # bytes of the file on disk read so far: the progress bar counts those
         while True:
-            block = f.read(JSONL_TASK_BYTES)
+            try:
+                block = f.read(JSONL_TASK_BYTES)
+                block += f.readline()  # end on a line boundary
+            except DECOMPRESS_ERRORS as e:
+                raise ConfigError(f"{path}: does not decompress ({e})") from None
             if not block:
                 break
-            block += f.readline()  # end on a line boundary
             if pending is not None:
                 yield pending
-            pending = Task("jsonl", [path], first=line, payload=block, size=len(block), last=False)
+            size, done = raw.tell() - done, raw.tell()
+            pending = Task("jsonl", [path], first=line, payload=block, size=size, last=False)
             line += block.count(b"\n")
     if pending is None:  # an empty file still reports itself (0 documents)
         pending = Task("jsonl", [path], payload=b"")
@@ -230,8 +267,7 @@ def read_task(task: Task, field: str) -> Documents:
     if task.fmt == "text":
         for path in task.paths:
             stats = docs.stats[path] = FileStats(path)
-            with open(path, "rb") as f:
-                raw = f.read()
+            raw = read_all(path)
             text = _decode(raw, stats, None)
             if not text.strip():
                 stats.skip("empty" if not raw else "blank")

@@ -78,6 +78,34 @@ def test_jsonl_bad_data_is_counted_and_the_rest_round_trips(tmp_path, monkeypatc
     assert manifest["splits"]["eval"] == {"documents": 0, "tokens": 0, "shards": []}
 
 
+@pytest.mark.parametrize("suffix", [".gz", ".bz2", ".xz"])
+def test_compressed_inputs_give_the_same_corpus(tmp_path, monkeypatch, suffix):
+    """`a.jsonl.gz` is JSONL and `b.txt.bz2` text; the tokens equal those of the plain files."""
+    import bz2
+    import gzip
+    import lzma
+
+    monkeypatch.setattr(formats, "JSONL_TASK_BYTES", 256)  # several tasks inside one compressed file
+    compress = {".gz": gzip.compress, ".bz2": bz2.compress, ".xz": lzma.compress}[suffix]
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "packed").mkdir()
+    write_jsonl(tmp_path / "plain" / "a.jsonl", [{"text": t} for t in sentences(40)])
+    (tmp_path / "plain" / "b.txt").write_text(" ".join(sentences(3, seed=1)))
+    for name in ("a.jsonl", "b.txt"):
+        (tmp_path / "packed" / (name + suffix)).write_bytes(compress((tmp_path / "plain" / name).read_bytes()))
+    for fmt, name in (("jsonl", "a.jsonl"), ("text", "b.txt")):
+        plain = run([tmp_path / "plain" / name], tmp_path / f"{fmt}-plain")
+        packed = run([tmp_path / "packed" / (name + suffix)], tmp_path / f"{fmt}-packed")
+        assert packed["format"] == fmt
+        assert packed["splits"]["train"]["documents"] == plain["splits"]["train"]["documents"] > 0
+        got, want = records(tmp_path / f"{fmt}-packed", "train"), records(tmp_path / f"{fmt}-plain", "train")
+        assert len(got) == len(want) and all(np.array_equal(g, w) for g, w in zip(got, want))
+    broken = compress((tmp_path / "plain" / "a.jsonl").read_bytes())
+    (tmp_path / "packed" / ("c.jsonl" + suffix)).write_bytes(broken[: len(broken) // 2])
+    with pytest.raises(ConfigError, match=rf"c\.jsonl\{suffix}: does not decompress"):
+        run([tmp_path / "packed" / ("c.jsonl" + suffix)], tmp_path / "broken")
+
+
 def test_text_files_are_documents_with_bad_ones_counted(tmp_path):
     (tmp_path / "1.txt").write_text("first document\nwith two lines\n")
     (tmp_path / "2.txt").write_text("")
