@@ -244,7 +244,7 @@ def to_hf_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
     return out
 
 
-def hf_config(cfg: ModelConfig, source: dict[str, Any] | None = None) -> dict[str, Any]:
+def hf_config(cfg: ModelConfig, source: dict[str, Any] | None = None, dtype: str = "float32") -> dict[str, Any]:
     """config.json for LlamaForCausalLM. Token ids and the context length come from `source`:
     the config.json of the checkpoint the run was imported from, or just the tokenizer's ids."""
     source = source or {}
@@ -270,23 +270,30 @@ def hf_config(cfg: ModelConfig, source: dict[str, Any] | None = None) -> dict[st
         "bos_token_id": source.get("bos_token_id"),
         "eos_token_id": source.get("eos_token_id"),
         "pad_token_id": source.get("pad_token_id"),
-        "torch_dtype": "float32",
+        "torch_dtype": dtype,  # transformers 4.x
+        "dtype": dtype,  # transformers 5
     }
 
 
-def write_safetensors(tensors: dict[str, np.ndarray], path: str) -> None:
-    """float32 tensors -> one .safetensors file: 8-byte header length, JSON header, raw bytes."""
+EXPORT_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def write_safetensors(tensors: dict[str, np.ndarray], path: str, dtype: str = "float32") -> None:
+    """Tensors -> one .safetensors file of `dtype` (rounded to nearest): 8-byte header length,
+    JSON header, raw little-endian bytes."""
+    code = EXPORT_DTYPES[dtype]
+    tensors = {name: np.ascontiguousarray(a, dtype=SAFETENSORS_DTYPES[code]) for name, a in tensors.items()}
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, a in tensors.items():
-        header[name] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        header[name] = {"dtype": code, "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
         offset += a.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
     with open(path + ".tmp", "wb") as f:
         f.write(len(text).to_bytes(8, "little") + text)
         for a in tensors.values():
-            f.write(np.ascontiguousarray(a, dtype="<f4").tobytes())
+            f.write(a.tobytes())  # x86 and ARM hosts are little-endian, as the format is
     os.replace(path + ".tmp", path)
 
 
@@ -295,10 +302,18 @@ TOKENIZER_FILES = (
 )
 
 
-def export(run_dir: str, out: str, step: int | None = None) -> int:
-    """Writes the run's checkpoint (newest, or `step`) as a Hugging Face directory; returns the step.
-    Restores onto this host's first CPU device, whatever mesh the checkpoint was saved from."""
+def export(run_dir: str, out: str, step: int | None = None, dtype: str = "float32", overwrite: bool = False) -> int:
+    """Writes the run's checkpoint (newest, or `step`) as a Hugging Face directory of `dtype`
+    tensors; returns the step. Restores onto this host's first CPU device, whatever mesh the
+    checkpoint was saved from. A non-empty `out` is refused unless `overwrite`."""
     from model.generate import load_run
+
+    if dtype not in EXPORT_DTYPES:
+        raise ConfigError(f"--dtype: {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+        raise ConfigError(f"--out: {out} is not empty; give --overwrite to replace what export writes there")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"--out: {out} is a file, not a directory")
 
     try:
         device = jax.devices("cpu")[0]
@@ -311,9 +326,9 @@ def export(run_dir: str, out: str, step: int | None = None) -> int:
     else:  # the byte tokenizer ends documents with 256 (data/tokenizer.py)
         source = {"eos_token_id": 256} if cfg.data.tokenizer == "byte" else {}
     os.makedirs(out, exist_ok=True)
-    write_safetensors(to_hf_tensors(params, cfg.model), os.path.join(out, "model.safetensors"))
+    write_safetensors(to_hf_tensors(params, cfg.model), os.path.join(out, "model.safetensors"), dtype)
     with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(hf_config(cfg.model, source), f, indent=2)
+        json.dump(hf_config(cfg.model, source, dtype), f, indent=2)
     for name in TOKENIZER_FILES if imported else ():
         src = os.path.join(cfg.init.from_hf, name)
         if os.path.exists(src):
@@ -373,13 +388,15 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--run-dir", required=True)
     exp.add_argument("--out", required=True, help="the directory to write")
     exp.add_argument("--step", type=int, help="the checkpoint step (default: the newest)")
+    exp.add_argument("--dtype", default="float32", help="float32 (exact), bfloat16 or float16 (half the size)")
+    exp.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
     args = parser.parse_args(argv)
     try:
         if args.command == "import":
             import_(args.hf_dir, args.run_dir, args.config, args.overrides)
         else:
-            step = export(args.run_dir, args.out, args.step)
-            print(f"exported step {step} of {args.run_dir} to {args.out}")
+            step = export(args.run_dir, args.out, args.step, args.dtype, args.overwrite)
+            print(f"exported step {step} of {args.run_dir} to {args.out} ({args.dtype})")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

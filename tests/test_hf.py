@@ -184,6 +184,31 @@ def test_import_cli_fine_tune_on_a_pipeline_then_export(tmp_path, capsys):
     assert exported.config.eos_token_id == theirs.config.eos_token_id  # carried over from the import
     assert rel_diff(their_logits(exported, TOKENS), tuned_logits) < TOL
 
+    # --dtype bfloat16: half the bytes, BF16 tensors; transformers (upcast to float32) gives the
+    # logits of our model with its weights rounded to bfloat16, within TOL; not the exact ones.
+    half = str(tmp_path / "exported-bf16")
+    assert hf.main(["export", "--run-dir", run, "--out", half, "--dtype", "bfloat16"]) == 0
+    assert safetensors_dtypes(half) == {"BF16"} and safetensors_dtypes(out) == {"F32"}
+    size = lambda d: os.path.getsize(os.path.join(d, "model.safetensors"))  # noqa: E731
+    assert size(half) < 0.51 * size(out)
+    rounded = jax.tree.map(lambda a: np.asarray(a).astype(jax.numpy.bfloat16).astype(np.float32), tuned)
+    from_bf16 = their_logits(load_exported(half).float(), TOKENS)
+    assert rel_diff(from_bf16, our_logits(cfg, rounded, TOKENS)) < TOL
+    assert rel_diff(from_bf16, tuned_logits) > 10 * TOL  # the rounding really happened
+    # A non-empty --out is left alone unless --overwrite.
+    before = open(os.path.join(half, "model.safetensors"), "rb").read()
+    assert hf.main(["export", "--run-dir", run, "--out", half]) == 2
+    assert "is not empty; give --overwrite" in capsys.readouterr().err
+    assert open(os.path.join(half, "model.safetensors"), "rb").read() == before
+    assert hf.main(["export", "--run-dir", run, "--out", half, "--overwrite"]) == 0
+    assert safetensors_dtypes(half) == {"F32"}
+
+
+def safetensors_dtypes(directory: str) -> set[str]:
+    with open(os.path.join(directory, "model.safetensors"), "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return {meta["dtype"] for name, meta in header.items() if name != "__metadata__"}
+
 
 def test_greedy_generation_matches_transformers(tmp_path):
     theirs = make_hf(str(tmp_path / "hf"), tied=True, kv_heads=2, seed=1)
