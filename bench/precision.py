@@ -3,7 +3,8 @@
 
     python -m bench.precision                                   # the default model, 50 steps, CPU is fine
     python -m bench.precision --config configs/llama3-1b.yaml data.source=text model.seq_len=1024 \
-        train.global_batch=8 model.vocab_size=384                # the 1B body on one GPU, byte text
+        train.global_batch=8 model.vocab_size=384 model.attention=xla   # the 1B body on one GPU, byte text
+                                                                 # (cuDNN attention has no float32 path)
 
 Prints both losses at a few steps, the largest per-step relative gap, and the largest gap between
 their 10-step means; exits 1 if the windowed gap exceeds `--tolerance` (default 2%). Why windows:
