@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The issue-6 measurements on one GPU, in parts that each fit a 10-minute device command.
-# Run from the repo root on the GPU machine (../shared/gpu/README.md: send `.whl` along, and the
-# peer copied to `.peer/torch_llama_peer.py`):
+# Run from the repo root on the GPU machine (../shared/gpu/README.md). Here, first:
+#   EXTRA="tensorboardX==2.6.5" ../shared/gpu/fetch-wheels.sh   # grain, array-record, tensorboardX wheels
+#   mkdir -p .peer && cp ../shared/bench/torch_llama_peer.py .peer/ && echo /.peer/ >> .git/info/exclude
+# then send `.whl` and `.peer` along with each part:
 #
 #   bash bench/gpu_session.sh ours    # bench.step on the 1B shape: batches, remat, loss_chunk
 #   bash bench/gpu_session.sh peer    # the PyTorch peer at batch 4 and 8, same machine

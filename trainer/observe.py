@@ -16,14 +16,14 @@ import json
 import os
 import struct
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
-from tensorboardX.event_file_writer import EventsWriter
-from tensorboardX.proto.event_pb2 import Event
-from tensorboardX.proto.summary_pb2 import Summary
 
 from configs import Config
+
+if TYPE_CHECKING:
+    from tensorboardX.event_file_writer import EventsWriter
 
 TB_DIR = "tb"
 PROFILE_DIR = "profile"
@@ -38,6 +38,12 @@ class TensorBoard:
 
     def write(self, record: dict[str, Any]) -> None:
         """Every number in `record` but `step` becomes a scalar of that name at that step."""
+        # Imported here: a machine without tensorboardX (the GPU box has no network) can still
+        # import the trainer and time steps with bench.step.
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.proto.summary_pb2 import Summary
+
         values = [
             Summary.Value(tag=k, simple_value=float(v))
             for k, v in record.items()
@@ -71,6 +77,8 @@ def _records(path: str) -> list[bytes]:
 
 def read_scalars(tb_dir: str) -> dict[str, list[tuple[int, float]]]:
     """tag -> [(step, value), ...] from every event file in `tb_dir`, oldest file first."""
+    from tensorboardX.proto.event_pb2 import Event
+
     scalars: dict[str, list[tuple[int, float]]] = {}
     for path in sorted(glob.glob(os.path.join(tb_dir, "events.out.tfevents.*")), key=os.path.getmtime):
         for payload in _records(path):
