@@ -95,7 +95,10 @@ def run_tasks(tasks: Iterator[Task], spec: str, field: str, fraction: float, wor
         _init_worker(spec, field, fraction, pooled=False)
         yield from map(tokenize_task, tasks)
         return
-    with multiprocessing.Pool(workers, _init_worker, (spec, field, fraction, True)) as pool:
+    # forkserver, not fork: a caller that has loaded JAX (or a tokenizer's thread pool) is
+    # multithreaded, and a forked copy of it can deadlock on a lock held by another thread.
+    context = multiprocessing.get_context("forkserver")
+    with context.Pool(workers, _init_worker, (spec, field, fraction, True)) as pool:
         pending: deque = deque()
         for task in tasks:
             pending.append(pool.apply_async(tokenize_task, (task,)))
