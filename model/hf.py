@@ -1,7 +1,7 @@
 """Hugging Face Llama checkpoints in and out: `python -m model.hf import|export`.
 
     python -m model.hf import --hf-dir DIR --run-dir RUN [--config PRESET] [key=value ...]
-    python -m model.hf export --run-dir RUN --out DIR [--step N]
+    python -m model.hf export --run-dir RUN --out DIR [--step N] [--dtype bfloat16] [--overwrite]
 
 The two layouts hold the same numbers: a Hugging Face projection `W` ([out, in], applied as
 `x @ W.T`) is our `W.T` reshaped to named dims (q: [embed, heads, head_dim]; o: [heads,
@@ -9,9 +9,9 @@ head_dim, embed]), and the per-layer tensors are stacked on a leading `layers` d
 embeddings use the same half-split convention (`rotate_half`), so q and k need no permutation;
 the oracle tests in tests/test_hf.py check all of it against `transformers` logits.
 
-Safetensors files are read here with numpy memory maps (the format is a JSON header and raw
-little-endian tensors), so no torch is needed, bfloat16 files included, and `load_params`
-reads only the slices that this process's devices hold.
+Safetensors files are read and written by model/safetensors_files.py with numpy memory maps,
+so no torch is needed, bfloat16 files included, and `load_params` reads only the slices that
+this process's devices hold.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ import sys
 from typing import Any, Callable
 
 import jax
-import ml_dtypes
 import numpy as np
 from flax import nnx
 
 from configs import dump_config, load_config
 from configs.schema import ConfigError, MeshConfig, ModelConfig, PipelineConfig
+from model.safetensors_files import EXPORT_DTYPES, SafetensorsDir, write_safetensors  # noqa: F401 (re-exported)
 from model.transformer import Transformer
 
 # (our parameter path, Hugging Face tensor name, input dims). "{i}" is the layer index. A
@@ -49,8 +49,6 @@ TENSORS: tuple[tuple[tuple[str, ...], str, int], ...] = (
     (("layers", "mlp", "up"), "model.layers.{i}.mlp.up_proj.weight", 1),
     (("layers", "mlp", "down"), "model.layers.{i}.mlp.down_proj.weight", 1),
 )
-
-SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
 
 # Options whose non-default values change the network in ways ModelConfig cannot express.
 UNSUPPORTED_DEFAULTS = {
@@ -117,46 +115,6 @@ def check_compatible(cfg: ModelConfig, hf_dir: str, key: str = "init.from_hf") -
                 f"model.{name}={ours!r} but the Hugging Face checkpoint {key}={hf_dir} has {value!r}; "
                 f"set model.{name}={value} (python -m model.hf import writes a matching config)"
             )
-
-
-class SafetensorsDir:
-    """The tensors of a Hugging Face directory (one `model.safetensors` or a sharded index), as
-    read-only memory maps: nothing is read from disk until a slice of it is used."""
-
-    def __init__(self, hf_dir: str, key: str):
-        index = os.path.join(hf_dir, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        elif os.path.exists(os.path.join(hf_dir, "model.safetensors")):
-            files = ["model.safetensors"]
-        else:
-            raise ConfigError(f"{key}: {hf_dir} has neither model.safetensors nor model.safetensors.index.json")
-        self.key, self.tensors = key, {}
-        for name in files:
-            self._scan(os.path.join(hf_dir, name))
-
-    def _scan(self, path: str) -> None:
-        with open(path, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-            start = f.tell()
-        header.pop("__metadata__", None)
-        for name, meta in header.items():
-            if meta["dtype"] not in SAFETENSORS_DTYPES:
-                raise ConfigError(f"{self.key}: tensor {name} in {path} has dtype {meta['dtype']}; expected floats")
-            begin, end = meta["data_offsets"]
-            dtype = SAFETENSORS_DTYPES[meta["dtype"]]
-            self.tensors[name] = (path, start + begin, end - begin, dtype, tuple(meta["shape"]))
-
-    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        if name not in self.tensors:
-            raise ConfigError(f"{self.key}: the checkpoint has no tensor {name}")
-        path, offset, size, dtype, stored = self.tensors[name]
-        if stored != shape:
-            raise ConfigError(f"{self.key}: tensor {name} has shape {list(stored)}, expected {list(shape)}")
-        if size == 0:
-            return np.zeros(shape, dtype)
-        return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
 
 
 def _get_path(tree: dict, path: tuple[str, ...]) -> Any:
@@ -273,28 +231,6 @@ def hf_config(cfg: ModelConfig, source: dict[str, Any] | None = None, dtype: str
         "torch_dtype": dtype,  # transformers 4.x
         "dtype": dtype,  # transformers 5
     }
-
-
-EXPORT_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
-
-
-def write_safetensors(tensors: dict[str, np.ndarray], path: str, dtype: str = "float32") -> None:
-    """Tensors -> one .safetensors file of `dtype` (rounded to nearest): 8-byte header length,
-    JSON header, raw little-endian bytes."""
-    code = EXPORT_DTYPES[dtype]
-    tensors = {name: np.ascontiguousarray(a, dtype=SAFETENSORS_DTYPES[code]) for name, a in tensors.items()}
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, a in tensors.items():
-        header[name] = {"dtype": code, "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
-        offset += a.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    with open(path + ".tmp", "wb") as f:
-        f.write(len(text).to_bytes(8, "little") + text)
-        for a in tensors.values():
-            f.write(a.tobytes())  # x86 and ARM hosts are little-endian, as the format is
-    os.replace(path + ".tmp", path)
 
 
 TOKENIZER_FILES = (
