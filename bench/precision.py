@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=None, help="preset (default: the built-in default run)")
     parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--tolerance", type=float, default=0.02, help="largest allowed |bf16 - f32| / f32 per step")
+    parser.add_argument("--tolerance", type=float, default=0.02, help=f"largest allowed gap between {WINDOW}-step mean losses, relative")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
     root = tempfile.mkdtemp(prefix="bench-precision-")
@@ -51,23 +51,28 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    lines, ok = compare(f32, bf16, args.tolerance)
+    print("\n".join(lines))
+    return 0 if ok else 1
+
+
+def compare(f32: np.ndarray, bf16: np.ndarray, tolerance: float) -> tuple[list[str], bool]:
+    """(the report's lines, whether the gap between WINDOW-step means stays within tolerance)."""
     gap = np.abs(bf16 - f32) / np.abs(f32)
-    print("| step | float32 loss | bfloat16 loss | relative gap |")
-    print("| --- | --- | --- | --- |")
-    shown = sorted({1, *range(10, args.steps + 1, 10), args.steps, int(np.argmax(gap)) + 1})
-    for s in shown:
-        print(f"| {s} | {f32[s - 1]:.4f} | {bf16[s - 1]:.4f} | {gap[s - 1]:.2%} |")
+    steps = len(f32)
+    lines = ["| step | float32 loss | bfloat16 loss | relative gap |", "| --- | --- | --- | --- |"]
+    for s in sorted({1, *range(10, steps + 1, 10), steps, int(np.argmax(gap)) + 1}):
+        lines.append(f"| {s} | {f32[s - 1]:.4f} | {bf16[s - 1]:.4f} | {gap[s - 1]:.2%} |")
     worst = int(np.argmax(gap))
-    window = min(WINDOW, len(f32))
+    window = min(WINDOW, steps)
     mean = lambda x: np.convolve(x, np.ones(window) / window, mode="valid")  # noqa: E731
     windowed = np.abs(mean(bf16) - mean(f32)) / mean(f32)
     w = int(np.argmax(windowed))
-    ok = windowed[w] <= args.tolerance
-    print(f"per step: largest gap {gap[worst]:.2%} at step {worst + 1}, mean {gap.mean():.2%}")
-    print(f"{window}-step means: largest gap {windowed[w]:.2%} (steps {w + 1}-{w + window}); "
-          f"tolerance {args.tolerance:.2%}: {'within' if ok else 'EXCEEDED'}")
-    return 0 if ok else 1
-
+    ok = bool(windowed[w] <= tolerance)
+    lines.append(f"per step: largest gap {gap[worst]:.2%} at step {worst + 1}, mean {gap.mean():.2%}")
+    lines.append(f"{window}-step means: largest gap {windowed[w]:.2%} (steps {w + 1}-{w + window}); "
+                 f"tolerance {tolerance:.2%}: {'within' if ok else 'EXCEEDED'}")
+    return lines, ok
 
 if __name__ == "__main__":
     sys.exit(main())

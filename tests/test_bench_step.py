@@ -8,7 +8,9 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT
+import numpy as np
+
+from conftest import ROOT, stdlib_glob
 from trainer.xla_env import GPU_DEFAULTS, set_default_flags
 
 
@@ -33,3 +35,29 @@ def test_default_flags_never_override_the_users():
     assert set_default_flags(env) == [] and env["XLA_FLAGS"].endswith("=false")
     empty: dict[str, str] = {}
     assert len(set_default_flags(empty)) == len(GPU_DEFAULTS) and "latency_hiding" in empty["XLA_FLAGS"]
+
+
+def test_the_precision_check_passes_wandering_and_fails_a_sustained_offset():
+    """bench.precision's verdict: single steps that wander apart and back are within 2%; the same
+    curve 3% high throughout (what a bf16 softmax or loss would do) is not."""
+    from bench.precision import compare
+
+    f32 = np.linspace(5.0, 2.5, 50)
+    wander = f32 * (1 + 0.03 * np.sin(np.arange(50) * np.pi / 2))  # +-3% single steps, zero mean
+    assert np.abs(wander - f32).max() / f32.min() > 0.02  # the steps really differ by more than 2%
+    lines, ok = compare(f32, wander, 0.02)
+    assert ok and lines[-1].endswith("within")
+    lines, ok = compare(f32, f32 * 1.03, 0.02)
+    assert not ok and lines[-1].endswith("EXCEEDED")
+
+
+def test_the_precision_benchmark_runs_both_dtypes(tmp_path):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    cmd = [sys.executable, "-m", "bench.precision", "--config", "tiny", "--steps", "3", "mesh.data=1",
+           "train.global_batch=8", f"data.path={stdlib_glob('json')}"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| 3 |")]
+    assert len(rows) == 1
+    f32, bf16 = (float(x) for x in rows[0].split("|")[2:4])
+    assert f32 != bf16 and abs(f32 - bf16) < 0.02 * f32  # two real runs, bf16 close to float32
