@@ -26,13 +26,18 @@ def _mask(segment_ids: Array | None, length: int) -> Array:
 
 
 def xla_attention(q: Array, k: Array, v: Array, segment_ids: Array | None) -> Array:
+    return masked_attention(q, k, v, _mask(segment_ids, q.shape[1]))
+
+
+def masked_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
+    """q [b, t, heads, d] over k, v [b, s, kv_heads, d] where mask [b or 1, 1, t, s] is true;
+    also what KV-cache decoding (model/decode.py) attends with, s being the cache length."""
     b, t, h, d = q.shape
     kv = k.shape[2]
     # Group query heads by the kv head they share instead of repeating k and v.
     q = q.reshape(b, t, kv, h // kv, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * d**-0.5
-    mask = _mask(segment_ids, t)[:, :, None]  # broadcast over the group axis
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)  # broadcast over the group axis
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(b, t, h, d)

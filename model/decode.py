@@ -2,8 +2,9 @@
 
 `forward` runs new tokens through the stacked blocks at positions `start ...`, writing their
 keys and values into a fixed-size cache and attending over everything cached so far; the
-prompt goes through it once (prefill), then one token per step. Norms, the MLP, the rotary
-embedding and the output head are the model's; only attention is written here, because the
+prompt goes through it once (prefill), then one token per step. Norms, the q/k/v and output
+projections with their rotary embedding (`Attention.project`, `Attention.output`), the MLP and
+the output head are the model's; only the attention over the cache is written here, because the
 training path attends within one sequence and has no cache. `generate` runs prefill and the
 whole decode loop inside one `jit` (a `lax.scan` over new tokens), greedy or sampled.
 """
@@ -16,7 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model.layers import Block, rotary
+from model.attention import masked_attention
+from model.layers import Block
 from model.transformer import Transformer
 
 Array = jax.Array
@@ -37,31 +39,18 @@ def init_cache(model: Transformer, batch: int, max_len: int) -> Cache:
 def _attend_cached(q: Array, k: Array, v: Array, q_pos: Array) -> Array:
     """q [b, t, h, d] at positions q_pos [t] over the whole cache k, v [b, S, kv, d]; a slot is
     seen iff its position <= the query's (slots past the written ones are never seen)."""
-    b, t, h, d = q.shape
-    kv = k.shape[2]
-    q = q.reshape(b, t, kv, h // kv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * d**-0.5
     visible = jnp.arange(k.shape[1])[None, :] <= q_pos[:, None]  # [t, S]
-    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
+    return masked_attention(q, k, v, visible[None, None])
 
 
 def _block(
     block: Block, x: Array, positions: Array, start: Array | int, k_cache: Array, v_cache: Array
 ) -> tuple[Array, Array, Array]:
     """One decoder layer on new tokens x [b, t, d]; returns x and the updated cache of this layer."""
-    attn, dt = block.attn, x.dtype
-    h = block.attn_norm(x)
-    theta = attn.cfg.rope_theta
-    pos_bt = jnp.broadcast_to(positions, x.shape[:2])
-    q = rotary(jnp.einsum("bld,dhk->blhk", h, attn.q[...].astype(dt)), pos_bt, theta)
-    k = rotary(jnp.einsum("bld,dhk->blhk", h, attn.k[...].astype(dt)), pos_bt, theta)
-    v = jnp.einsum("bld,dhk->blhk", h, attn.v[...].astype(dt))
+    q, k, v = block.attn.project(block.attn_norm(x), jnp.broadcast_to(positions, x.shape[:2]))
     k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, start, 0, 0))
     v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, start, 0, 0))
-    out = _attend_cached(q, k_cache, v_cache, positions)
-    x = x + jnp.einsum("blhk,hkd->bld", out, attn.o[...].astype(dt))
+    x = x + block.attn.output(_attend_cached(q, k_cache, v_cache, positions))
     x = x + block.mlp(block.mlp_norm(x))
     return x, k_cache, v_cache
 

@@ -68,16 +68,24 @@ class Attention(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x: Array, positions: Array, segment_ids: Array | None) -> Array:
+        q, k, v = self.project(x, positions)
+        return self.output(attend(q, k, v, segment_ids, impl=self.cfg.attention))
+
+    def project(self, x: Array, positions: Array) -> tuple[Array, Array, Array]:
+        """x [b, l, d] -> q [b, l, heads, hd], k and v [b, l, kv_heads, hd], rotary applied.
+        Split from __call__ so KV-cache decoding (model/decode.py) reuses it."""
         dt = x.dtype
         q = jnp.einsum("bld,dhk->blhk", x, self.q[...].astype(dt))
         k = jnp.einsum("bld,dhk->blhk", x, self.k[...].astype(dt))
         v = jnp.einsum("bld,dhk->blhk", x, self.v[...].astype(dt))
         q = constrain(rotary(q, positions, self.cfg.rope_theta), ("batch", "length", "heads", "head_dim"))
         k = constrain(rotary(k, positions, self.cfg.rope_theta), ("batch", "length", "kv_heads", "head_dim"))
-        v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
-        out = attend(q, k, v, segment_ids, impl=self.cfg.attention)
+        return q, k, constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+
+    def output(self, out: Array) -> Array:
+        """Attention output [b, l, heads, hd] -> [b, l, d]."""
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
-        return jnp.einsum("blhk,hkd->bld", out, self.o[...].astype(dt))
+        return jnp.einsum("blhk,hkd->bld", out, self.o[...].astype(out.dtype))
 
 
 class MLP(nnx.Module):
