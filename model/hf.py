@@ -293,12 +293,12 @@ def import_(
     `init.from_hf` instead, which loads straight into the sharded layout."""
     # The trainer builds the state and its data position; imported here because the model
     # package must not depend on the trainer (which depends on it).
+    from trainer.checkpoint import has_checkpoints
     from trainer.loop import build
     from trainer.program import prepare
 
     cfg = import_config(hf_dir, run_dir, preset, overrides)
-    ckpt_dir = os.path.join(cfg.run.dir, "checkpoints")
-    if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
+    if has_checkpoints(cfg.run.dir):
         raise ConfigError(f"--run-dir: {cfg.run.dir} already holds checkpoints; import into a new run directory")
     check_compatible(cfg.model, cfg.init.from_hf, "--hf-dir")  # user overrides of model.* must still fit
     one = dataclasses.replace(cfg, mesh=MeshConfig(pipeline=1, data=1, fsdp=1, tensor=1), pipeline=PipelineConfig())

@@ -38,12 +38,21 @@ def _get(cfg: Config, key: str) -> object:
     return getattr(getattr(cfg, section), name)
 
 
+def checkpoint_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, "checkpoints")
+
+
+def has_checkpoints(run_dir: str) -> bool:
+    """Whether run_dir/checkpoints holds anything: a run that will resume rather than start."""
+    ckpt_dir = checkpoint_dir(run_dir)
+    return os.path.isdir(ckpt_dir) and bool(os.listdir(ckpt_dir))
+
+
 def check_resumable(cfg: Config) -> None:
     """If run.dir holds checkpoints, the new config must fit them. Raises ConfigError naming
     the first key that differs, before anything in run.dir is touched."""
     saved = os.path.join(cfg.run.dir, "config.yaml")
-    ckpt_dir = os.path.join(cfg.run.dir, "checkpoints")
-    if not (os.path.exists(saved) and os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir)):
+    if not (os.path.exists(saved) and has_checkpoints(cfg.run.dir)):
         return
     old = load_config(saved)
     for key in RESUME_KEYS:

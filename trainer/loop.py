@@ -15,7 +15,6 @@ import time
 from typing import Any, Iterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from configs import Config, dump_config
@@ -23,13 +22,13 @@ from configs.schema import nan_steps
 from data import describe, eval_batches, global_batches, make_iterator, to_global
 from model import flops_per_token, hf
 from sharding import distributed
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint import Checkpointer, checkpoint_dir, has_checkpoints
 from trainer.faults import Preempted, StopSignal, TooManyBadSteps, Watchdog, fingerprint
 from trainer.goodput import Goodput
 from trainer.metrics import MetricsLogger, log
 from trainer.observe import instrument
 from trainer.program import Prepared, Program, make_program, prepare
-from trainer.state import TrainState, init_state, param_count
+from trainer.state import TrainState, init_state, param_count, state_from_params
 from trainer.xla_env import use_compile_cache
 
 
@@ -65,12 +64,11 @@ def build(p: Prepared, devices: list) -> Built:
     """Restores the newest readable checkpoint or creates the state, sharded; then writes the
     resolved config into run.dir."""
     cfg, layout = p.cfg, p.layout
-    ckpt_dir = os.path.join(cfg.run.dir, "checkpoints")
-    from_hf = bool(cfg.init.from_hf) and not (os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir))
+    from_hf = bool(cfg.init.from_hf) and not has_checkpoints(cfg.run.dir)
     if from_hf:  # checked before anything is written; once the run has checkpoints it resumes from them
         hf.check_compatible(cfg.model, cfg.init.from_hf)
     program = make_program(p, devices)
-    ckpt = Checkpointer(ckpt_dir, cfg.checkpoint)
+    ckpt = Checkpointer(checkpoint_dir(cfg.run.dir), cfg.checkpoint)
     iterator = make_iterator(cfg, p.source)
     log(describe(p.source, cfg))
     eval_rows: list = []
@@ -87,7 +85,7 @@ def build(p: Prepared, devices: list) -> Built:
     restored = ckpt.restore_latest(program.abstract_state(), iterator, warn=log)
     if restored is None and from_hf:
         params = hf.load_params(cfg.init.from_hf, cfg.model, program.state_sh.params)
-        start, state = 0, _with_fresh_optimizer(params, program)
+        start, state = 0, state_from_params(params, program.tx, program.state_sh)
         log(f"initialized the parameters from {cfg.init.from_hf} (init.from_hf)")
     elif restored is None:
         start, state = 0, init_state(cfg.model, program.tx, cfg.run.seed, program.state_sh)
@@ -102,12 +100,6 @@ def build(p: Prepared, devices: list) -> Built:
             f"bubble fraction {layout.bubble:.3f}"
         )
     return Built(program, state, start, iterator, ckpt, eval_rows)
-
-
-def _with_fresh_optimizer(params: dict, program: Program) -> TrainState:
-    """Step 0 with the given (already sharded) parameters and a new optimizer state."""
-    init = lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=program.tx.init(p))  # noqa: E731
-    return jax.jit(init, out_shardings=program.state_sh)(params)
 
 
 def _poisoned(batches: Iterator[dict[str, np.ndarray]], steps: set[int], start: int, vocab: int) -> Iterator:

@@ -48,12 +48,22 @@ def abstract_state(tx: optax.GradientTransformation, shapes: dict, shardings: Tr
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
 
+def _step_zero(params: dict, tx: optax.GradientTransformation) -> TrainState:
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+
 def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, shardings: TrainState) -> TrainState:
+    """Step 0 with random parameters (`seed`), each shard created on its device."""
+
     def init() -> TrainState:
-        params = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed))))
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+        return _step_zero(nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))), tx)
 
     return jax.jit(init, out_shardings=shardings)()
+
+
+def state_from_params(params: dict, tx: optax.GradientTransformation, shardings: TrainState) -> TrainState:
+    """Step 0 with the given (already sharded) parameters, e.g. imported ones, and a new optimizer state."""
+    return jax.jit(lambda p: _step_zero(p, tx), out_shardings=shardings)(params)
 
 
 def param_count(shapes: dict) -> int:
