@@ -16,6 +16,7 @@ non-string field are skipped and counted, invalid UTF-8 is replaced and counted.
 from __future__ import annotations
 
 import bz2
+import contextlib
 import dataclasses
 import glob
 import gzip
@@ -147,13 +148,22 @@ def open_input(path: str) -> tuple[BinaryIO, BinaryIO]:
     return (wrap(raw) if wrap else raw), raw
 
 
+@contextlib.contextmanager
+def decompress_errors(path: str, f: BinaryIO, raw: BinaryIO) -> Iterator[None]:
+    """A compressed file that fails to decompress becomes a ConfigError naming it; a plain
+    file's own I/O errors pass through as they are."""
+    try:
+        yield
+    except DECOMPRESS_ERRORS as e:
+        if f is raw:
+            raise
+        raise ConfigError(f"{path}: does not decompress ({e})") from None
+
+
 def read_all(path: str) -> bytes:
     f, raw = open_input(path)
-    with raw, f:
-        try:
-            return f.read()
-        except DECOMPRESS_ERRORS as e:
-            raise ConfigError(f"{path}: does not decompress ({e})") from None
+    with raw, f, decompress_errors(path, f, raw):
+        return f.read()
 
 
 def plan_tasks(files: list[str], fmt: str, field: str) -> Iterator[Task]:
@@ -185,11 +195,9 @@ def _jsonl_tasks(path: str) -> Iterator[Task]:
     with raw, f:
         done = 0  # bytes of the file on disk read so far: the progress bar counts those
         while True:
-            try:
+            with decompress_errors(path, f, raw):
                 block = f.read(JSONL_TASK_BYTES)
                 block += f.readline()  # end on a line boundary
-            except DECOMPRESS_ERRORS as e:
-                raise ConfigError(f"{path}: does not decompress ({e})") from None
             if not block:
                 break
             if pending is not None:
