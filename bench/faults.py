@@ -24,7 +24,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from bench.procs import TINY, Train, free_port
+from bench.procs import TINY, Train, two_processes
 
 DATA = "data.path=" + os.path.join(sysconfig.get_paths()["stdlib"], "json", "**", "*.py")
 
@@ -136,15 +136,9 @@ def damaged_newest(root: str) -> Row:
                f"warned (time from restart), fell back, resumed from step {start}")
 
 
-def two_processes(run_dir: str, *extra: str, per_process: tuple[list[str], list[str]] = ([], [])) -> list[Train]:
-    port = free_port()
-    common = args(run_dir, f"dist.coordinator=127.0.0.1:{port}", "dist.num_processes=2",
-                  "dist.heartbeat_timeout_s=5", "dist.init_timeout_s=60", *extra)
-    return [Train(*common, f"dist.process_id={i}", *per_process[i], devices=4) for i in range(2)]
-
-
 def killed_peer(root: str) -> Row:
-    procs = two_processes(os.path.join(root, "peer"), "train.steps=100000", "checkpoint.every=100000")
+    procs = two_processes(*args(os.path.join(root, "peer"), "train.steps=100000", "checkpoint.every=100000"),
+                          heartbeat=5)
     procs[0].wait_for(r"^step +3/", timeout=180)
     t0 = time.monotonic()
     procs[1].kill()
@@ -154,8 +148,8 @@ def killed_peer(root: str) -> Row:
 
 
 def config_mismatch(root: str) -> Row:
-    procs = two_processes(os.path.join(root, "mismatch"), "train.steps=4",
-                          per_process=(["optim.lr=0.001"], ["optim.lr=0.002"]))
+    procs = two_processes(*args(os.path.join(root, "mismatch"), "train.steps=4"),
+                          per_process=(["optim.lr=0.001"], ["optim.lr=0.002"]), heartbeat=5)
     codes = [p.finish(120) for p in procs]
     seen = max(p.seen_at("processes disagree") - p.started for p in procs)
     return Row("processes disagree on the config", seen, max(codes), None, 0,

@@ -83,6 +83,15 @@ class Train:
             self.proc.wait(10)
 
 
+def two_processes(*args: str, per_process: tuple[list[str], list[str]] = ([], []), heartbeat: int = 20) -> list[Train]:
+    """`train.py ARGS` as processes 0 and 1 of one job on 127.0.0.1, 4 fake CPU devices each;
+    `per_process` adds each one's own overrides (to make them disagree)."""
+    port = free_port()
+    common = [*args, f"dist.coordinator=127.0.0.1:{port}", "dist.num_processes=2",
+              f"dist.heartbeat_timeout_s={heartbeat}", "dist.init_timeout_s=60"]
+    return [Train(*common, f"dist.process_id={i}", *per_process[i], devices=4) for i in range(2)]
+
+
 def run(*args: str, devices: int = 8, timeout: float = 120) -> tuple[int, str]:
     t = Train(*args, devices=devices)
     code = t.finish(timeout)

@@ -15,7 +15,8 @@ import pytest
 import trainer
 from configs import load_config
 from conftest import stdlib_glob
-from bench.procs import TINY, Train, free_port
+from bench.procs import TINY
+from bench.procs import two_processes as start_two
 
 DATA = f"data.path={stdlib_glob('json')}"
 LAYOUT = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
@@ -25,11 +26,8 @@ def cfg(run_dir, *overrides: str):
     return load_config(TINY, [f"run.dir={run_dir}", DATA, "train.log_every=1", *overrides])
 
 
-def two_processes(run_dir, *extra: str, per_process: tuple[list[str], list[str]] = ([], []), heartbeat: int = 20):
-    port = free_port()
-    common = ["--config", TINY, f"run.dir={run_dir}", DATA, "train.log_every=1", f"dist.coordinator=127.0.0.1:{port}",
-              "dist.num_processes=2", f"dist.heartbeat_timeout_s={heartbeat}", "dist.init_timeout_s=60", *extra]
-    return [Train(*common, f"dist.process_id={i}", *per_process[i], devices=4) for i in range(2)]
+def two_processes(run_dir, *extra: str, **kw) -> list:
+    return start_two("--config", TINY, f"run.dir={run_dir}", DATA, "train.log_every=1", *extra, **kw)
 
 
 def metrics(run_dir) -> list[dict]:
