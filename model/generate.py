@@ -24,7 +24,7 @@ from flax import nnx
 from configs import Config, ConfigError, load_config
 from model.decode import generate
 from model.hf import param_shapes
-from model.transformer import Transformer
+from model.transformer import Transformer, abstract_transformer
 
 
 def load_run(run_dir: str, step: int | None = None, device: jax.Device | None = None) -> tuple[Config, int, dict]:
@@ -55,7 +55,7 @@ def load_run(run_dir: str, step: int | None = None, device: jax.Device | None = 
 
 def build_model(cfg: Config, params: dict) -> Transformer:
     """The Transformer holding `params` (no random init is materialized)."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
+    graphdef, state = nnx.split(abstract_transformer(cfg.model))
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)
 

@@ -30,7 +30,7 @@ from flax import nnx
 from configs import dump_config, load_config
 from configs.schema import ConfigError, MeshConfig, ModelConfig, PipelineConfig
 from model.safetensors_files import EXPORT_DTYPES, SafetensorsDir, write_safetensors  # noqa: F401 (re-exported)
-from model.transformer import Transformer
+from model.transformer import abstract_transformer
 
 # (our parameter path, Hugging Face tensor name, input dims). "{i}" is the layer index. A
 # projection with n input dims is stored by Hugging Face as [prod(other dims), prod(input dims)]
@@ -151,7 +151,7 @@ def _from_ours(a: np.ndarray, n_in: int) -> np.ndarray:
 
 def param_shapes(cfg: ModelConfig) -> dict:
     """Our parameters' ShapeDtypeStructs (nested dict, layers stacked), without allocating."""
-    return nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))))
+    return nnx.to_pure_dict(nnx.state(abstract_transformer(cfg)))
 
 
 def _reader(files: SafetensorsDir, names: list[str], shape: tuple[int, ...], n_in: int, stacked: bool) -> Callable:

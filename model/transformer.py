@@ -104,3 +104,8 @@ class Transformer(nnx.Module):
         runner: LayerRunner | None = None,
     ) -> Array:
         return self.logits(self.features(tokens, positions, segment_ids, runner))
+
+
+def abstract_transformer(cfg: ModelConfig) -> Transformer:
+    """The model with ShapeDtypeStruct parameters: every shape and logical axis, nothing allocated."""
+    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))

@@ -17,7 +17,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from configs.schema import ModelConfig
-from model import Transformer
+from model import Transformer, abstract_transformer
 from sharding import logical_axes
 
 
@@ -29,8 +29,7 @@ class TrainState(struct.PyTreeNode):
 
 def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, dict, dict]:
     """(graphdef, parameter ShapeDtypeStructs, logical axis names), all without allocating."""
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(model)
+    graphdef, state = nnx.split(abstract_transformer(cfg))
     return graphdef, nnx.to_pure_dict(state), logical_axes(state)
 
 
