@@ -77,8 +77,8 @@ def test_kill_9_mid_run_resumes_bit_for_bit(tmp_path, uninterrupted):
 
 
 # Synthetic tokens: a 16k vocabulary is far from the byte tokenizer's, which the text source refuses.
-BIG_STATE = ["data.source=synthetic", "model.d_model=128", "model.head_dim=8", "model.vocab_size=16384", "checkpoint.every=1",
-             "checkpoint.keep=2", "train.steps=6"]
+BIG_STATE = ["data.source=synthetic", "model.d_model=128", "model.head_dim=8", "model.vocab_size=16384",
+             "checkpoint.every=1", "checkpoint.keep=2", "train.steps=6"]
 
 
 def test_kill_9_mid_save_ignores_the_half_written_checkpoint(tmp_path):
