@@ -8,6 +8,7 @@ schedule) without the model knowing about meshes or devices.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Protocol
 
 import jax
@@ -49,6 +50,33 @@ def scan_layers(layers: Block, x: Array, positions: Array, segment_ids: Array | 
     return x
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def head_logits(x: Array, w: Array, w_dims: str) -> Array:
+    """Output-head logits in float32 from x [batch, length, embed] and the head weight in the
+    compute dtype (`w_dims` "dv", or "vd" for the tied embedding table)."""
+    return jnp.einsum(f"bld,{w_dims}->blv", x, w, preferred_element_type=jnp.float32)
+
+
+def _head_fwd(x: Array, w: Array, w_dims: str) -> tuple[Array, tuple[Array, Array]]:
+    return head_logits(x, w, w_dims), (x, w)
+
+
+def _head_bwd(w_dims: str, res: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
+    # The float32 logit gradient is rounded to the compute dtype before both matmuls, as every
+    # other layer's is: the weight gradient then comes out of its matmul in the compute dtype,
+    # so its reduction over the batch shards moves that dtype (autodiff's own transpose emits
+    # it in float32 and the partitioner reduces it there: twice the bytes for the largest
+    # matrix of the model), and the matmuls run at the compute dtype's rate.
+    x, w = res
+    g = g.astype(x.dtype)
+    dx = jnp.einsum(f"blv,{w_dims}->bld", g, w)
+    dw = jnp.einsum(f"bld,blv->{w_dims}", x, g)
+    return dx, dw
+
+
+head_logits.defvjp(_head_fwd, _head_bwd)
+
+
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -76,10 +104,11 @@ class Transformer(nnx.Module):
         dtype = jnp.dtype(self.cfg.dtype)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        # Gather the table's FSDP shards first (the compute layout of `embed`), so the lookup's
-        # result comes out batch-sharded instead of being rematerialized by the partitioner.
-        table = constrain(self.embedding[...], ("vocab", "embed"))
-        x = jnp.take(table, tokens, axis=0).astype(dtype)
+        # Cast, then gather the table's FSDP shards (the compute layout of `embed`), so the
+        # gather moves the compute dtype and the lookup's result comes out batch-sharded
+        # instead of being rematerialized by the partitioner.
+        table = constrain(self.embedding[...].astype(dtype), ("vocab", "embed"))
+        x = jnp.take(table, tokens, axis=0)
         x = constrain(x, ("batch", "length", "embed"))
         if runner is None:
             x = scan_layers(self.layers, x, positions, segment_ids, remat_policy=self.cfg.remat)
@@ -91,9 +120,9 @@ class Transformer(nnx.Module):
         """Hidden states [batch, length, embed] -> logits [batch, length, vocab] in float32."""
         dt = x.dtype
         if self.cfg.tie_embeddings:
-            out = jnp.einsum("bld,vd->blv", x, self.embedding[...].astype(dt), preferred_element_type=jnp.float32)
+            out = head_logits(x, self.embedding[...].astype(dt), "vd")
         else:
-            out = jnp.einsum("bld,dv->blv", x, self.lm_head[...].astype(dt), preferred_element_type=jnp.float32)
+            out = head_logits(x, self.lm_head[...].astype(dt), "dv")
         return constrain(out, ("batch", "length", "vocab"))
 
     def __call__(

@@ -1,21 +1,27 @@
-"""A stated hardware model: what a device can do, and the step time that follows from a plan.
+"""The hardware table: what each target device is, which compiler builds for it, and the step
+time that follows from a compiled program.
 
-The figures are vendor peaks (dense bf16, HBM, links), not measurements; `matmul_efficiency`
-and `memory_reserve` are assumptions, named as such. The step-time model, per device:
+Vendor figures (dense bf16 peak, HBM size and bandwidth, link bandwidths) are datasheet values;
+`matmul_efficiency` and `hbm_efficiency` are calibrations, measured where we could (H100 SXM,
+shared/gpu/README.md: a bf16 8192^3 matmul at 694 TFLOP/s median = 70% of 989; an elementwise
+pass at 2.6 TB/s = 78% of 3.35) and carried over as assumptions elsewhere. `memory_reserve` is an
+assumption for GPUs (CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers); a TPU compile checks
+its own memory, so TPUs reserve nothing here.
 
-    compute  = hardware FLOPs / (peak x matmul_efficiency)         (model FLOPs + remat recompute)
-    hbm      = HBM bytes / HBM bandwidth                           (a rough lower bound, see hbm_bytes)
-    overlap  = time of collectives over batch axes only (data, fsdp): weight gathers and gradient
-               reductions, which XLA's latency-hiding scheduler runs beside the layers' compute
-    exposed  = time of every other collective (tensor: activations on the critical path;
-               pipeline: stage hand-offs and weight regrouping)
-    step     = max(compute, hbm, overlap) / (1 - pipeline bubble) + exposed
+The step-time model, per device (inputs from sharding/roofline.py and sharding/hlo.py):
+
+    compute  = sum over the compiled program's kernels of max(FLOPs / (peak x matmul_efficiency),
+               bytes / (HBM bandwidth x hbm_efficiency)), loop trips included
+    overlap  = collectives over batch axes only (data, fsdp): weight gathers and gradient
+               reductions, which the latency-hiding scheduler runs beside the layers' compute
+    exposed  = every other collective (tensor: activations on the critical path; pipeline:
+               stage hand-offs)
+    step     = max(compute, overlap) / (1 - pipeline bubble) + exposed
     MFU      = model FLOPs / (step x peak)
 
 A collective costs ring-algorithm bytes (sharding.hlo.RING_FACTORS) over the slowest link its
-groups use: the intra-node link if every group stays inside one node, else the inter-node one.
-Per-op latency is left out (about 1,000 ops per step for an 8B model: milliseconds, against a
-step of seconds).
+groups cross: the intra-node link (NVLink, ICI) if every group stays inside one node or slice,
+else the inter-node one (InfiniBand, data-center network).
 """
 
 from __future__ import annotations
@@ -28,54 +34,71 @@ BATCH_AXES = ("data", "fsdp")  # activations never cross these inside a step, we
 @dataclasses.dataclass(frozen=True)
 class Hardware:
     name: str
+    platform: str  # the compiler that builds for it: "cuda" or "tpu"
+    spec: str  # cuda: the GPU target description in sharding/gpu_specs/; tpu: libtpu's generation name
     peak_flops: float  # dense bf16 FLOP/s per device
     hbm_bytes_per_s: float
     memory_bytes: float
     intra_node_bytes_per_s: float  # per device per direction
     inter_node_bytes_per_s: float  # per device per direction
-    devices_per_node: int  # devices sharing the fast link
-    matmul_efficiency: float = 0.7  # assumed fraction of peak the step's matmuls reach
-    memory_reserve: float = 0.1  # assumed share of memory kept by the runtime (context, workspaces, NCCL)
+    devices_per_node: int  # GPUs sharing NVLink; TPU: 0, a slice is all ICI (slices are the nodes)
+    device_kinds: tuple[str, ...]  # substrings of jax's `device_kind` that name this device
+    torus_dims: int = 0  # TPU: 2 (v5e, v6e) or 3 (v5p) slice dimensions
+    matmul_efficiency: float = 0.70
+    hbm_efficiency: float = 0.78
+    memory_reserve: float = 0.0
 
     @property
     def memory_budget(self) -> float:
         return self.memory_bytes * (1 - self.memory_reserve)
 
 
+_GPU = dict(platform="cuda", devices_per_node=8, memory_reserve=0.1)
 HARDWARE = {
-    # H100 SXM: NVLink 4 gives 900 GB/s per GPU both ways; InfiniBand NDR 400 Gb/s per GPU.
-    "h100": Hardware("h100", 989e12, 3.35e12, 80e9, 450e9, 50e9, 8),
-    "h200": Hardware("h200", 989e12, 4.8e12, 141e9, 450e9, 50e9, 8),
-    # v5p: 4,800 Gb/s of ICI per chip over 6 links; a ring along one torus axis uses 2 of them
-    # (2 x 100 GB/s, an assumption). A slice (up to 8,960 chips) is all ICI; between slices the
-    # data-center network, assumed 25 GB/s per chip.
-    "tpu-v5p": Hardware("tpu-v5p", 459e12, 2.76e12, 95e9, 200e9, 25e9, 8960),
+    # NVLink 4 (H100/H200): 900 GB/s per GPU both ways; InfiniBand NDR: 400 Gb/s per GPU.
+    "h100": Hardware("h100", spec="h100_sxm.txtpb", peak_flops=989e12, hbm_bytes_per_s=3.35e12, memory_bytes=80e9,
+                     intra_node_bytes_per_s=450e9, inter_node_bytes_per_s=50e9, device_kinds=("H100",), **_GPU),
+    "h200": Hardware("h200", spec="h200.txtpb", peak_flops=989e12, hbm_bytes_per_s=4.8e12, memory_bytes=141e9,
+                     intra_node_bytes_per_s=450e9, inter_node_bytes_per_s=50e9, device_kinds=("H200", "GH200"), **_GPU),
+    # NVLink 3 (A100): 600 GB/s per GPU both ways; InfiniBand HDR: 200 Gb/s per GPU.
+    "a100": Hardware("a100", spec="a100_sxm_80.txtpb", peak_flops=312e12, hbm_bytes_per_s=2.039e12,
+                     memory_bytes=80e9, intra_node_bytes_per_s=300e9, inter_node_bytes_per_s=25e9,
+                     device_kinds=("A100",), **_GPU),
+    # TPU ICI per chip: v5e 1,600 Gb/s, v5p 4,800 Gb/s, v6e 3,584 Gb/s over all links; a ring
+    # along one torus axis is assumed to use two links' worth. Between slices the data-center
+    # network, assumed 25 GB/s per chip. A slice is the "node": every chip of it shares ICI.
+    "tpu-v5e": Hardware("tpu-v5e", platform="tpu", spec="v5e", peak_flops=197e12, hbm_bytes_per_s=0.819e12,
+                        memory_bytes=16e9, intra_node_bytes_per_s=50e9, inter_node_bytes_per_s=25e9,
+                        devices_per_node=0, device_kinds=("TPU v5 lite", "TPU v5e"), torus_dims=2),
+    "tpu-v5p": Hardware("tpu-v5p", platform="tpu", spec="v5p", peak_flops=459e12, hbm_bytes_per_s=2.765e12,
+                        memory_bytes=95e9, intra_node_bytes_per_s=200e9, inter_node_bytes_per_s=25e9,
+                        devices_per_node=0, device_kinds=("TPU v5p", "TPU v5"), torus_dims=3),
+    "tpu-v6e": Hardware("tpu-v6e", platform="tpu", spec="v6e", peak_flops=918e12, hbm_bytes_per_s=1.64e12,
+                        memory_bytes=32e9, intra_node_bytes_per_s=112e9, inter_node_bytes_per_s=25e9,
+                        devices_per_node=0, device_kinds=("TPU v6 lite", "TPU v6e"), torus_dims=2),
 }
+
+
+def peak_flops_of_kind(device_kind: str) -> float | None:
+    """The dense bf16 peak of a device by its jax `device_kind` (longest matching name wins);
+    None for a device not in the table (a CPU)."""
+    matches = [(k, hw) for hw in HARDWARE.values() for k in hw.device_kinds if k in device_kind]
+    return max(matches, key=lambda m: len(m[0]))[1].peak_flops if matches else None
 
 
 def collective_seconds(wire_bytes: float, inter_node: bool, hw: Hardware) -> float:
     return wire_bytes / (hw.inter_node_bytes_per_s if inter_node else hw.intra_node_bytes_per_s)
 
 
-def hbm_bytes(state_bytes: float, weight_bytes: float, weight_passes: int, temp_bytes: float) -> float:
-    """A rough lower bound on HBM traffic per step and device: the optimizer reads parameters,
-    gradients and both moments and writes three of them back (28 bytes per 12 bytes of f32
-    state); every matmul pass (forward, two backward, and a recompute under remat) reads the
-    weights in compute dtype; every temporary is written once and read once."""
-    return state_bytes * 28 / 12 + weight_passes * weight_bytes + 2 * temp_bytes
+def kernel_seconds(flops: float, bytes_accessed: float, hw: Hardware) -> float:
+    """Roofline time of one kernel: bound by its matmul rate or by its memory traffic."""
+    return max(flops / (hw.peak_flops * hw.matmul_efficiency), bytes_accessed / (hw.hbm_bytes_per_s * hw.hbm_efficiency))
 
 
-def predict(
-    *,
-    hw: Hardware,
-    model_flops: float,
-    hardware_flops: float,
-    hbm: float,
-    collectives: list[dict],
-    bubble: float,
-) -> dict[str, float]:
-    """Step-time terms in seconds and the MFU. collectives: dicts with `axes`, `wire_bytes`
-    (per step, all executions) and `inter_node`; each gains `seconds` and `overlapped`."""
+def predict(*, hw: Hardware, model_flops: float, compute_s: float, collectives: list[dict], bubble: float) -> dict[str, float]:
+    """Step-time terms in seconds and the MFU. compute_s: the roofline of the compiled kernels;
+    collectives: dicts with `axes`, `wire_bytes` (per step) and `inter_node`; each gains
+    `seconds` and `overlapped`."""
     overlap = exposed = 0.0
     for c in collectives:
         c["seconds"] = collective_seconds(c["wire_bytes"], c["inter_node"], hw)
@@ -84,12 +107,9 @@ def predict(
             overlap += c["seconds"]
         else:
             exposed += c["seconds"]
-    compute = hardware_flops / (hw.peak_flops * hw.matmul_efficiency)
-    memory = hbm / hw.hbm_bytes_per_s
-    step = max(compute, memory, overlap) / (1 - bubble) + exposed
+    step = max(compute_s, overlap) / (1 - bubble) + exposed
     return {
-        "compute_s": compute,
-        "hbm_s": memory,
+        "compute_s": compute_s,
         "overlapped_comm_s": overlap,
         "exposed_comm_s": exposed,
         "bubble": bubble,

@@ -8,6 +8,7 @@ data path) before anything is compiled or written.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from typing import Any, Callable
@@ -30,6 +31,7 @@ from sharding import (
     shardings,
     to_rules,
 )
+from sharding.cast import cast_for_compute
 from sharding.hlo import COLLECTIVES, static_counts  # noqa: F401  (COLLECTIVES: re-exported)
 from trainer.checkpoint import check_resumable
 from trainer.layout import Layout, layer_runner, plan_layout
@@ -108,13 +110,14 @@ def make_program(p: Prepared, devices: list) -> Program:
     state_sh = state_shardings(tx, p.shapes, shardings(p.axes, layout.param_rules, mesh), mesh)
     batch_sh = batch_sharding(mesh, layout.act_rules)
     runner = layer_runner(layout, cfg.model.remat)
+    cast = functools.partial(cast_for_compute, axes=p.axes, dtype=cfg.model.dtype, shardings=state_sh.params)
     step = jax.jit(
-        make_train_step(p.graphdef, tx, schedule, cfg.train.grad_accum, runner, cfg.model.loss_chunk),
+        make_train_step(p.graphdef, tx, schedule, cfg.train.grad_accum, runner, cfg.model.loss_chunk, cast),
         in_shardings=(state_sh, batch_sh),
         out_shardings=(state_sh, None),
         donate_argnums=(0,),
     )
-    eval_loss = jax.jit(make_loss_fn(p.graphdef, runner, cfg.model.loss_chunk), in_shardings=(state_sh.params, batch_sh))
+    eval_loss = jax.jit(make_loss_fn(p.graphdef, runner, cfg.model.loss_chunk, cast), in_shardings=(state_sh.params, batch_sh))
     return Program(cfg, layout, mesh, tx, state_sh, batch_sh, p.shapes, p.graphdef, runner, step, eval_loss)
 
 

@@ -45,15 +45,20 @@ def chunked_cross_entropy(model: nnx.Module, x: Array, targets: Array, mask: Arr
 
 
 def make_loss_fn(
-    graphdef: nnx.GraphDef, runner: LayerRunner | None = None, loss_chunk: int = 0
+    graphdef: nnx.GraphDef,
+    runner: LayerRunner | None = None,
+    loss_chunk: int = 0,
+    cast: Callable[[dict], dict] | None = None,
 ) -> Callable[[dict, dict], Array]:
     """loss(params, batch). A batch is {"tokens"} (rows of seq_len + 1), plus "segment_ids" and
     "positions" for document packing: then attention stays within a document, positions restart
     per document, and padding (segment 0) and targets across a document boundary carry no loss.
-    `loss_chunk` > 0 computes the output head and loss that many positions at a time."""
+    `loss_chunk` > 0 computes the output head and loss that many positions at a time. `cast`
+    maps the float32 parameters to their compute-dtype view (sharding.cast) inside the
+    differentiated function, so gathers and gradient reductions move the compute dtype."""
 
     def loss_fn(params: dict, batch: dict[str, Array]) -> Array:
-        model = nnx.merge(graphdef, params)
+        model = nnx.merge(graphdef, params if cast is None else cast(params))
         tokens, segments = batch["tokens"], batch.get("segment_ids")
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         if segments is None:
@@ -95,8 +100,9 @@ def make_train_step(
     grad_accum: int,
     runner: LayerRunner | None = None,
     loss_chunk: int = 0,
+    cast: Callable[[dict], dict] | None = None,
 ) -> Callable[[TrainState, dict[str, Array]], tuple[TrainState, dict[str, Array]]]:
-    loss_fn = make_loss_fn(graphdef, runner, loss_chunk)
+    loss_fn = make_loss_fn(graphdef, runner, loss_chunk, cast)
 
     def train_step(state: TrainState, batch: dict[str, Array]) -> tuple[TrainState, dict[str, Array]]:
         loss, grads = accumulate(loss_fn, state.params, batch, grad_accum)
