@@ -38,7 +38,7 @@ class Hardware:
     spec: str  # cuda: the GPU target description in sharding/gpu_specs/; tpu: libtpu's generation name
     peak_flops: float  # dense bf16 FLOP/s per device
     hbm_bytes_per_s: float
-    memory_bytes: float
+    memory_bytes: float  # what the device reports (GPU: the target description's device_memory_size)
     intra_node_bytes_per_s: float  # per device per direction
     inter_node_bytes_per_s: float  # per device per direction
     devices_per_node: int  # GPUs sharing NVLink; TPU: 0, a slice is all ICI (slices are the nodes)
@@ -56,13 +56,13 @@ class Hardware:
 _GPU = dict(platform="cuda", devices_per_node=8, memory_reserve=0.1)
 HARDWARE = {
     # NVLink 4 (H100/H200): 900 GB/s per GPU both ways; InfiniBand NDR: 400 Gb/s per GPU.
-    "h100": Hardware("h100", spec="h100_sxm.txtpb", peak_flops=989e12, hbm_bytes_per_s=3.35e12, memory_bytes=80e9,
+    "h100": Hardware("h100", spec="h100_sxm.txtpb", peak_flops=989e12, hbm_bytes_per_s=3.35e12, memory_bytes=84.94e9,
                      intra_node_bytes_per_s=450e9, inter_node_bytes_per_s=50e9, device_kinds=("H100",), **_GPU),
-    "h200": Hardware("h200", spec="h200.txtpb", peak_flops=989e12, hbm_bytes_per_s=4.8e12, memory_bytes=141e9,
+    "h200": Hardware("h200", spec="h200.txtpb", peak_flops=989e12, hbm_bytes_per_s=4.8e12, memory_bytes=151.4e9,
                      intra_node_bytes_per_s=450e9, inter_node_bytes_per_s=50e9, device_kinds=("H200", "GH200"), **_GPU),
     # NVLink 3 (A100): 600 GB/s per GPU both ways; InfiniBand HDR: 200 Gb/s per GPU.
     "a100": Hardware("a100", spec="a100_sxm_80.txtpb", peak_flops=312e12, hbm_bytes_per_s=2.039e12,
-                     memory_bytes=80e9, intra_node_bytes_per_s=300e9, inter_node_bytes_per_s=25e9,
+                     memory_bytes=85.2e9, intra_node_bytes_per_s=300e9, inter_node_bytes_per_s=25e9,
                      device_kinds=("A100",), **_GPU),
     # TPU ICI per chip: v5e 1,600 Gb/s, v5p 4,800 Gb/s, v6e 3,584 Gb/s over all links; a ring
     # along one torus axis is assumed to use two links' worth. Between slices the data-center

@@ -28,6 +28,7 @@ import dataclasses
 import math
 import re
 from collections import defaultdict
+from typing import Sequence
 
 import numpy as np
 
@@ -48,6 +49,7 @@ _SHAPE = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")
 _HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
 _CALL = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = .*? ([a-z][\w\-]*)\(")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
@@ -75,6 +77,49 @@ def dtype_bytes(dtype: str) -> float:
 def shape_bytes(type_text: str) -> int:
     """Bytes of an HLO type: `f32[4,8]{1,0}` or a tuple `(f32[4]{0}, s32[])`."""
     return int(sum(dtype_bytes(dt) * math.prod(int(d) for d in dims.split(",") if d) for dt, dims in _SHAPE.findall(type_text)))
+
+
+def tuple_parts(type_text: str) -> list[str]:
+    """The top-level parts of a tuple type `(a, (b, c))` -> ['a', '(b, c)']; a plain type -> [it]."""
+    text = re.sub(r"/\*[^*]*\*/", "", type_text).strip()
+    if not text.startswith("("):
+        return [text]
+    parts, depth, start = [], 0, 1
+    for i, ch in enumerate(text):
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if (ch == "," and depth == 1) or depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+            if depth == 0:
+                break
+    return [p for p in parts if p]
+
+
+def buffer_bytes(kind: str, start: bool, type_text: str, line: str) -> int:
+    """The full buffer of one collective, from its type.
+
+    Asynchronous ops (GPU `*-start`) carry (operands, results) in one tuple, and a combined op
+    (one reduce-scatter for all of a layer's gradients) holds a tuple on each side: an
+    all-gather's buffer is its results, a reduce-scatter's its operands (the unreduced input),
+    a permute's its operand. An all-reduce's type is its result(s) either way."""
+    if start and kind in ("all-gather", "reduce-scatter", "collective-permute", "all-to-all"):
+        parts = tuple_parts(type_text)
+        side = parts[-1] if kind in ("all-gather", "all-to-all") else parts[0]
+        return shape_bytes(side)
+    if re.search(r"to_apply=%[\w.\-]*_promoted\b", line):
+        # The CPU backend reduces bf16 in f32 (it widens the op and names the reducer
+        # `..._promoted`); a GPU or TPU reduces the bf16 the program asked for.
+        return shape_bytes(type_text.replace("f32[", "bf16["))
+    return shape_bytes(type_text)
+
+
+def _gathers(line: str, defs: dict[str, str]) -> bool:
+    """An all-reduce whose every operand is a dynamic-update-slice (into a zero buffer): the TPU
+    compiler's way to write an all-gather; it moves what an all-gather of the buffer would."""
+    args = re.search(r"all-reduce(?:-start)?\(([^)]*)\)", line)
+    names = re.findall(r"%([\w.\-]+)", args.group(1)) if args else []
+    return bool(names) and all("dynamic-update-slice" in defs.get(n, "") for n in names)
 
 
 def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
@@ -138,7 +183,7 @@ def spanned_axes(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[s
     return tuple(n for n, v in zip(names, varies) if v)
 
 
-def _multiplicities(lines: list[str]) -> tuple[dict[str, int], int]:
+def multiplicities(lines: list[str]) -> tuple[dict[str, int], int]:
     """Executions per step of every computation, and how many loops had no known trip count."""
     callers: dict[str, list[tuple[str, int]]] = defaultdict(list)
     entry, current, unknown = None, None, 0
@@ -169,14 +214,19 @@ def _multiplicities(lines: list[str]) -> tuple[dict[str, int], int]:
     return {name: mult(name) for name in set(callers) | {entry}}, unknown
 
 
-def collectives(hlo_text: str, mesh_shape: dict[str, int], devices_per_node: int) -> tuple[list[Collective], int]:
+def collectives(
+    hlo_text: str, mesh_shape: dict[str, int], nodes: int | Sequence[int]
+) -> tuple[list[Collective], int]:
     """Every collective op of a compiled module, and the number of loops of unknown trip count.
 
-    mesh_shape: axis name -> size, outermost first, as the jit mesh. devices_per_node: device
-    positions p and q share a node iff p // devices_per_node == q // devices_per_node."""
+    mesh_shape: axis name -> size, outermost first, as the jit mesh. nodes: the node (GPU host,
+    TPU slice) of each device position of the mesh, or an int n: positions p and q share a
+    node iff p // n == q // n."""
     lines = hlo_text.splitlines()
-    mults, unknown = _multiplicities(lines)
+    mults, unknown = multiplicities(lines)
+    defs = {m.group(1): m.group(2) for m in map(_DEF.match, lines) if m}
     num_devices = math.prod(mesh_shape.values())
+    node_of = [p // nodes for p in range(num_devices)] if isinstance(nodes, int) else list(nodes)
     found, current = [], None
     for line in lines:
         header = _HEADER.match(line)
@@ -187,23 +237,15 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int], devices_per_node: int
         if not op or current is None or mults.get(current, 0) == 0:
             continue
         type_text, kind, start = op.groups()
-        if start and type_text.startswith("("):
-            # Async pairs (GPU) carry (operands, results) in one tuple: the largest part is the buffer.
-            size = max(shape_bytes(f"{dt}[{dims}]") for dt, dims in _SHAPE.findall(type_text))
-        elif re.search(r"to_apply=%[\w.\-]*_promoted\b", line):
-            # The CPU backend reduces bf16 in f32 (it widens the op and names the reducer
-            # `..._promoted`); a GPU or TPU reduces the bf16 the program asked for.
-            size = shape_bytes(type_text.replace("f32[", "bf16["))
-        else:
-            size = shape_bytes(type_text)
+        size = buffer_bytes(kind, bool(start), type_text, line)
+        if kind == "all-reduce" and _gathers(line, defs):
+            kind = "all-gather"  # TPU: an all-gather written as an all-reduce of a zero-padded buffer
         groups = device_groups(line, num_devices)
         n = max(len(g) for g in groups) if kind != "collective-permute" else 2
-        if kind == "reduce-scatter":
-            size *= n  # the result is one shard of the reduced buffer
-        nodes = [{p // devices_per_node for p in g} for g in groups]
-        found.append(
-            Collective(kind, spanned_axes(groups, mesh_shape), n, size, mults[current], any(len(s) > 1 for s in nodes))
-        )
+        if kind == "reduce-scatter" and not start:
+            size *= n  # a synchronous op's type is its result: one shard of the reduced buffer
+        crossing = any(len({node_of[p] for p in g}) > 1 for g in groups)
+        found.append(Collective(kind, spanned_axes(groups, mesh_shape), n, size, mults[current], crossing))
     return found, unknown
 
 

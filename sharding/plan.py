@@ -1,17 +1,25 @@
-"""Plan before you launch: compile the real train step for N devices you do not have, and
-predict per-device memory, FLOPs, collective traffic, step time and MFU on named hardware.
+"""Plan before you launch: compile the real train step for N devices you do not have, with
+their own compiler, and read per-device memory, FLOPs, collective traffic against its minimum,
+step time and MFU from the compiled program.
 
-    python -m sharding.plan --config configs/llama3-8b.yaml --devices 64 mesh.data=1 mesh.fsdp=64
+    python -m sharding.plan --config configs/llama3-8b.yaml --devices 64 --hardware h100 mesh.fsdp=64
+    python -m sharding.plan --config configs/llama3-8b.yaml --devices 64 --hardware tpu-v5p mesh.fsdp=64
     python -m sharding.plan --config configs/llama3-8b.yaml --devices 64 --search --out plan.json
     python -m sharding.plan --config tiny --devices 8 --search mesh.pipeline=1 --remat none,full
 
-The compile runs in a child process started with `--xla_force_host_platform_device_count=N`
-and `JAX_PLATFORMS=cpu`, on the whole model (the layer stack is one scan, so an 8B model
-compiles for 64 devices in about 3 s: no depth reduction is needed). Memory is XLA's
-`memory_analysis()` of that compile, parameters and optimizer state are the shard sizes the
-rules give; FLOPs are the model formula (model/flops.py) plus remat recompute, with XLA's
-`cost_analysis()` shown beside them; collectives are parsed from the compiled HLO
-(sharding/hlo.py); the step-time model is sharding/hardware.py.
+The compile runs in a child process. For a GPU (h100, h200, a100) it is XLA's GPU compiler, fed
+the GPU's target description (sharding/gpu_specs/), in nodes of 8; for a TPU (tpu-v5e, tpu-v5p,
+tpu-v6e) libtpu, for a slice shaped by `--topology` or the most cubic/square one of N chips
+(sharding/targets.py). Only when that compiler is not installed does the child compile for N
+fake CPU devices instead, and the plan then says so on its first line: the CPU compiler makes a
+different program (it gathers in float32, has no reduce-scatter), so no figure of it is a
+GPU/TPU figure. Every plan names its compiler.
+
+Memory is `memory_analysis()` of the compile (a TPU compile that does not fit is refused by the
+compiler itself); parameters and optimizer state are the shard sizes the rules give;
+collectives are parsed from the compiled HLO (sharding/hlo.py) and set beside the layout's
+minimum (sharding/minimum.py); the step time is a roofline over the compiled kernels
+(sharding/roofline.py) plus the collectives not overlapped (sharding/hardware.py).
 
 `--search` tries every factorization of N over pipeline x data x fsdp x tensor (axes named on
 the command line stay as given) and each remat policy of `--remat`, skips layouts the layout
@@ -19,9 +27,7 @@ checks reject (with the reason) and, per mesh, policies that recompute more than
 already fits (they can only be slower); it ranks what fits by predicted step time.
 
 Exit status: 0 fits (search: something fits); 1 does not fit; 2 bad input (one line, before
-any compile). This file is an entry point above the trainer, like train.py; what it uses below
-it knows nothing of the trainer: sharding/hlo.py (the HLO parser), sharding/hardware.py (the
-hardware table and step-time model), sharding/report.py (the arithmetic and printout).
+any compile). This file is an entry point above the trainer, like train.py.
 """
 
 from __future__ import annotations
@@ -42,9 +48,12 @@ from jax.sharding import AbstractMesh
 from configs import Config, ConfigError, load_config
 from configs.schema import MESH_AXES, REMAT_POLICIES
 from sharding import shardings
-from sharding.hardware import HARDWARE, Hardware
+from sharding.hardware import HARDWARE, Hardware, kernel_seconds
 from sharding.hlo import collectives
+from sharding.minimum import minimum
 from sharding.report import evaluate, print_plan, print_search
+from sharding.roofline import compute_seconds, kernels
+from sharding.targets import child_env, compiler_name, has_compiler, node_of, target_devices
 from trainer.optimizer import make_optimizer
 from trainer.program import abstract_program, compiled_stats, fill_microbatches, prepare
 from trainer.state import abstract_state, state_shardings
@@ -57,6 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", help="a YAML preset (a path, or a name in configs/)")
     parser.add_argument("--devices", type=int, help="how many devices to plan for")
     parser.add_argument("--hardware", default="h100", choices=sorted(HARDWARE))
+    parser.add_argument("--dump-hlo", default="", help="write each compiled program's HLO text into this folder")
+    parser.add_argument("--topology", default="", help="TPU slice shape, e.g. 4x4x4 (default: from --devices)")
     parser.add_argument("--search", action="store_true", help="try every valid layout and remat policy")
     parser.add_argument("--remat", default=",".join(DEFAULT_REMATS), help="policies --search tries, in order")
     parser.add_argument("--out", help="write the plan as JSON here (--search: plan.json by default)")
@@ -112,42 +123,66 @@ def state_bytes(cfg: Config, n: int) -> dict[str, int]:
     def per_device(tree: Any) -> int:
         return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
-    return {"params": per_device(state.params), "optimizer": per_device(state.opt_state) + per_device(state.step)}
+    return {
+        "params": per_device(state.params),
+        "optimizer": per_device(state.opt_state) + per_device(state.step),
+        "minimum": minimum(cfg, p.layout.sizes, p.shapes, p.axes, p.layout.microbatches),
+    }
 
 
-def measure(cfg: Config, devices_per_node: int) -> dict[str, Any]:
-    """Compile `cfg` on this process's devices; what the compile says, per device. `cudnn`
-    attention has no CPU lowering: the compile uses `xla`, whose [batch, heads, T, T] scores
-    flash attention would not hold, so the temporaries are then an upper bound."""
+def measure(cfg: Config, hw: Hardware, target: Hardware | None, n: int, topology: str, dump: str = "") -> dict[str, Any]:
+    """Compile `cfg` for n devices of `target` (None: this process's fake CPU devices, the
+    fallback); what the compile says, per device."""
     notes = []
-    if cfg.model.attention == "cudnn":
+    if cfg.model.attention == "cudnn" and (target is None or target.platform != "cuda"):
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="xla"))
-        notes.append("attention compiled as xla (cudnn has no CPU lowering): temporaries hold the "
-                     "[batch, heads, T, T] scores flash attention would not, an upper bound")
-    program = abstract_program(cfg)
-    compiled, seconds = program.compile()
-    ops, unknown = collectives(compiled.as_text(), program.layout.sizes, devices_per_node)
+        where = "the CPU" if target is None else "a TPU"
+        notes.append(f"model.attention=cudnn has no kernel on {where}: planned with xla attention, whose "
+                     "[batch, heads, T, T] scores flash attention would not hold (temporaries: an upper bound)")
+    devices = jax.devices() if target is None else target_devices(target, n, topology=topology)
+    program = abstract_program(cfg, devices)
+    try:
+        compiled, seconds = program.compile()
+    except Exception as e:  # libtpu checks memory itself: "RESOURCE_EXHAUSTED ... exceeds available HBM"
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        lines = [line.strip() for line in str(e).splitlines() if "RESOURCE_EXHAUSTED" in line or "exceeds" in line]
+        return {"out_of_memory": " ".join(lines)[:300]}
+    text = compiled.as_text()
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        layout = "_".join(f"{a}{s}" for a, s in program.layout.sizes.items() if s > 1) or "1"
+        with open(os.path.join(dump, f"{hw.name}_{n}_{layout}_{cfg.model.remat}.hlo"), "w") as f:
+            f.write(text)
+    nodes = node_of(list(program.mesh.devices.flat), target, hw.devices_per_node or n)
+    ops, unknown = collectives(text, program.layout.sizes, nodes)
     if unknown:
-        notes.append(f"{unknown} loop(s) of unknown trip count: their collectives are counted once")
-    batch = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(program.abstract_batch())) // len(jax.devices())
+        notes.append(f"{unknown} loop(s) of unknown trip count: their collectives and kernels are counted once")
+    batch = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(program.abstract_batch())) // n
     return {
         **compiled_stats(compiled),
+        "compiler": compiler_name(target),
         "compile_s": seconds,
         "batch_bytes": batch,
         "collectives": [{**dataclasses.asdict(c), "wire_bytes": c.wire_bytes} for c in ops],
+        "roofline": compute_seconds(kernels(text), lambda f, b: kernel_seconds(f, b, hw)),
         "bubble": program.layout.bubble if program.layout.pipelined else 0.0,
         "notes": notes,
     }
 
 
-def run_child(config: str | None, jobs: list[list[str]], n: int, devices_per_node: int) -> list[dict]:
-    """Measures each job in one child process that sees n fake CPU devices."""
+def run_child(config: str | None, jobs: list[list[str]], n: int, hw: Hardware, target: Hardware | None,
+              topology: str, dump: str = "") -> list[dict]:
+    """Measures each job in one child process that compiles for n devices of `target` (None:
+    n fake CPU devices)."""
     with tempfile.TemporaryDirectory() as tmp:
         spec = os.path.join(tmp, "spec.json")
         with open(spec, "w") as f:
-            json.dump({"config": config, "jobs": jobs, "devices_per_node": devices_per_node}, f)
-        env = dict(os.environ, JAX_PLATFORMS="cpu")
-        env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
+            json.dump({"config": config, "jobs": jobs, "hardware": hw.name, "target": target is not None,
+                       "devices": n, "topology": topology, "dump": dump}, f)
+        env = child_env(target, dict(os.environ))
+        if target is None:
+            env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         done = subprocess.run([sys.executable, "-m", "sharding.plan", "--child", spec], env=env, cwd=root,
                               capture_output=True, text=True)
@@ -160,11 +195,12 @@ def run_child(config: str | None, jobs: list[list[str]], n: int, devices_per_nod
 def child_main(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
+    hw, n = HARDWARE[spec["hardware"]], spec["devices"]
     results = []
     for overrides in spec["jobs"]:
         try:
-            cfg = fill_microbatches(load_config(spec["config"], overrides), jax.device_count())
-            results.append(measure(cfg, spec["devices_per_node"]))
+            cfg = fill_microbatches(load_config(spec["config"], overrides), n)
+            results.append(measure(cfg, hw, hw if spec["target"] else None, n, spec["topology"], spec["dump"]))
         except Exception as e:  # one layout XLA cannot compile must not sink the others
             results.append({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"})
     with open(spec_path + ".out", "w") as f:
@@ -199,7 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    plan = evaluate(args, rows, hw, lambda jobs: run_child(args.config, jobs, args.devices, hw.devices_per_node), state_bytes)
+    target = hw if has_compiler(hw) else None
+    if target is None:
+        print(f"FALLBACK: {hw.name}'s compiler is not installed (make test installs it; see README); compiled "
+              f"for {args.devices} fake CPU devices: memory, traffic and time below are CPU figures, not {hw.name}'s")
+    measure_jobs = lambda jobs: run_child(args.config, jobs, args.devices, hw, target, args.topology,
+                                          os.path.abspath(args.dump_hlo) if args.dump_hlo else "")  # noqa: E731
+    plan = evaluate(args, rows, hw, measure_jobs, state_bytes, compiler_name(target))
     (print_search if args.search else print_plan)(plan)
     out = args.out or ("plan.json" if args.search else None)
     if out:

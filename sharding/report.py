@@ -10,26 +10,12 @@ import dataclasses
 from collections import defaultdict
 from typing import Any, Callable
 
-import numpy as np
-
 from configs import Config
-from model import flops_per_token, matmul_params
+from model import flops_per_token
+from sharding.hardware import Hardware, predict
 from sharding.mesh import resolve_mesh_shape
-from sharding.hardware import Hardware, hbm_bytes, predict
 
 GB = 1e9
-
-
-def recompute_flops_per_token(cfg: Config) -> float:
-    """FLOPs the remat policy adds per token: `full` reruns the layers' forward (a third of
-    their 6N + attention), `save_dots_no_batch` reruns the attention's batch matmuls, and
-    `save_dots` and `none` keep every matmul output."""
-    m = cfg.model
-    if m.remat == "full":
-        return (flops_per_token(m) - 6.0 * m.d_model * m.vocab_size) / 3
-    if m.remat == "save_dots_no_batch":
-        return 2.0 * m.num_layers * m.seq_len * m.d_model
-    return 0.0
 
 
 def _aggregate(ops: list[dict]) -> list[dict]:
@@ -45,12 +31,21 @@ def _aggregate(ops: list[dict]) -> list[dict]:
     return [{"kind": k, "axes": list(a), "inter_node": i, **v} for (k, a, i), v in sorted(total.items())]
 
 
+def traffic(collectives: list[dict], least: dict[str, float]) -> dict[str, Any]:
+    """Bytes each device sends per step, per mesh-axis group, beside the layout's minimum."""
+    sent: dict[str, float] = defaultdict(float)
+    for c in collectives:
+        sent["+".join(c["axes"])] += c["wire_bytes"]
+    rows = [{"axes": k, "sent": sent.get(k, 0.0), "minimum": least.get(k, 0.0)} for k in sorted(set(sent) | set(least))]
+    total_sent, total_min = sum(sent.values()), sum(least.values())
+    return {"rows": rows, "sent": total_sent, "minimum": total_min,
+            "ratio": total_sent / total_min if total_min else None}
+
+
 def entry(cfg: Config, n: int, hw: Hardware, measured: dict, state: dict[str, int]) -> dict[str, Any]:
-    """One plan: memory, FLOPs, collectives and predicted time for a measured compile."""
-    sizes = resolve_mesh_shape(cfg.mesh, n)
+    """One plan: memory, FLOPs, collectives against their minimum, and the predicted time."""
     tokens = cfg.train.global_batch * cfg.model.seq_len
     model_flops = flops_per_token(cfg.model) * tokens / n
-    hardware_flops = model_flops + recompute_flops_per_token(cfg) * tokens / n
     total = measured["argument_bytes"] + measured["temp_bytes"] + measured["output_bytes"] - measured["alias_bytes"]
     memory = {
         "params": state["params"],
@@ -64,18 +59,17 @@ def entry(cfg: Config, n: int, hw: Hardware, measured: dict, state: dict[str, in
         "margin": hw.memory_budget - total,
     }
     collectives = _aggregate(measured["collectives"])
-    itemsize = np.dtype(cfg.model.dtype).itemsize
-    weights = matmul_params(cfg.model) * itemsize / (sizes["tensor"] * sizes["pipeline"])
-    passes = 3 + (cfg.model.remat == "full")
-    hbm = hbm_bytes(state["params"] + state["optimizer"], weights, passes, measured["temp_bytes"])
-    time = predict(hw=hw, model_flops=model_flops, hardware_flops=hardware_flops, hbm=hbm,
-                   collectives=collectives, bubble=measured["bubble"])
+    roof = measured["roofline"]
+    time = predict(hw=hw, model_flops=model_flops, compute_s=roof["seconds"], collectives=collectives,
+                   bubble=measured["bubble"])
     return {
+        "compiler": measured["compiler"],
         "memory": memory,
-        "fits": total <= hw.memory_budget,
-        "flops": {"model": model_flops, "with_recompute": hardware_flops, "xla_cost_analysis": measured["xla_flops"]},
-        "hbm_bytes": hbm,
+        "fits": total <= hw.memory_budget and not measured.get("out_of_memory"),
+        "flops": {"model": model_flops, "compiled": roof["flops"], "xla_cost_analysis": measured["xla_flops"]},
+        "hbm_bytes": roof["bytes"],
         "collectives": collectives,
+        "traffic": traffic(collectives, state["minimum"]),
         "time": time,
         "compile_s": measured["compile_s"],
         "notes": measured["notes"],
@@ -97,6 +91,7 @@ def evaluate(
     hw: Hardware,
     measure: Callable[[list[list[str]]], list[dict]],
     state_bytes: Callable[[Config, int], dict[str, int]],
+    compiler: str,
 ) -> dict[str, Any]:
     """Measures the candidate rows in rounds, one remat policy per round (one child process
     each), skipping policies that cannot win; returns the ranked plan."""
@@ -129,6 +124,11 @@ def evaluate(
             if "error" in measured:
                 r.update(status="failed", reason=f"compile failed: {measured['error']}")
                 continue
+            if "out_of_memory" in measured:  # the TPU compiler refuses what does not fit
+                r.update(status="does not fit", reason=f"the compiler: {measured['out_of_memory']}")
+                if i == 1:
+                    frugal_fails.add(mesh_of(r))
+                continue
             r.update(entry(r["cfg"], n, hw, measured, r["state"]))
             r["status"] = "fits" if r["fits"] else "does not fit"
             if r["fits"]:
@@ -141,6 +141,7 @@ def evaluate(
     return {
         "config": args.config,
         "devices": n,
+        "compiler": compiler,
         "hardware": {**dataclasses.asdict(hw), "memory_budget": hw.memory_budget},
         "plans": plans,
         "best": 0 if plans and plans[0]["status"] == "fits" else None,
@@ -159,6 +160,7 @@ def _layout_text(p: dict) -> str:
 
 def print_plan(plan: dict) -> None:
     p, hw = plan["plans"][0], plan["hardware"]
+    print(f"compiled by: {plan['compiler']}")
     if "memory" not in p:
         print(f"{plan['config']} on {plan['devices']} x {hw['name']}: {_layout_text(p)}: {p['status']}: {p['reason']}")
         return
@@ -172,32 +174,41 @@ def print_plan(plan: dict) -> None:
         print(f"  {key:<22}{_size(m[key]):>14}")
     verdict = "fits" if p["status"] == "fits" else "does NOT fit"
     print(f"  {'total':<22}{_size(m['total']):>14}  -> {verdict}, margin {m['margin'] / GB:.1f} GB")
-    print(f"FLOPs per device per step: model {f['model']:.3e}, with remat recompute {f['with_recompute']:.3e}, "
-          f"XLA cost_analysis {f['xla_cost_analysis']:.3e} (loop bodies counted once)")
+    print(f"FLOPs per device per step: model {f['model']:.3e}, compiled kernels {f['compiled']:.3e} "
+          f"(remat recompute included); HBM traffic {_size(p['hbm_bytes'])}")
     print("collectives per device per step (count includes loop trips; sent = ring-algorithm bytes)")
     print(f"  {'kind':<20}{'axes':<20}{'count':>7}{'buffer':>14}{'sent':>14}  {'link':<6}{'seconds':>9}  overlap")
     for c in p["collectives"]:
         link = "inter" if c["inter_node"] else "intra"
         print(f"  {c['kind']:<20}{'+'.join(c['axes']):<20}{c['count']:>7}{_size(c['bytes']):>14}"
               f"{_size(c['wire_bytes']):>14}  {link:<6}{c['seconds']:>9.4f}  {'yes' if c['overlapped'] else 'no'}")
-    print(f"predicted step {t['step_s']:.3f} s, MFU {t['mfu']:.1%}: compute {t['compute_s']:.3f} s, "
-          f"HBM {t['hbm_s']:.3f} s, overlapped comm {t['overlapped_comm_s']:.3f} s, exposed comm "
-          f"{t['exposed_comm_s']:.3f} s, bubble {t['bubble']:.3f} (compile {p['compile_s']:.1f} s)")
+    tr = p["traffic"]
+    print("communication against the layout's minimum (bytes sent per device per step)")
+    for row in tr["rows"]:
+        ratio = f"{row['sent'] / row['minimum']:.2f}x" if row["minimum"] else "-"
+        print(f"  {row['axes'] or '(none)':<20}{_size(row['sent']):>14} sent {_size(row['minimum']):>14} minimum  {ratio}")
+    if tr["ratio"] is not None:
+        print(f"  {'total':<20}{_size(tr['sent']):>14} sent {_size(tr['minimum']):>14} minimum  {tr['ratio']:.2f}x")
+    print(f"predicted step {t['step_s']:.3f} s, MFU {t['mfu']:.1%}: compute (roofline) {t['compute_s']:.3f} s, "
+          f"overlapped comm {t['overlapped_comm_s']:.3f} s, exposed comm {t['exposed_comm_s']:.3f} s, "
+          f"bubble {t['bubble']:.3f} (compile {p['compile_s']:.1f} s)")
 
 
 def print_search(plan: dict) -> None:
     hw = plan["hardware"]
+    print(f"compiled by: {plan['compiler']}")
     print(f"{plan['config']} on {plan['devices']} x {hw['name']} (budget {hw['memory_budget'] / GB:.1f} GB per device)")
-    print("| rank | layout | remat | status | GB/dev | step s | MFU | compute s | exposed comm s | overlapped comm s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| rank | layout | remat | status | GB/dev | step s | MFU | comm / minimum | compute s | exposed comm s | overlapped comm s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for i, p in enumerate(plan["plans"]):
         rank = str(i + 1) if p["status"] == "fits" else "-"
         if "time" in p:
             t = p["time"]
+            ratio = p["traffic"]["ratio"]
             cols = [f"{p['memory']['total'] / GB:.2f}", f"{t['step_s']:.3f}", f"{t['mfu']:.1%}",
-                    f"{t['compute_s']:.3f}", f"{t['exposed_comm_s']:.3f}", f"{t['overlapped_comm_s']:.3f}"]
+                    f"{ratio:.2f}" if ratio is not None else "-", f"{t['compute_s']:.3f}", f"{t['exposed_comm_s']:.3f}", f"{t['overlapped_comm_s']:.3f}"]
         else:
-            cols = [p.get("reason", "")] + [""] * 5
+            cols = [p.get("reason", "")] + [""] * 6
         print(f"| {rank} | {_layout_text(p)} | {p.get('remat', '')} | {p['status']} | " + " | ".join(cols) + " |")
     notes = {note for p in plan["plans"] for note in p.get("notes", [])}
     for note in sorted(notes):

@@ -50,7 +50,7 @@ PROMOTED = "  %ar.9 = f32[8,16]{1,0} all-reduce(%e), channel_id=6, replica_group
 
 
 def test_parser_on_known_hlo():
-    ops, unknown = collectives(KNOWN_HLO, {"data": 2, "fsdp": 4}, devices_per_node=4)
+    ops, unknown = collectives(KNOWN_HLO, {"data": 2, "fsdp": 4}, nodes=4)
     got = {c.kind: (c.axes, c.group_size, c.bytes, c.count, c.wire_bytes, c.inter_node) for c in ops}
     assert unknown == 0
     assert got == {

@@ -144,7 +144,7 @@ def compiled_stats(compiled: jax.stages.Compiled) -> dict[str, float]:
     the body of a loop (the layer scan, pipeline ticks) once, not once per trip."""
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
+    cost = (cost[0] if isinstance(cost, list) else cost) or {}  # a deviceless GPU compile has none
     return {
         "argument_bytes": mem.argument_size_in_bytes,
         "output_bytes": mem.output_size_in_bytes,

@@ -1,0 +1,66 @@
+"""The least communication a layout needs per step and device, to hold a compiled program's
+traffic against (bytes each device sends, ring algorithm, as sharding.hlo counts them).
+
+Per mesh axis of size n > 1 (G: the parameter bytes one device's FSDP group gathers, each
+parameter in the dtype it is gathered in: matmul weights in the compute dtype, norm scales in
+float32; A: one layer's activations [local batch, length, embed] in the compute dtype):
+
+    fsdp      parameters gathered for the forward and again for the backward, gradients
+              reduce-scattered once:                    3 x (n-1)/n x G
+              (an untied embedding table is not needed by the backward: 2 x, not 3 x)
+    data      one all-reduce of the gradient shard:     2 x (n-1)/n x G / fsdp
+    tensor    per layer two activation all-reduces forward and two backward (two more
+              forward under `remat: full`), plus the embedding lookup's and the output head's
+              input gradient:                          (4 L [+ 2 L] + 2) x 2 x (n-1)/n x A
+    pipeline  each microbatch's activations across each stage boundary and its gradient back,
+              once per repeat:                          2 x R x M x A_microbatch
+
+The loss's scalar reductions are left out (bytes, not megabytes).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+from configs import Config
+from sharding.cast import is_matmul_weight
+from sharding.rules import logical_to_spec
+
+
+def gathered_bytes(shapes: dict, axes: dict, cfg: Config, sizes: dict[str, int]) -> float:
+    """Bytes of the parameters one device holds once its FSDP group has gathered them."""
+    compute = np.dtype(cfg.model.dtype).itemsize
+    rules = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in cfg.sharding.params.items())
+    total = 0.0
+    for shape, names in zip(jax.tree.leaves(shapes), jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))):
+        split = 1
+        for entry in logical_to_spec(names, rules):
+            for axis in (entry if isinstance(entry, tuple) else (entry,)) if entry else ():
+                split *= sizes[axis] if axis != "fsdp" else 1
+        total += math.prod(shape.shape) / split * (compute if is_matmul_weight(names) else 4)
+    return total
+
+
+def minimum(cfg: Config, sizes: dict[str, int], shapes: dict, axes: dict, microbatches: int) -> dict[str, Any]:
+    """Axis -> the least bytes each device sends over it per step (axes of size 1 left out)."""
+    m = cfg.model
+    ring = lambda n: (n - 1) / n  # noqa: E731
+    g = gathered_bytes(shapes, axes, cfg, sizes)
+    table = 0.0 if m.tie_embeddings else gathered_bytes({"e": shapes["embedding"]}, {"e": axes["embedding"]}, cfg, sizes)
+    batch_shards = sizes["data"] * sizes["fsdp"]
+    act = cfg.train.global_batch / batch_shards * m.seq_len * m.d_model * np.dtype(m.dtype).itemsize
+    out: dict[str, float] = {}
+    if sizes["fsdp"] > 1:
+        out["fsdp"] = ring(sizes["fsdp"]) * (3 * g - table)
+    if sizes["data"] > 1:
+        out["data"] = 2 * ring(sizes["data"]) * g / sizes["fsdp"]
+    if sizes["tensor"] > 1:
+        per_layer = 4 + (2 if m.remat == "full" else 0)
+        out["tensor"] = (per_layer * m.num_layers + 2) * 2 * ring(sizes["tensor"]) * act
+    if sizes["pipeline"] > 1:
+        out["pipeline"] = 2 * cfg.pipeline.repeats * act  # M microbatches of act / M each
+    return out

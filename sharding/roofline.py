@@ -1,0 +1,193 @@
+"""A roofline over a compiled program: the FLOPs and HBM bytes of every kernel the compiler
+emitted, each timed at the slower of its matmul rate and its memory traffic.
+
+Works on the optimized HLO text of any compiler (GPU, TPU, CPU), which is what runs: a
+*kernel* is an instruction of a non-fused computation (the entry, loop bodies, called
+computations) that does work: a fusion, a custom call (cuBLAS GEMM, cuDNN attention), or a
+bare op. Its executions per step are its computation's loop trip counts (sharding.hlo).
+
+- FLOPs: 2 x result elements x contracted elements for every `dot` and `convolution` inside a
+  fusion (nested fusions included) or a GEMM custom call; cuDNN flash attention counts its
+  two (forward) or five (backward) matmuls of [T, S] per head, halved when causal.
+- Bytes: the kernel's operands plus its result, except that an operand a fusion only reads
+  through `dynamic-slice` counts the slices (a scan reading layer i of a stacked weight), and
+  a fusion whose root is `dynamic-update-slice` writes only the update (in place).
+Collectives are left to sharding.hlo and the step-time model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import defaultdict
+from typing import Callable
+
+from sharding.hlo import COLLECTIVES, multiplicities, shape_bytes
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*)$")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
+_DIMS = re.compile(r"\[([\d,]*)\]")
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call", "conditional",
+         "after-all", "partition-id", "replica-id", "iota", "opt-barrier", "add-dependency", "copy-done",
+         "send-done", "recv-done", "async-done", "get-dimension-size"}
+
+
+@dataclasses.dataclass
+class Instr:
+    name: str
+    type: str
+    op: str
+    operands: list[str]
+    attrs: str
+    args: str  # the raw operand text (a parameter's index)
+
+
+def _split_args(text: str) -> tuple[str, str]:
+    """'a, b), attr=...' -> ('a, b', 'attr=...'): the operand list and what follows it."""
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += ch in "({["
+        depth -= ch in ")}]"
+        if depth < 0:
+            return text[:i], text[i + 1:]
+    return text, ""
+
+
+def parse(hlo_text: str) -> dict[str, list[Instr]]:
+    """Computation name -> its instructions, in order."""
+    comps: dict[str, list[Instr]] = {}
+    current = None
+    for line in hlo_text.splitlines():
+        header = _HEADER.match(line)
+        if header:
+            current = comps.setdefault(header.group(1), [])
+            continue
+        m = _INSTR.match(line)
+        if m and current is not None:
+            args, attrs = _split_args(m.group(4))
+            current.append(Instr(m.group(1), m.group(2), m.group(3), re.findall(r"%([\w.\-]+)", args), attrs, args))
+    return comps
+
+
+def _dims(type_text: str) -> list[int]:
+    m = _DIMS.search(type_text)
+    return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
+def _dot_flops(ins: Instr, types: dict[str, str]) -> float:
+    lhs = _dims(types.get(ins.operands[0], "")) if ins.operands else []
+    contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
+    k = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d) if contracting and lhs else 1
+    return 2.0 * math.prod(_dims(ins.type)) * k
+
+
+def _gemm_flops(ins: Instr, types: dict[str, str]) -> float:
+    config = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
+    lhs = _dims(types.get(ins.operands[0], "")) if ins.operands else []
+    k = math.prod(lhs[int(d.strip('"'))] for d in config.group(1).split(",") if d) if config and lhs else 1
+    result = re.match(r"\(?\s*([a-z0-9]+\[[\d,]*\])", ins.type)
+    return 2.0 * math.prod(_dims(result.group(1) if result else ins.type)) * k
+
+
+def _attention_flops(ins: Instr, types: dict[str, str]) -> float:
+    """cuDNN fused attention: q [B, T, H, D], k [B, S, Hkv, D]; two matmuls forward, five backward."""
+    q, k = (_dims(types.get(o, "")) for o in ins.operands[:2])
+    if len(q) != 4 or len(k) != 4:
+        return 0.0
+    b, t, h, d = q
+    matmuls = 5 if "Backward" in ins.attrs or "backward" in ins.attrs.lower() else 2
+    causal = 0.5 if re.search(r'"mask_type":"CAUSAL"|CAUSAL', ins.attrs) else 1.0
+    return matmuls * 2.0 * b * h * t * k[1] * d * causal
+
+
+def _fusion_flops(comp: str, comps: dict[str, list[Instr]], types: dict[str, str]) -> float:
+    total = 0.0
+    for ins in comps.get(comp, []):
+        if ins.op in ("dot", "convolution"):
+            total += _dot_flops(ins, types)
+        elif ins.op == "fusion":
+            called = re.search(r"calls=%([\w.\-]+)", ins.attrs)
+            total += _fusion_flops(called.group(1), comps, types) if called else 0.0
+    return total
+
+
+def _fusion_bytes(ins: Instr, comps: dict[str, list[Instr]], types: dict[str, str]) -> float:
+    called = re.search(r"calls=%([\w.\-]+)", ins.attrs)
+    body = comps.get(called.group(1), []) if called else []
+    by_name = {i.name: i for i in body}
+    users: dict[str, list[Instr]] = defaultdict(list)
+    for i in body:
+        for o in i.operands:
+            users[o].append(i)
+    param_list = sorted((i for i in body if i.op == "parameter"), key=lambda i: int(i.args.strip() or 0))
+    total = 0.0
+    for index, operand in enumerate(ins.operands):
+        p = param_list[index] if index < len(param_list) else None
+        uses = users.get(p.name, []) if p else []
+        if uses and all(u.op == "dynamic-update-slice" and u.operands[0] == p.name for u in uses):
+            continue  # the buffer a dynamic-update-slice writes into in place: not read
+        if uses and all(u.op == "dynamic-slice" and u.operands[0] == p.name for u in uses):
+            total += sum(shape_bytes(u.type) for u in uses)
+        else:
+            total += shape_bytes(types.get(operand, ""))
+    root = body[-1] if body else None
+    outputs = [by_name.get(o) for o in root.operands] if root is not None and root.op == "tuple" else [root]
+    for out in outputs:
+        if out is not None and out.op == "dynamic-update-slice" and len(out.operands) > 1:
+            total += shape_bytes(types.get(out.operands[1], ""))  # written in place: only the update
+        elif out is not None:
+            total += shape_bytes(out.type)
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    name: str
+    op: str
+    flops: float  # per execution
+    bytes: float  # per execution
+    count: int  # executions per step
+
+
+def kernels(hlo_text: str) -> list[Kernel]:
+    """Every kernel of a compiled module with its FLOPs, bytes and executions per step."""
+    comps = parse(hlo_text)
+    mults, _ = multiplicities(hlo_text.splitlines())
+    types = {i.name: i.type for body in comps.values() for i in body}
+    fused = {m for body in comps.values() for i in body if i.op == "fusion"
+             for m in re.findall(r"calls=%([\w.\-]+)", i.attrs)}
+    found = []
+    for comp, body in comps.items():
+        count = mults.get(comp, 0)
+        if comp in fused or count == 0:
+            continue
+        for ins in body:
+            base = ins.op.removesuffix("-start")
+            if ins.op in _FREE or base in COLLECTIVES or ins.op.endswith("-done"):
+                continue
+            if ins.op == "fusion":
+                called = re.search(r"calls=%([\w.\-]+)", ins.attrs)
+                flops = _fusion_flops(called.group(1), comps, types) if called else 0.0
+                size = _fusion_bytes(ins, comps, types)
+            elif ins.op == "custom-call":
+                target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
+                target = target.group(1) if target else ""
+                flops = (_gemm_flops(ins, types) if "gemm" in target or "matmul" in target
+                         else _attention_flops(ins, types) if "fmha" in target else 0.0)
+                size = sum(shape_bytes(types.get(o, "")) for o in ins.operands) + shape_bytes(ins.type)
+            else:
+                flops = _dot_flops(ins, types) if ins.op in ("dot", "convolution") else 0.0
+                size = sum(shape_bytes(types.get(o, "")) for o in ins.operands) + shape_bytes(ins.type)
+            found.append(Kernel(ins.name, ins.op, flops, size, count))
+    return found
+
+
+def compute_seconds(found: list[Kernel], seconds: Callable[[float, float], float]) -> dict[str, float]:
+    """Roofline totals per step: FLOPs, bytes, and the time `seconds(flops, bytes)` sums to."""
+    return {
+        "flops": sum(k.flops * k.count for k in found),
+        "bytes": sum(k.bytes * k.count for k in found),
+        "seconds": sum(seconds(k.flops, k.bytes) * k.count for k in found),
+        "kernels": sum(k.count for k in found),
+    }
