@@ -3,12 +3,16 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
+# The GPU and TPU compilers (jax-cuda12 plugin + pjrt, libtpu) for sharding.plan, installed
+# beside the venv's packages, not among them: only the planner's compiling process loads them.
+COMPILERS := $(VENV)/compilers
+COMPILERS_STAMP := $(COMPILERS)/.installed-stamp
 ARGS   ?=
 # The hf extra needs torch; pinning it first takes a CPU build (the bare name would pull
 # several GB of CUDA packages). Override with TORCH=torch on a GPU box, or TORCH= to skip.
 TORCH  ?= torch==2.13.0
 
-.PHONY: train test venv clean
+.PHONY: train test venv compilers clean
 
 venv: $(STAMP)
 
@@ -20,10 +24,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev,hf,data]'
 	touch $(STAMP)
 
+# Pinned to the installed jax by `python -m sharding.targets --requirements` (about 1.1 GB).
+$(COMPILERS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps --target $(COMPILERS) $$($(BIN)/python -m sharding.targets --requirements)
+	touch $(COMPILERS_STAMP)
+
+compilers: $(COMPILERS_STAMP)
+
 train: $(STAMP)
 	$(BIN)/python train.py $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(COMPILERS_STAMP)
 	$(BIN)/python -m pytest -q tests
 
 clean:

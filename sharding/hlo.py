@@ -61,6 +61,7 @@ class Collective:
     bytes: int  # the op's full buffer: result size, or operand size for reduce-scatter
     count: int  # executions per step (static occurrences x enclosing loop trip counts)
     inter_node: bool  # some group holds devices of more than one node
+    dtype: str = ""  # element type(s) of the buffer, e.g. "bf16" or "bf16+f32" for a combined op
 
     @property
     def wire_bytes(self) -> float:
@@ -245,7 +246,8 @@ def collectives(
         if kind == "reduce-scatter" and not start:
             size *= n  # a synchronous op's type is its result: one shard of the reduced buffer
         crossing = any(len({node_of[p] for p in g}) > 1 for g in groups)
-        found.append(Collective(kind, spanned_axes(groups, mesh_shape), n, size, mults[current], crossing))
+        dtypes = "+".join(sorted({dt for dt, _ in _SHAPE.findall(type_text) if dt not in ("u32", "s32", "token")}))
+        found.append(Collective(kind, spanned_axes(groups, mesh_shape), n, size, mults[current], crossing, dtypes))
     return found, unknown
 
 

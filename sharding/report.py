@@ -19,16 +19,16 @@ GB = 1e9
 
 
 def _aggregate(ops: list[dict]) -> list[dict]:
-    """Per (kind, mesh axes, link): executions per step, buffer bytes and ring bytes sent."""
+    """Per (kind, dtype, mesh axes, link): executions per step, buffer bytes and ring bytes sent."""
     total: dict[tuple, dict] = defaultdict(lambda: {"count": 0, "bytes": 0.0, "wire_bytes": 0.0})
     for op in ops:
         if not op["axes"]:
             continue  # a group of one device moves nothing
-        t = total[(op["kind"], tuple(op["axes"]), op["inter_node"])]
+        t = total[(op["kind"], op["dtype"], tuple(op["axes"]), op["inter_node"])]
         t["count"] += op["count"]
         t["bytes"] += op["count"] * op["bytes"]
         t["wire_bytes"] += op["count"] * op["wire_bytes"]
-    return [{"kind": k, "axes": list(a), "inter_node": i, **v} for (k, a, i), v in sorted(total.items())]
+    return [{"kind": k, "dtype": d, "axes": list(a), "inter_node": i, **v} for (k, d, a, i), v in sorted(total.items())]
 
 
 def traffic(collectives: list[dict], least: dict[str, float]) -> dict[str, Any]:
@@ -177,10 +177,10 @@ def print_plan(plan: dict) -> None:
     print(f"FLOPs per device per step: model {f['model']:.3e}, compiled kernels {f['compiled']:.3e} "
           f"(remat recompute included); HBM traffic {_size(p['hbm_bytes'])}")
     print("collectives per device per step (count includes loop trips; sent = ring-algorithm bytes)")
-    print(f"  {'kind':<20}{'axes':<20}{'count':>7}{'buffer':>14}{'sent':>14}  {'link':<6}{'seconds':>9}  overlap")
+    print(f"  {'kind':<20}{'dtype':<10}{'axes':<16}{'count':>7}{'buffer':>14}{'sent':>14}  {'link':<6}{'seconds':>9}  overlap")
     for c in p["collectives"]:
         link = "inter" if c["inter_node"] else "intra"
-        print(f"  {c['kind']:<20}{'+'.join(c['axes']):<20}{c['count']:>7}{_size(c['bytes']):>14}"
+        print(f"  {c['kind']:<20}{c['dtype']:<10}{'+'.join(c['axes']):<16}{c['count']:>7}{_size(c['bytes']):>14}"
               f"{_size(c['wire_bytes']):>14}  {link:<6}{c['seconds']:>9.4f}  {'yes' if c['overlapped'] else 'no'}")
     tr = p["traffic"]
     print("communication against the layout's minimum (bytes sent per device per step)")

@@ -1,0 +1,87 @@
+"""The collectives parser and the roofline on programs the real compilers emitted.
+
+Fixtures: the tiny preset in bf16 with FSDP over 8 devices, compiled by XLA's GPU compiler for
+8 H100s and by libtpu for a v5p 2x2x2 slice (regenerate: tests/fixtures/make_hlo.sh). GPU
+collectives are async start/done pairs, and one reduce-scatter-start combines a layer's
+gradients into a tuple of (operands, results); TPU writes gradient reductions its own way.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from configs import load_config
+from conftest import ROOT
+from sharding.hlo import collectives, shape_bytes, tuple_parts
+from sharding.minimum import minimum
+from sharding.roofline import kernels
+from trainer.state import abstract_model
+
+FIXTURES = os.path.join(ROOT, "tests", "fixtures")
+MESH = {"pipeline": 1, "data": 1, "fsdp": 8, "tensor": 1}
+
+
+def _text(name: str) -> str:
+    with open(os.path.join(FIXTURES, name)) as f:
+        return f.read()
+
+
+@pytest.fixture(scope="module")
+def least() -> float:
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"),
+                      ["mesh.data=1", "mesh.fsdp=8", "model.dtype=bfloat16", "train.global_batch=16"])
+    _, shapes, axes = abstract_model(cfg.model)
+    return minimum(cfg, MESH, shapes, axes, 1)["fsdp"]
+
+
+def test_combined_gpu_reduce_scatter_counts_its_operands() -> None:
+    text = _text("h100_tiny_fsdp8.hlo")
+    combined = [line for line in text.splitlines() if " reduce-scatter-start(" in line and line.split("=")[1].strip().startswith("((")]
+    assert combined, "the fixture no longer holds a combined reduce-scatter"
+    line = combined[0]
+    operands, results = tuple_parts(re.match(r"\s*%\S+ = (.+?) reduce-scatter-start\(", line).group(1))
+    assert shape_bytes(operands) == 8 * shape_bytes(results)  # 8 shards: the operand side is the full buffer
+    ops, _ = collectives(text, MESH, 8)
+    name = re.match(r"\s*%(\S+) =", line).group(1)
+    assert any(c.kind == "reduce-scatter" and c.bytes == shape_bytes(operands) for c in ops), name
+
+
+def test_gpu_fsdp_program_moves_bf16_at_its_minimum(least: float) -> None:
+    ops, unknown = collectives(_text("h100_tiny_fsdp8.hlo"), MESH, 8)
+    assert unknown == 0
+    big = [c for c in ops if c.bytes >= 16 * 1024 and c.kind in ("all-gather", "reduce-scatter")]
+    assert {c.kind for c in big} == {"all-gather", "reduce-scatter"}
+    assert all("bf16" in c.dtype for c in big), [(c.kind, c.dtype, c.bytes) for c in big]
+    # float32 travels only for the norm scales (kept float32 on purpose: sharding/cast.py).
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"))
+    norms = (2 * cfg.model.num_layers + 1) * cfg.model.d_model * 4
+    wide = 0
+    for line in _text("h100_tiny_fsdp8.hlo").splitlines():
+        if " all-gather-start(" in line:
+            results = tuple_parts(re.match(r"\s*%\S+ = (.+?) all-gather-start\(", line).group(1))[-1]
+            wide += sum(shape_bytes(part) for part in tuple_parts(results) if part.startswith("f32"))
+    assert 0 < wide <= 2 * norms, (wide, norms)  # gathered for the forward and the backward
+    sent = sum(c.wire_bytes * c.count for c in ops if c.axes == ("fsdp",))
+    assert 0.9 <= sent / least <= 1.1, (sent, least)
+
+
+def test_tpu_program_gathers_bf16(least: float) -> None:
+    ops, _ = collectives(_text("v5p_tiny_fsdp8.hlo"), MESH, 8)
+    gathers = [c for c in ops if c.kind == "all-gather" and c.bytes >= 16 * 1024]
+    assert gathers and all(c.dtype == "bf16" for c in gathers)
+    assert all(c.axes == ("fsdp",) for c in ops if c.bytes >= 16 * 1024)
+
+
+def test_roofline_counts_the_model_flops() -> None:
+    """The GPU program's matmul FLOPs against the model formula (6 N per token plus attention):
+    the compiled kernels do at least the model's work and not much more (no remat here)."""
+    from model import flops_per_token
+
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), ["model.dtype=bfloat16"])
+    found = kernels(_text("h100_tiny_fsdp8.hlo"))
+    compiled = sum(k.flops * k.count for k in found)
+    model = flops_per_token(cfg.model) * 16 * cfg.model.seq_len / 8
+    assert 0.95 * model <= compiled <= 1.3 * model, (compiled, model)
