@@ -9,9 +9,10 @@ float32; A: one layer's activations [local batch, length, embed] in the compute 
               reduce-scattered once:                    3 x (n-1)/n x G
               (an untied embedding table is not needed by the backward: 2 x, not 3 x)
     data      one all-reduce of the gradient shard:     2 x (n-1)/n x G / fsdp
-    tensor    per layer two activation all-reduces forward and two backward (two more
-              forward under `remat: full`), plus the embedding lookup's and the output head's
-              input gradient:                          (4 L [+ 2 L] + 2) x 2 x (n-1)/n x A
+    tensor    per layer two activation all-reduces forward and two backward (under `remat:
+              full` one more: the recomputed attention output; the MLP output is not needed
+              by the backward), plus the embedding lookup's and the output head's input
+              gradient:                                 (4 L [+ L] + 2) x 2 x (n-1)/n x A
     pipeline  each microbatch's activations across each stage boundary and its gradient back,
               once per repeat:                          2 x R x M x A_microbatch
 
@@ -59,7 +60,7 @@ def minimum(cfg: Config, sizes: dict[str, int], shapes: dict, axes: dict, microb
     if sizes["data"] > 1:
         out["data"] = 2 * ring(sizes["data"]) * g / sizes["fsdp"]
     if sizes["tensor"] > 1:
-        per_layer = 4 + (2 if m.remat == "full" else 0)
+        per_layer = 4 + (1 if m.remat == "full" else 0)
         out["tensor"] = (per_layer * m.num_layers + 2) * 2 * ring(sizes["tensor"]) * act
     if sizes["pipeline"] > 1:
         out["pipeline"] = 2 * cfg.pipeline.repeats * act  # M microbatches of act / M each
