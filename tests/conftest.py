@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import importlib
 import os
 import shutil
 import sys
@@ -20,11 +21,30 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from types import ModuleType  # noqa: E402
+
 import pytest  # noqa: E402
 
 from configs import Config, load_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# `make test` sets it: there the Makefile has installed every extra, so a missing one is a broken
+# install, not a choice, and must fail rather than skip a whole file of oracle tests unseen.
+REQUIRE_EXTRAS = "MESHLM_REQUIRE_EXTRAS"
+
+
+def require(module: str, extra: str) -> ModuleType:
+    """Imports an optional package the tests need. Missing, it skips the caller (a user running a
+    subset by hand without `pip install 'meshlm[extra]'`) or, under REQUIRE_EXTRAS=1, fails it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        why = str(e)
+    # Outside the except block, so the report is this one line, not the import's traceback too.
+    if os.environ.get(REQUIRE_EXTRAS) == "1":
+        pytest.fail(f"{module} is missing but {REQUIRE_EXTRAS}=1 (make test installs meshlm[{extra}]): {why}",
+                    pytrace=False)
+    pytest.skip(f"needs {module} ({why}): pip install 'meshlm[{extra}]'", allow_module_level=True)
 
 
 def stdlib_glob(package: str) -> str:
