@@ -12,7 +12,15 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch")
+# Each `model.remat` name, with the `jax.checkpoint_policies` member saying what a layer keeps for
+# its backward pass (None: no remat at all; "nothing_saveable": only the layer's input).
+REMAT_SAVES: dict[str, str | None] = {
+    "none": None,
+    "full": "nothing_saveable",
+    "save_dots": "checkpoint_dots",
+    "save_dots_no_batch": "dots_with_no_batch_dims_saveable",
+}
+REMAT_POLICIES = tuple(REMAT_SAVES)
 ATTENTION_IMPLS = ("xla", "dot_product", "cudnn")
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SOURCES = ("text", "prepared", "synthetic")

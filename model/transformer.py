@@ -15,24 +15,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from configs.schema import ModelConfig
+from configs.schema import REMAT_SAVES, ModelConfig
 from model.layers import Block, RMSNorm, constrain, param
 
 Array = jax.Array
 
-REMAT_POLICIES: dict[str, Callable | None] = {
-    "full": None,  # save nothing but the layer's input
-    "save_dots": jax.checkpoint_policies.checkpoint_dots,
-    "save_dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
 
 def remat(fn: Callable, policy: str) -> Callable:
     """Wraps a per-layer function in `jax.checkpoint` with the named policy ('none': as is)."""
-    if policy == "none":
+    saves = REMAT_SAVES[policy]
+    if saves is None:
         return fn
     # prevent_cse=False is safe (and faster) inside scan, which already blocks CSE across steps.
-    return jax.checkpoint(fn, policy=REMAT_POLICIES[policy], prevent_cse=False)
+    return jax.checkpoint(fn, policy=getattr(jax.checkpoint_policies, saves), prevent_cse=False)
 
 
 class LayerRunner(Protocol):

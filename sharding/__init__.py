@@ -4,10 +4,12 @@ from sharding.mesh import make_mesh, resolve_mesh_shape
 from sharding.rules import (
     Rules,
     activation_rules,
+    axes_size,
     batch_sharding,
     check_divisible,
     logical_axes,
     logical_to_spec,
+    mesh_axes,
     shardings,
     to_rules,
 )
@@ -15,11 +17,13 @@ from sharding.rules import (
 __all__ = [
     "Rules",
     "activation_rules",
+    "axes_size",
     "batch_sharding",
     "check_divisible",
     "logical_axes",
     "logical_to_spec",
     "make_mesh",
+    "mesh_axes",
     "resolve_mesh_shape",
     "shardings",
     "to_rules",

@@ -29,19 +29,17 @@ import numpy as np
 
 from configs import Config
 from sharding.cast import is_matmul_weight
-from sharding.rules import logical_to_spec
+from sharding.rules import axes_size, logical_to_spec, mesh_axes, to_rules
 
 
 def gathered_bytes(shapes: dict, axes: dict, cfg: Config, sizes: dict[str, int]) -> float:
     """Bytes of the parameters one device holds once its FSDP group has gathered them."""
     compute = np.dtype(cfg.model.dtype).itemsize
-    rules = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in cfg.sharding.params.items())
+    rules = to_rules(cfg.sharding.params)
+    kept = {**sizes, "fsdp": 1}  # the FSDP group gathers its shards; every other split stays
     total = 0.0
     for shape, names in zip(jax.tree.leaves(shapes), jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))):
-        split = 1
-        for entry in logical_to_spec(names, rules):
-            for axis in (entry if isinstance(entry, tuple) else (entry,)) if entry else ():
-                split *= sizes[axis] if axis != "fsdp" else 1
+        split = math.prod(axes_size(entry, kept) for entry in logical_to_spec(names, rules))
         total += math.prod(shape.shape) / split * (compute if is_matmul_weight(names) else 4)
     return total
 
@@ -52,7 +50,7 @@ def minimum(cfg: Config, sizes: dict[str, int], shapes: dict, axes: dict, microb
     ring = lambda n: (n - 1) / n  # noqa: E731
     g = gathered_bytes(shapes, axes, cfg, sizes)
     table = 0.0 if m.tie_embeddings else gathered_bytes({"e": shapes["embedding"]}, {"e": axes["embedding"]}, cfg, sizes)
-    batch_shards = sizes["data"] * sizes["fsdp"]
+    batch_shards = axes_size(mesh_axes("batch", to_rules(cfg.sharding.activations)), sizes)
     act = cfg.train.global_batch / batch_shards * m.seq_len * m.d_model * np.dtype(m.dtype).itemsize
     out: dict[str, float] = {}
     if sizes["fsdp"] > 1:

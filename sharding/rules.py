@@ -48,11 +48,20 @@ def logical_axes(abstract_state: nnx.State) -> dict:
     return nnx.to_pure_dict(jax.tree.map(lambda s: tuple(s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)))
 
 
-def _mesh_size(entry: Any, sizes: dict[str, int]) -> int:
+def mesh_axes(logical: str, rules: Rules) -> tuple[str, ...]:
+    """The mesh axes `rules` map a logical name to, outermost first; () when it stays whole."""
+    return _as_axes(logical_to_spec((logical,), rules)[0])
+
+
+def axes_size(axes: str | Sequence[str] | None, sizes: dict[str, int]) -> int:
+    """How many shards a dim split over `axes` (one PartitionSpec entry) has: their sizes' product."""
+    return math.prod(sizes[a] for a in _as_axes(axes))
+
+
+def _as_axes(entry: str | Sequence[str] | None) -> tuple[str, ...]:
     if entry is None:
-        return 1
-    names = entry if isinstance(entry, tuple) else (entry,)
-    return math.prod(sizes[n] for n in names)
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def check_divisible(
@@ -64,7 +73,7 @@ def check_divisible(
     for (path, shape), names in zip(flat_shapes, flat_axes):
         spec = logical_to_spec(names, rules)
         for dim, logical, entry in zip(shape.shape, names, spec):
-            n = _mesh_size(entry, sizes)
+            n = axes_size(entry, sizes)
             if dim % n:
                 key = DIM_KEYS.get(logical, logical)
                 where = "/".join(str(getattr(p, "key", p)) for p in path)

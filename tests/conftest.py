@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import atexit
+import importlib
 import os
 import shutil
 import sys
 import tempfile
+from types import ModuleType
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -25,6 +27,23 @@ import pytest  # noqa: E402
 from configs import Config, load_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# `make test` sets it: there the Makefile has installed every extra, so a missing one is a broken
+# install, not a choice, and must fail rather than skip a whole file of oracle tests unseen.
+REQUIRE_EXTRAS = "MESHLM_REQUIRE_EXTRAS"
+
+
+def require(module: str, extra: str) -> ModuleType:
+    """Imports an optional package the tests need. Missing, it skips the caller (a user running a
+    subset by hand without `pip install 'meshlm[extra]'`) or, under REQUIRE_EXTRAS=1, fails it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        why = str(e)
+    # Outside the except block, so the report is this one line, not the import's traceback too.
+    if os.environ.get(REQUIRE_EXTRAS) == "1":
+        pytest.fail(f"{module} is missing but {REQUIRE_EXTRAS}=1 (make test installs meshlm[{extra}]): {why}",
+                    pytrace=False)
+    pytest.skip(f"needs {module} ({why}): pip install 'meshlm[{extra}]'", allow_module_level=True)
 
 
 def stdlib_glob(package: str) -> str:

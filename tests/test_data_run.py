@@ -3,6 +3,8 @@ packing that trains and resumes exactly, and training from prepared corpora and 
 
 from __future__ import annotations
 
+from typing import Any, Iterator
+
 import numpy as np
 
 import trainer
@@ -80,3 +82,44 @@ def test_worker_processes_feed_the_same_batches_and_resume(tiny, tmp_path):
     first = trainer.run(tiny("train.steps=2", *common, "data.workers=1", f"run.dir={tmp_path / 'w'}"))
     second = trainer.run(tiny("train.steps=4", *common, "data.workers=1", f"run.dir={tmp_path / 'w'}"))
     np.testing.assert_array_equal(_losses(first + second), _losses(threads))
+
+
+def test_no_held_out_document_reaches_a_training_batch(tiny, tmp_path, monkeypatch):
+    """A real run with eval on: every row the loop trains on and every row eval scores is
+    recorded, and each is traced back to its documents. Document i is `<i>` repeated (3 digits),
+    so any 5 bytes of a row name it; the run covers an epoch of each split, so every document
+    must turn up in exactly one of them."""
+    import re
+
+    import trainer.loop as loop
+
+    docs = 30
+    for i in range(docs):
+        (tmp_path / f"doc{i:03d}.txt").write_text(f"<{i:03d}>" * (16 + i % 7))
+    fed, held = [], []
+    eval_batches = loop.eval_batches
+
+    def recorded_batches(local: Iterator[dict], sharding: Any, global_batch: int) -> Iterator[dict]:
+        for rows in local:
+            fed.append(rows["tokens"].copy())
+            yield loop.to_global(rows, sharding, global_batch)
+
+    def recorded_eval(*args: Any) -> list[dict]:
+        rows = eval_batches(*args)
+        held.extend(r["tokens"].copy() for r in rows)
+        return rows
+
+    monkeypatch.setattr(loop, "global_batches", recorded_batches)
+    monkeypatch.setattr(loop, "eval_batches", recorded_eval)
+    history = trainer.run(tiny("train.steps=5", f"data.path={tmp_path / '*.txt'}", "data.eval_fraction=0.3",
+                               "eval.every=5", "eval.batches=2"))
+    assert [r["step"] for r in history if "eval_loss" in r] == [5] and len(fed) == 5 and len(held) == 2
+
+    def documents(batches: list[np.ndarray]) -> set[int]:
+        text = b"|".join(bytes(t if t < 256 else ord("|") for t in row) for batch in batches for row in batch)
+        return {int(i) for i in re.findall(rb"<(\d{3})>", text)}
+
+    trained, evaluated = documents(fed), documents(held)
+    assert trained and evaluated, (trained, evaluated)
+    assert not trained & evaluated, f"held-out documents {sorted(trained & evaluated)} were trained on"
+    assert trained | evaluated == set(range(docs)), f"documents {set(range(docs)) - trained - evaluated} were never read"

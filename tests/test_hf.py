@@ -18,10 +18,11 @@ import jax
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="the Hugging Face oracle needs torch (pip install 'meshlm[hf]')")
-transformers = pytest.importorskip("transformers", reason="the oracle needs transformers (pip install 'meshlm[hf]')")
+from conftest import ROOT, require, stdlib_glob
 
-from conftest import ROOT, stdlib_glob  # noqa: E402
+torch = require("torch", "hf")
+transformers = require("transformers", "hf")
+require("safetensors", "hf")  # transformers' save_pretrained writes the oracle's weights with it
 
 import trainer  # noqa: E402
 from configs import ConfigError, load_config  # noqa: E402

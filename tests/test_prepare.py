@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from configs.schema import ConfigError
+from conftest import require
 from data import formats
 from data.manifest import read_manifest
 from data.prepare import prepare
@@ -119,8 +120,8 @@ def test_text_files_are_documents_with_bad_ones_counted(tmp_path):
 
 
 def test_parquet_rows_and_its_refusals(tmp_path):
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
+    pa = require("pyarrow", "data")
+    pq = require("pyarrow.parquet", "data")
     good = sentences(3)
     table = pa.table({"content": [good[0], None, " ", good[1], good[2]], "n": [1, 2, 3, 4, 5]})
     pq.write_table(table, tmp_path / "d.parquet")
@@ -171,7 +172,7 @@ def test_eval_split_is_by_content(tmp_path):
 
 
 def _hf_tokenizer(tmp_path, name: str, special: list[str]) -> str:
-    tokenizers = pytest.importorskip("tokenizers")
+    tokenizers = require("tokenizers", "data")
     tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
@@ -205,7 +206,7 @@ def test_hf_tokenizer_json(tmp_path):
 
 
 def test_sentencepiece_model(tmp_path):
-    spm = pytest.importorskip("sentencepiece")
+    spm = require("sentencepiece", "data")
     (tmp_path / "train.txt").write_text("\n".join(sentences(300)) + "\n")
     spm.SentencePieceTrainer.train(
         input=str(tmp_path / "train.txt"), model_prefix=str(tmp_path / "sp"), vocab_size=80, minloglevel=2

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 from configs import Config, ConfigError
 from model import LayerRunner, scan_layers
-from sharding import Rules, logical_to_spec, resolve_mesh_shape, to_rules
+from sharding import Rules, axes_size, mesh_axes, resolve_mesh_shape, to_rules
 from sharding.pipeline import bubble_fraction, pipeline_runner
 
 
@@ -35,11 +34,6 @@ class Layout:
         return bubble_fraction(self.stages, self.repeats, self.microbatches)
 
 
-def _axes(rules: Rules, logical: str) -> tuple[str, ...]:
-    entry = logical_to_spec((logical,), rules)[0] or ()
-    return entry if isinstance(entry, tuple) else (entry,)
-
-
 def _with_batch_axis(rules: Rules, axis: str) -> Rules:
     """`rules` with `axis` appended to the mesh axes of `batch`."""
     out = []
@@ -54,10 +48,10 @@ def plan_layout(cfg: Config, num_devices: int) -> Layout:
     sizes = resolve_mesh_shape(cfg.mesh, num_devices)
     param_rules, act_rules = to_rules(cfg.sharding.params), to_rules(cfg.sharding.activations)
     t = cfg.train
-    batch_axes = _axes(act_rules, "batch")
+    batch_axes = mesh_axes("batch", act_rules)
     if "pipeline" in batch_axes:
         raise ConfigError("sharding.activations.batch: must not use the pipeline axis (it indexes stages)")
-    shards = math.prod(sizes[a] for a in batch_axes)
+    shards = axes_size(batch_axes, sizes)
     need = shards * t.grad_accum
     if t.global_batch % need:
         raise ConfigError(

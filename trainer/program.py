@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
 from typing import Any, Callable
 
@@ -23,10 +22,11 @@ from configs import Config, ConfigError
 from data import batch_fields, open_source
 from sharding import (
     activation_rules,
+    axes_size,
     batch_sharding,
     check_divisible,
-    logical_to_spec,
     make_mesh,
+    mesh_axes,
     resolve_mesh_shape,
     shardings,
     to_rules,
@@ -133,8 +133,7 @@ def fill_microbatches(cfg: Config, num_devices: int) -> Config:
     sizes = resolve_mesh_shape(cfg.mesh, num_devices)
     if sizes["pipeline"] == 1 or cfg.pipeline.microbatches:
         return cfg
-    batch = logical_to_spec(("batch",), to_rules(cfg.sharding.activations))[0] or ()
-    shards = math.prod(sizes[a] for a in (batch if isinstance(batch, tuple) else (batch,)) if a != "pipeline")
+    shards = axes_size(mesh_axes("batch", to_rules(cfg.sharding.activations)), sizes)
     per_replica = max(cfg.train.global_batch // (shards * cfg.train.grad_accum), 1)
     return dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, microbatches=per_replica))
 
