@@ -184,9 +184,25 @@ def spanned_axes(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[s
     return tuple(n for n, v in zip(names, varies) if v)
 
 
+def _bound(condition: list[str]) -> int | None:
+    """The trip count of a counted loop whose condition is `i < N` for a constant N (the TPU
+    compiler records no known_trip_count; its scans count from 0 by 1)."""
+    root = next((line for line in condition if line.lstrip().startswith("ROOT") and "direction=LT" in line), "")
+    constants = dict(re.findall(r"%([\w.\-]+) = s32\[\]\S* constant\((\d+)\)", "\n".join(condition)))
+    used = [int(constants[n]) for n in re.findall(r"%([\w.\-]+)", root.split("compare(", 1)[-1]) if n in constants]
+    return used[0] if len(used) == 1 else None
+
+
 def multiplicities(lines: list[str]) -> tuple[dict[str, int], int]:
     """Executions per step of every computation, and how many loops had no known trip count."""
     callers: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    bodies: dict[str, list[str]] = defaultdict(list)
+    current = None
+    for line in lines:
+        header = _HEADER.match(line)
+        current = header.group(2) if header else current
+        if current is not None and not header:
+            bodies[current].append(line)
     entry, current, unknown = None, None, 0
     for line in lines:
         header = _HEADER.match(line)
@@ -196,11 +212,14 @@ def multiplicities(lines: list[str]) -> tuple[dict[str, int], int]:
             continue
         if current is None:
             continue
-        trip = _TRIP.search(line)
-        if " while(" in line and not trip:
-            unknown += 1
+        known = _TRIP.search(line)
+        trip = int(known.group(1)) if known else None
+        if " while(" in line and trip is None:
+            condition = re.search(r"condition=%([\w.\-]+)", line)
+            trip = _bound(bodies.get(condition.group(1), [])) if condition else None
+            unknown += trip is None
         for role, callee in _CALL.findall(line):
-            callers[callee].append((current, int(trip.group(1)) if role == "body" and trip else 1))
+            callers[callee].append((current, trip if role == "body" and trip else 1))
         for branches in _BRANCHES.findall(line):
             for callee in re.findall(r"%([\w.\-]+)", branches):
                 callers[callee].append((current, 1))

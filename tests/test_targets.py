@@ -119,7 +119,8 @@ def test_llama3_8b_on_v5p_64_compiles_with_bf16_gathers(tmp_path_factory: pytest
     assert any("cudnn has no kernel on a TPU" in n for n in p["notes"])
     gathers = [c for c in p["collectives"] if c["kind"] == "all-gather" and c["bytes"] > 1e8]
     assert gathers and all(c["dtype"] == "bf16" for c in gathers), gathers
-    assert 0.9 <= p["traffic"]["ratio"] <= 1.1, p["traffic"]
+    # libtpu records no trip counts; the scans' counts come from their loop conditions.
+    assert not any("unknown trip count" in n for n in p["notes"]), p["notes"]
 
 
 def test_without_the_compiler_the_plan_says_it_fell_back(tmp_path_factory: pytest.TempPathFactory) -> None:
