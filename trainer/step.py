@@ -11,6 +11,7 @@ from flax import nnx
 
 from model import LayerRunner
 from sharding.pipeline import to_microbatches
+from trainer.optimizer import schedule_count
 from trainer.state import TrainState
 
 Array = jax.Array
@@ -124,7 +125,10 @@ def make_train_step(
         # as they were (the step counter and the data still advance).
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step), "finite": finite}
+        # The rate this update used: optax indexes the schedule by its own count, which a skipped
+        # step does not advance, so after one it lags `state.step`.
+        lr = schedule(schedule_count(state.opt_state))
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "finite": finite}
         new = state.replace(
             step=state.step + 1, params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state)
         )
