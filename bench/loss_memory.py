@@ -33,7 +33,9 @@ def main() -> None:
         def f(params, x, t):
             model = nnx.merge(graphdef, params)
             w = jnp.ones(t.shape, jnp.float32)
-            return chunked_cross_entropy_sum(model, x, t, w, chunk) if chunk else cross_entropy_sum(model.logits(x), t, w)
+            if chunk:
+                return chunked_cross_entropy_sum(model, x, t, w, chunk)
+            return cross_entropy_sum(model.logits(x), t, w)
 
         return f
 
