@@ -16,7 +16,7 @@ from flax import nnx
 
 from configs import load_config
 from model import Transformer
-from trainer.step import chunked_cross_entropy, cross_entropy
+from trainer.step import chunked_cross_entropy_sum, cross_entropy_sum
 
 
 def main() -> None:
@@ -32,7 +32,10 @@ def main() -> None:
     def loss(chunk: int):
         def f(params, x, t):
             model = nnx.merge(graphdef, params)
-            return chunked_cross_entropy(model, x, t, None, chunk) if chunk else cross_entropy(model.logits(x), t)
+            w = jnp.ones(t.shape, jnp.float32)
+            if chunk:
+                return chunked_cross_entropy_sum(model, x, t, w, chunk)
+            return cross_entropy_sum(model.logits(x), t, w)
 
         return f
 

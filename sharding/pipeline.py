@@ -46,13 +46,15 @@ def _to_stages(a: Array, stages: int, repeats: int) -> Array:
     return jax.lax.with_sharding_constraint(staged, spec)
 
 
-def _to_microbatches(x: Array, m: int) -> Array:
+def to_microbatches(x: Array, m: int) -> Array:
     """[B, ...] -> [M, B/M, ...]; microbatch i takes rows i, i+M, ... so that a device's
-    contiguous block of rows holds whole groups and splitting moves no data."""
+    contiguous block of rows holds whole groups and splitting moves no data. The one split of a
+    batch into micro-batches: the pipeline schedule's and gradient accumulation's."""
     return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
 
 
-def _from_microbatches(x: Array) -> Array:
+def from_microbatches(x: Array) -> Array:
+    """The inverse of `to_microbatches`: [M, B/M, ...] -> [B, ...]."""
     return x.swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
@@ -71,9 +73,9 @@ def pipeline_runner(
         staged = jax.tree.map(lambda a: _to_stages(a, S, R), stack)
         with nn.logical_axis_rules(stage_rules):
             x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
-            xs = _to_microbatches(x, M)  # [M, mb, T, D]
-            pos = _to_microbatches(positions, M)
-            seg = None if segment_ids is None else _to_microbatches(segment_ids, M)
+            xs = to_microbatches(x, M)  # [M, mb, T, D]
+            pos = to_microbatches(positions, M)
+            seg = None if segment_ids is None else to_microbatches(segment_ids, M)
 
             def stage(params: nnx.State, r: Array, h: Array, p: Array, sg: Array | None) -> Array:
                 sub = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, 0, keepdims=False), params)
@@ -97,6 +99,6 @@ def pipeline_runner(
 
             act0 = jnp.zeros((S,) + xs.shape[1:], xs.dtype)
             (_, buf), _ = jax.lax.scan(tick, (act0, jnp.zeros_like(xs)), jnp.arange(R * M + S - 1))
-            return _from_microbatches(buf)
+            return from_microbatches(buf)
 
     return run

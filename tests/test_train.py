@@ -114,3 +114,42 @@ def test_learning_rate_schedule():
     np.testing.assert_allclose(lrs[:4], [0.25, 0.5, 0.75, 1.0], rtol=1e-6)
     assert all(a >= b for a, b in zip(lrs[3:], lrs[4:])), "cosine decay is monotone"
     np.testing.assert_allclose(lrs[-1], 0.1, rtol=1e-5)
+
+
+def test_a_skipped_step_holds_the_schedule_back(tiny):
+    """`debug.nan_steps=2` skips the update of step 2, so step 3 applies the optimizer's second
+    update, at the rate of update 1, and logs that rate, not schedule(state.step)."""
+    from trainer.optimizer import lr_schedule
+
+    cfg = tiny("train.steps=3", "debug.nan_steps=2", "mesh.data=8")
+    history = trainer.run(cfg)
+    schedule = lr_schedule(cfg.optim, cfg.train.steps)
+    assert [r["skipped_steps"] for r in history] == [0, 1, 1]
+    assert float(schedule(1)) != float(schedule(2)), "a flat schedule cannot tell the two apart"
+    np.testing.assert_allclose([r["lr"] for r in history], [schedule(0), schedule(1), schedule(1)], rtol=1e-6)
+
+
+def test_the_logged_lr_is_the_one_the_update_applied(tiny):
+    """After a skipped step, a step's update equals, bit for bit, the same update without the
+    skip (the one whose count the optimizer has reached), and the two log the same rate."""
+    from sharding import activation_rules
+    from trainer.optimizer import lr_schedule
+    from trainer.program import abstract_program
+    from trainer.state import init_state
+
+    cfg = tiny("mesh.data=8")
+    program = abstract_program(cfg)
+    step, _ = program.compile()
+    tokens = np.asarray(jax.random.randint(jax.random.key(3), (16, cfg.model.seq_len + 1), 0, 257))
+    good = {"tokens": jax.device_put(tokens, program.batch_sh)}
+    poisoned = {"tokens": jax.device_put(np.full_like(tokens, cfg.model.vocab_size), program.batch_sh)}
+    with activation_rules(program.mesh, program.layout.act_rules):
+        skipping, _ = step(init_state(cfg.model, program.tx, 0, program.state_sh), good)
+        clean, _ = step(init_state(cfg.model, program.tx, 0, program.state_sh), good)
+        skipping, bad = step(skipping, poisoned)
+        skipping, after_skip = step(skipping, good)  # state.step 2 -> 3, the optimizer's second update
+        clean, second = step(clean, good)  # state.step 1 -> 2, the optimizer's second update
+    assert not bool(bad["finite"]) and int(skipping.step) == 3 and int(clean.step) == 2
+    jax.tree.map(np.testing.assert_array_equal, skipping.params, clean.params)
+    assert float(after_skip["lr"]) == float(second["lr"])
+    assert float(after_skip["lr"]) != float(lr_schedule(cfg.optim, cfg.train.steps)(2))

@@ -149,15 +149,17 @@ def run(cfg: Config, devices: list | None = None) -> list[dict[str, Any]]:
 
 
 def _evaluator(cfg: Config, b: Built, logger: MetricsLogger) -> Any:
-    """evaluate(step, state): the mean loss over the held-out batches, logged. None if eval is off."""
+    """evaluate(step, state): the per-token mean loss over all the held-out batches (their loss
+    sums over their token counts, not a mean of batch means), logged. None if eval is off."""
     if not b.eval_rows:
         return None
     loss_fn = b.program.compile_eval()
     batches = [to_global(rows, b.program.batch_sh, cfg.train.global_batch) for rows in b.eval_rows]
 
     def evaluate(step: int, state: TrainState) -> None:
-        losses = [loss_fn(state.params, batch) for batch in batches]
-        logger.write_eval(step, float(np.mean(jax.device_get(losses))))
+        sums = np.array(jax.device_get([loss_fn(state.params, batch) for batch in batches]), np.float64)
+        total, count = sums.sum(axis=0)
+        logger.write_eval(step, float(total / max(count, 1.0)))
 
     return evaluate
 

@@ -24,6 +24,15 @@ def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     return lambda step: joined(step + 1)
 
 
+def schedule_count(opt_state: optax.OptState) -> jax.Array:
+    """The number of updates the optimizer has applied: the step optax evaluates the learning
+    rate schedule at for the next update. A skipped (non-finite) step keeps the old optimizer
+    state, so this count stops while `TrainState.step` moves on."""
+    is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+    (state,) = [s for s in jax.tree.leaves(opt_state, is_leaf=is_schedule) if is_schedule(s)]
+    return state.count
+
+
 def decay_mask(axes: dict) -> dict:
     """Weight decay on matrices only; norm scales (one dim besides `layers`) are left alone."""
     return jax.tree.map(

@@ -79,7 +79,7 @@ class Program:
     graphdef: nnx.GraphDef
     runner: Callable | None  # the layer runner (None: the model's scan)
     step: Callable  # jitted, state donated
-    eval_loss: Callable  # jitted (params, batch) -> mean loss, no update
+    eval_loss: Callable  # jitted (params, batch) -> (loss sum, target tokens), no update
 
     def abstract_state(self) -> TrainState:
         return abstract_state(self.tx, self.shapes, self.state_sh)
