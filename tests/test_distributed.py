@@ -1,6 +1,7 @@
-"""Several processes and elastic resume: 2 processes x 4 devices train exactly like 1 x 8, a
-checkpoint moves from 8 devices to 4 with the data continuing at the next example, a job holds
-its run.dir's lock once and a second job is refused, a dead peer is detected within 60 s, and
+"""Several processes and elastic resume: 2 processes x 4 devices train exactly like 1 x 8 (also
+with the pipeline stages on different processes, and with document packing), a checkpoint
+moves from 8 devices to 4 with the data continuing at the next example, a job holds its
+run.dir's lock once and a second job is refused, a dead peer is detected within 60 s, and
 processes that disagree on the config refuse to start."""
 
 from __future__ import annotations
@@ -50,6 +51,22 @@ def test_two_processes_train_like_one(tmp_path):
     # The two-process checkpoint resumes in one process with another layout.
     resumed = trainer.run(cfg(tmp_path / "two", "mesh.data=8", "train.steps=6"))
     assert [r["step"] for r in resumed] == [5, 6]
+
+
+@pytest.mark.parametrize("layout", [
+    # pipeline is the outermost mesh axis and each process's devices are consecutive: one stage per process
+    pytest.param(["mesh.pipeline=2", "mesh.data=2", "mesh.tensor=2"], id="pipeline-across-processes"),
+    pytest.param([*LAYOUT, "data.packing=document"], id="document-packing"),
+])
+def test_two_processes_train_like_one_with(tmp_path, layout):
+    reference = trainer.run(cfg(tmp_path / "one", *layout, "train.steps=3"))
+    procs = two_processes(tmp_path / "two", *layout, "train.steps=3")
+    codes = [p.finish(180) for p in procs]
+    assert codes == [0, 0], procs[0].output + procs[1].output
+    assert "2 process(es)" in procs[0].output
+    records = metrics(tmp_path / "two")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in reference], rtol=2e-5)
 
 
 def test_elastic_resume_from_8_devices_to_4(tmp_path, capsys):
