@@ -131,14 +131,15 @@ class Lease:
             self.record["beat"] += 1
             try:
                 self._write()
+                text = _read_text(self.path)
             except OSError as e:  # a storage hiccup: the next beat tries again
                 print(f"warning: could not refresh the run.dir lock {self.path}: {e}", file=sys.stderr, flush=True)
                 continue
-            text = _read_text(self.path)
             now = _parse(text)
             if text is None or (now is not None and now.get("token") != self.record["token"]):
-                print(f"error: lost the run.dir lock {self.path} to {_describe(now)}; stopping so that only one "
-                      "run writes there", file=sys.stderr, flush=True)
+                taker = _describe(now) if text is not None else "nobody (it was deleted)"
+                print(f"error: lost the run.dir lock {self.path} to {taker}; stopping so that only one run writes "
+                      "there", file=sys.stderr, flush=True)
                 os._exit(EXIT_LOCK_LOST)  # the main thread may be inside XLA: no clean unwinding
 
     def release(self) -> None:
