@@ -39,12 +39,13 @@ def widths(text: str) -> set[str]:
     return set(re.findall(rf"f32\[{PER_DEVICE},([\d,]+)\]", text))
 
 
-def test_tensor_splits_the_activations_of_every_layer(compiled):
+def test_tensor_splits_the_activations_inside_the_layers(compiled):
     split, whole = widths(compiled[2][0]), widths(compiled[1][0])
     assert split != whole
     # The MLP hidden, the logits, the query heads ([..., 16, 8] whole) and the 8 kv heads
     # ([..., 4, 8] split; [..., 8, 8] is both whole kv and split q, so it tells nothing).
-    for full, half in ((f"{D_FF}", f"{D_FF // 2}"), (f"{VOCAB}", f"{VOCAB // 2}"), (f"{HEADS},8", f"{KV_HEADS // 2},8")):
+    pairs = [(f"{D_FF}", f"{D_FF // 2}"), (f"{VOCAB}", f"{VOCAB // 2}"), (f"{HEADS},8", f"{KV_HEADS // 2},8")]
+    for full, half in pairs:
         assert full in whole and half not in whole, (full, sorted(whole))
         assert half in split and full not in split, (half, sorted(split))
 
