@@ -1,7 +1,7 @@
 """One writer per run directory, with real `train.py` processes: a second run on the run.dir
 of a live one exits 2 naming the holder and writes nothing; once the holder is killed (this
 host) or its heartbeat stops (another host) the next run takes over; a holder whose lock was
-taken over stops."""
+taken over stops; of two runs breaking the same dead lock, the later keeps the newer lock."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import time
 
 from conftest import stdlib_glob
 from bench.procs import TINY, Train, run
+from trainer import rundir_lock
 
 DATA = f"data.path={stdlib_glob('json')}"
 
@@ -108,3 +109,14 @@ def test_a_holder_whose_lock_was_taken_over_stops(tmp_path):
     assert holder.finish(30) == 6, holder.output
     print(f"the holder stopped {time.monotonic() - taken:.1f} s after losing its lock")
     assert "error: lost the run.dir lock" in holder.output and "host node-b, pid 4242" in holder.output
+
+
+def test_breaking_a_dead_lock_never_removes_a_newer_one(tmp_path):
+    """Two runs judge the same dead lock at once: the second to break it must not move aside
+    the lock the first has created meanwhile."""
+    path = tmp_path / "lock.json"
+    path.write_text('{"token": "newer"}')
+    rundir_lock._break(str(path), '{"token": "dead"}')
+    assert os.listdir(tmp_path) == ["lock.json"] and path.read_text() == '{"token": "newer"}'
+    rundir_lock._break(str(path), '{"token": "newer"}')
+    assert os.listdir(tmp_path) == []
