@@ -2,9 +2,11 @@
 `python train.py --sweep FILE [--emit slurm | --summarize] [dotted.key=value ...]` (trainer.sweep).
 
 Parses the command line, loads the config and hands it to the trainer. Exit status: 0 done;
-2 bad input (one line naming the key or file, before anything is compiled or written);
+2 bad input or a run.dir in use by a live run (one line naming the key, file or holder, before
+anything is compiled or written);
 `train.preempt_exit_code` (143) after SIGTERM/SIGINT with the checkpoint committed; 3 too
-many non-finite steps; 4 a step past `train.step_timeout_s`; 5 a peer process lost.
+many non-finite steps; 4 a step past `train.step_timeout_s`; 5 a peer process lost; 6 this
+run's run.dir lock taken over by another run.
 """
 
 from __future__ import annotations

@@ -40,6 +40,9 @@ class RunConfig:
     # A directory for XLA's persistent compilation cache ("": off): a restarted or resumed job
     # with the same program skips the compile (minutes at scale). Shared storage on a cluster.
     compile_cache: str = ""
+    # run.dir's lock (trainer.rundir_lock): the holder refreshes it 4 times per period; a holder
+    # on another host whose heartbeat stays still this long is taken to be gone.
+    lock_timeout_s: float = 30.0
 
 
 @dataclass(kw_only=True)
@@ -337,6 +340,7 @@ def validate_static(cfg: Config) -> None:
     _require(o.clip >= 0, "optim.clip", f"must be >= 0, got {o.clip}")
     _require(cfg.data.prefetch >= 0, "data.prefetch", f"must be >= 0, got {cfg.data.prefetch}")
     _require(bool(cfg.run.dir), "run.dir", "must not be empty")
+    _require(cfg.run.lock_timeout_s > 0, "run.lock_timeout_s", f"must be > 0, got {cfg.run.lock_timeout_s}")
     for table in ("params", "activations"):
         for logical, mesh_axes in getattr(cfg.sharding, table).items():
             for axis in mesh_axes if isinstance(mesh_axes, list) else [mesh_axes]:

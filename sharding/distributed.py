@@ -2,8 +2,8 @@
 every process must share, and the liveness of peers.
 
 One process per host (or per GPU); XLA collectives between them (gloo on CPU, NCCL on GPU). The
-coordination service's key-value store carries the fingerprints; its heartbeats tell which
-processes are alive.
+coordination service's key-value store carries the fingerprints and process 0's decisions
+(the run.dir lock); its heartbeats tell which processes are alive.
 """
 
 from __future__ import annotations
@@ -81,6 +81,17 @@ def check_same_everywhere(fingerprint: dict[str, Any], timeout_s: int) -> None:
                 problems.append(f"{key}: {fingerprint.get(key)!r} here (process {me}), {theirs.get(key)!r} on process {other}")
     if problems:
         raise ConfigError("processes disagree on " + "; ".join(problems))
+
+
+def share_from_process_0(key: str, value: str, timeout_s: float) -> str:
+    """Process 0's `value`, on every process (each key once per job): a decision all processes
+    act on alike, taken before they could diverge. Needs no device and compiles nothing."""
+    if jax.process_count() == 1:
+        return value
+    if jax.process_index() == 0:
+        _client().key_value_set(key, value)
+        return value
+    return _client().blocking_key_value_get(key, int(timeout_s * 1000))
 
 
 def dead_processes() -> list[int]:

@@ -1,11 +1,14 @@
-"""Several processes and elastic resume: 2 processes x 4 devices train exactly like 1 x 8, a
-checkpoint moves from 8 devices to 4 with the data continuing at the next example, a dead peer
-is detected within 60 s, and processes that disagree on the config refuse to start."""
+"""Several processes and elastic resume: 2 processes x 4 devices train exactly like 1 x 8 (also
+with the pipeline stages on different processes, and with document packing), a checkpoint
+moves from 8 devices to 4 with the data continuing at the next example, a job holds its
+run.dir's lock once and a second job is refused, a dead peer is detected within 60 s, and
+processes that disagree on the config refuse to start."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 
 import jax
@@ -50,6 +53,22 @@ def test_two_processes_train_like_one(tmp_path):
     assert [r["step"] for r in resumed] == [5, 6]
 
 
+@pytest.mark.parametrize("layout", [
+    # pipeline is the outermost mesh axis and each process's devices are consecutive: one stage per process
+    pytest.param(["mesh.pipeline=2", "mesh.data=2", "mesh.tensor=2"], id="pipeline-across-processes"),
+    pytest.param([*LAYOUT, "data.packing=document"], id="document-packing"),
+])
+def test_two_processes_train_like_one_with(tmp_path, layout):
+    reference = trainer.run(cfg(tmp_path / "one", *layout, "train.steps=3"))
+    procs = two_processes(tmp_path / "two", *layout, "train.steps=3")
+    codes = [p.finish(180) for p in procs]
+    assert codes == [0, 0], procs[0].output + procs[1].output
+    assert "2 process(es)" in procs[0].output
+    records = metrics(tmp_path / "two")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in reference], rtol=2e-5)
+
+
 def test_elastic_resume_from_8_devices_to_4(tmp_path, capsys):
     common = ["optim.schedule=constant", "optim.warmup_steps=0", "checkpoint.every=3"]
     straight = trainer.run(cfg(tmp_path / "straight", "mesh.data=1", "mesh.fsdp=8", "train.steps=6", *common))
@@ -62,9 +81,21 @@ def test_elastic_resume_from_8_devices_to_4(tmp_path, capsys):
     np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in straight[3:]], rtol=2e-5)
 
 
-def test_a_killed_peer_stops_the_others_within_60_s(tmp_path):
+def test_a_second_job_is_refused_and_a_killed_peer_stops_the_others_within_60_s(tmp_path):
+    """One 2-process job holds run.dir's lock once (process 0); a second 2-process job on that
+    run.dir exits 2 in both processes, naming the holder; then a killed peer stops the first."""
     procs = two_processes(tmp_path, "train.steps=100000", "checkpoint.every=100000", heartbeat=5)
     procs[0].wait_for(r"^step +3/", timeout=120)
+    assert [f for f in os.listdir(tmp_path) if f.startswith("lock")] == ["lock.json"]
+    with open(tmp_path / "lock.json") as f:
+        assert json.load(f)["pid"] == procs[0].proc.pid, "held by process 0 for the job"
+    second = two_processes(tmp_path, "train.steps=100000", "checkpoint.every=100000")
+    assert [p.finish(120) for p in second] == [2, 2], second[0].output + second[1].output
+    for p in second:
+        assert f"error: run.dir={tmp_path} is in use by a live run: host {socket.gethostname()}, pid " \
+               f"{procs[0].proc.pid}, since " in p.output, p.output
+        assert "compiled" not in p.output
+    assert procs[0].proc.poll() is None and procs[1].proc.poll() is None, "the holder runs on"
     procs[1].kill()
     t0 = time.monotonic()
     code = procs[0].finish(90)

@@ -1,9 +1,10 @@
 """The training run: check everything, build the sharded state, then loop with hooks.
 
 `prepare` (trainer.program) does every check that bad input can fail before anything is
-compiled or written; `run` then creates `run.dir`, restores or creates the state, compiles the
-step once ahead of time, and drives it. Logging and checkpointing are
-hooks outside `jit`; metrics are read one step late so the device never waits on the host.
+compiled or written; `run` then takes run.dir's lock (trainer.rundir_lock: one writer per run
+directory), restores or creates the state, compiles the step once ahead of time, and drives
+it. Logging and checkpointing are hooks outside `jit`; metrics are read one step late so the
+device never waits on the host.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from configs.schema import nan_steps
 from data import describe, eval_batches, global_batches, make_iterator, to_global
 from model import flops_per_token, hf
 from sharding import distributed
-from trainer.checkpoint import Checkpointer, checkpoint_dir, has_checkpoints
+from trainer import rundir_lock
+from trainer.checkpoint import Checkpointer, check_resumable, checkpoint_dir, has_checkpoints
 from trainer.faults import Preempted, StopSignal, TooManyBadSteps, Watchdog, fingerprint
 from trainer.goodput import Goodput
 from trainer.metrics import MetricsLogger, log
@@ -115,14 +117,22 @@ def run(cfg: Config, devices: list | None = None) -> list[dict[str, Any]]:
     """Trains `cfg.train.steps` steps in total (resuming if `run.dir` has checkpoints) on
     `devices` (default: all). Returns the logged metrics of this invocation.
 
-    Raises ConfigError for bad input, Preempted after a signal (checkpoint committed) and
-    TooManyBadSteps after `train.max_bad_steps` non-finite steps in a row."""
+    Raises ConfigError for bad input or a run.dir in use by a live run, Preempted after a signal
+    (checkpoint committed) and TooManyBadSteps after `train.max_bad_steps` non-finite steps in a row."""
     goodput = Goodput()
     use_compile_cache(cfg.run.compile_cache)
     distributed.initialize(cfg.dist)
     distributed.check_same_everywhere(fingerprint(cfg), cfg.dist.init_timeout_s)
     devices = jax.devices() if devices is None else devices
-    b = build(prepare(cfg, len(devices)), devices)
+    p = prepare(cfg, len(devices))
+    # Bad input has been refused with run.dir untouched; from here on this run writes there, alone.
+    with rundir_lock.hold(cfg.run.dir, cfg.run.lock_timeout_s, cfg.dist.init_timeout_s, log):
+        check_resumable(cfg)  # again: a holder alive at the first check may have saved since
+        return _run_holding_the_lock(cfg, p, devices, goodput)
+
+
+def _run_holding_the_lock(cfg: Config, p: Prepared, devices: list, goodput: Goodput) -> list[dict[str, Any]]:
+    b = build(p, devices)
     logger = MetricsLogger(
         cfg.run.dir, cfg.train.steps, cfg.train.global_batch * cfg.model.seq_len, flops_per_token(cfg.model), devices
     )
