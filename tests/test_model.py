@@ -8,10 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 from flax import nnx
 
 from configs import ModelConfig, load_config
+from configs.schema import LOGICAL_AXES
 from model import Transformer, flops_per_token, matmul_params
+from model.transformer import abstract_transformer
 from model.attention import fused_attention, xla_attention
 from sharding import logical_axes
 
@@ -61,6 +64,28 @@ def test_parameter_shapes_and_logical_axes():
     for shape, names in zip(jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple)),
                             jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))):
         assert len(shape) == len(names) and all(isinstance(n, str) for n in names)
+
+
+def test_the_model_names_exactly_the_logical_axes_a_rules_table_may_use(monkeypatch):
+    """configs.schema.LOGICAL_AXES, the names `sharding.params/activations` accept, are the names
+    the parameters and the constrained activations carry: a name the model adds must be accepted,
+    and a name it no longer uses must not be (a rule for it would match nothing)."""
+    seen: set[str] = set()
+    constrain = nn.with_logical_constraint
+
+    def recording(x, names, *args, **kwargs):
+        seen.update(n for n in names if n is not None)
+        return constrain(x, names, *args, **kwargs)
+
+    monkeypatch.setattr(nn, "with_logical_constraint", recording)
+    cfg = small(tie_embeddings=False)
+    graphdef, state = nnx.split(abstract_transformer(cfg))
+    x = jax.ShapeDtypeStruct((2, cfg.seq_len), jnp.int32)
+    jax.eval_shape(lambda st, t: nnx.merge(graphdef, st)(t), state, x)
+    activation_names = set(seen)
+    param_names = {n for names in jax.tree.leaves(logical_axes(state), is_leaf=lambda a: isinstance(a, tuple)) for n in names}
+    assert {"batch", "length"} <= activation_names and "layers" in param_names  # both really recorded
+    assert activation_names | param_names == set(LOGICAL_AXES)
 
 
 def test_tied_model_has_no_output_matrix():
