@@ -7,14 +7,13 @@ gets the closest valid one suggested.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import typing
 from typing import Any
 
 import yaml
 
-from configs.schema import Config, ConfigError, validate_static
+from configs.schema import Config, ConfigError, closest, validate_static
 
 PRESET_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -35,8 +34,8 @@ def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
 
 
 def _unknown(key: str) -> ConfigError:
-    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
-    hint = f" (did you mean {close[0]}?)" if close else ""
+    guess = closest(key, all_keys())
+    hint = f" (did you mean {guess}?)" if guess else ""
     return ConfigError(f"unknown config key {key!r}{hint}")
 
 

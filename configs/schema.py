@@ -9,8 +9,9 @@ live in `sharding.mesh`.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 # Each `model.remat` name, with the `jax.checkpoint_policies` member saying what a layer keeps for
 # its backward pass (None: no remat at all; "nothing_saveable": only the layer's input).
@@ -27,10 +28,20 @@ DATA_SOURCES = ("text", "prepared", "synthetic")
 PACKINGS = ("concat", "document")
 SCHEDULES = ("cosine", "linear", "constant")
 MESH_AXES = ("pipeline", "data", "fsdp", "tensor")  # outermost first
+# The logical dim names the model gives its parameters and activations (model/layers.py,
+# model/transformer.py, the pipeline runner): the only keys a rules table may have, since a rule
+# for any other name matches nothing. tests/test_config.py checks the model uses exactly these.
+LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers")
 
 
 class ConfigError(ValueError):
     """A bad key or value. Its message is one line that names the key or file."""
+
+
+def closest(word: str, choices: Iterable[str]) -> str | None:
+    """The choice a typo most likely meant, or None if none is close."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return close[0] if close else None
 
 
 @dataclass(kw_only=True)
@@ -267,6 +278,14 @@ def _check_profile(cfg: Config) -> None:
     )
 
 
+def _check_logical_name(key: str, logical: str) -> None:
+    if logical in LOGICAL_AXES:
+        return
+    guess = closest(logical, LOGICAL_AXES)
+    hint = f"did you mean {guess!r}?" if guess else f"the model's names are {', '.join(LOGICAL_AXES)}"
+    raise ConfigError(f"{key}: unknown logical name; {hint}")
+
+
 def validate_static(cfg: Config) -> None:
     """Checks that need no devices. Raises ConfigError naming the first bad key."""
     t, m, o = cfg.train, cfg.model, cfg.optim
@@ -343,6 +362,7 @@ def validate_static(cfg: Config) -> None:
     _require(cfg.run.lock_timeout_s > 0, "run.lock_timeout_s", f"must be > 0, got {cfg.run.lock_timeout_s}")
     for table in ("params", "activations"):
         for logical, mesh_axes in getattr(cfg.sharding, table).items():
+            _check_logical_name(f"sharding.{table}.{logical}", logical)
             for axis in mesh_axes if isinstance(mesh_axes, list) else [mesh_axes]:
                 _require(
                     axis is None or axis in MESH_AXES,

@@ -24,6 +24,8 @@ BAD = {
     "global batch": (["mesh.data=8", "train.global_batch=12"], "train.global_batch=12 is not divisible by 8"),
     "grad accum": (["mesh.data=8", "train.grad_accum=4"], "train.global_batch=16 is not divisible by 32"),
     "unknown key": (["train.stpes=5"], "unknown config key 'train.stpes' (did you mean train.steps?)"),
+    "unknown logical name": (["mesh.fsdp=8", "sharding.params.embd=fsdp"],
+                             "sharding.params.embd: unknown logical name; did you mean 'embed'?"),
     "wrong type": (["train.global_batch=big"], "train.global_batch: expected int, got 'big'"),
     "negative steps": (["train.steps=-3"], "train.steps: must be >= 0, got -3"),
     "no data file": (["data.path=/nonexistent/**/*.txt"], "data.path: no file matches '/nonexistent/**/*.txt'"),
@@ -98,12 +100,18 @@ def _cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
     )
 
 
-def test_real_process_bad_input_no_traceback(tmp_path):
-    out = _cli("--config", TINY, f"run.dir={tmp_path / 'r'}", "mesh.data=3")
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("mesh.data=3", "mesh: pipeline=1 x data=3 x fsdp=1 x tensor=1 = 3 devices, but 8 are available"),
+        # FSDP is the rule `embed -> fsdp`: a misspelt name would leave every parameter whole.
+        ("sharding.params.embd=fsdp", "sharding.params.embd: unknown logical name; did you mean 'embed'?"),
+    ],
+)
+def test_real_process_bad_input_no_traceback(tmp_path, override, message):
+    out = _cli("--config", TINY, f"run.dir={tmp_path / 'r'}", override)
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines() == [
-        "error: mesh: pipeline=1 x data=3 x fsdp=1 x tensor=1 = 3 devices, but 8 are available"
-    ]
+    assert out.stderr.strip().splitlines() == [f"error: {message}"]
     assert not (tmp_path / "r").exists()
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+from typing import Any
 
 import pytest
 
@@ -72,6 +74,9 @@ def test_resolved_config_round_trips(tmp_path):
         (["model.remat=sometimes"], "model.remat: 'sometimes' is not one of"),
         (["model.num_kv_heads=3"], "model.num_kv_heads: 3 does not divide model.num_heads=16"),
         (["sharding.params.embed=fsdb"], "sharding.params.embed: 'fsdb' is not a mesh axis"),
+        (["sharding.params.embd=fsdp"], "sharding.params.embd: unknown logical name; did you mean 'embed'?"),
+        (["sharding.activations.kv_head=tensor"], "sharding.activations.kv_head: unknown logical name; did you mean 'kv_heads'?"),
+        (["sharding.params.experts=null"], "sharding.params.experts: unknown logical name; the model's names are batch, "),
         (["steps"], "override 'steps' is not of the form key=value"),
     ],
 )
@@ -87,6 +92,13 @@ def test_missing_config_file():
         load_config("nope.yaml")
 
 
+def test_a_rules_table_in_yaml_with_an_unknown_logical_name(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("sharding:\n  params:\n    batch: [data, fsdp]\n    embd: fsdp\n")
+    with pytest.raises(ConfigError, match="^sharding.params.embd: unknown logical name; did you mean 'embed'\\?$"):
+        load_config(str(path))
+
+
 def test_yaml_with_a_wrong_type_names_the_file_key(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("train:\n  steps: lots\n")
@@ -94,10 +106,59 @@ def test_yaml_with_a_wrong_type_names_the_file_key(tmp_path):
         load_config(str(path))
 
 
+# Keys whose type gives no valid non-default value by itself (a choice, a format, a constraint
+# between keys): the value to set, and the other overrides it needs.
+EXPLICIT: dict[str, tuple[Any, list[str]]] = {
+    "train.preempt_exit_code": (0, []),
+    "mesh.data": (2, []),
+    "model.head_dim": (16, []),
+    "model.dtype": ("bfloat16", []),
+    "model.remat": ("save_dots", []),
+    "model.attention": ("dot_product", []),
+    "data.source": ("synthetic", []),
+    "data.mixture": ("/a:0.5,/b:0.5", ["data.source=prepared"]),
+    "data.packing": ("document", []),
+    "optim.schedule": ("linear", []),
+    "dist.coordinator": ("10.0.0.1:1234", []),
+    "debug.nan_steps": ("3,7", []),
+    "profile.steps": ([1, 2], []),
+    "sharding.params": ({"embed": None, "heads": "tensor"}, []),
+    "sharding.activations": ({"batch": ["data"]}, []),
+}
+
+
+def _other_value(key: str, default: Any) -> Any:
+    """A valid value for `key` that differs from its default."""
+    if key in EXPLICIT:
+        return EXPLICIT[key][0]
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, (int, float)):
+        return default * 2 if default > 0 else default + 1
+    assert isinstance(default, str), (key, default)
+    return f"{default}-x" if default else "x"
+
+
+def _cli_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+
+
+def _get(cfg: Config, key: str) -> Any:
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
 def test_every_key_is_settable():
-    for key in all_keys():
-        if key.startswith("sharding."):
-            continue
-        section, name = key.split(".")
-        value = getattr(getattr(Config(), section), name)
-        load_config(None, [f"{key}={str(value).lower() if isinstance(value, bool) else value}"])
+    """Each key of the schema, set on the command line to a value other than its default, lands
+    in the config with that value and type."""
+    keys = all_keys()
+    assert set(EXPLICIT) <= set(keys), set(EXPLICIT) - set(keys)
+    for key in keys:
+        default = _get(Config(), key)
+        value = _other_value(key, default)
+        assert value != default, key
+        cfg = load_config(None, [*EXPLICIT.get(key, (None, []))[1], f"{key}={_cli_text(value)}"])
+        got = _get(cfg, key)
+        assert got == value and type(got) is type(value), (key, got, value)

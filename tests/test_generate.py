@@ -19,6 +19,7 @@ from conftest import ROOT
 
 import trainer
 from configs.schema import ModelConfig
+from data.tokenizer import ByteTokenizer
 from model import Transformer
 from model.decode import forward, generate, init_cache
 from model.generate import main
@@ -68,21 +69,72 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy(model):
     assert (a != greedy).any()
 
 
-def test_cli_samples_from_a_sharded_checkpoint(tiny, capsys):
-    cfg = tiny("mesh.fsdp=2", "mesh.tensor=2", "train.steps=2", "checkpoint.every=2")
+def _checkpoint_model(cfg, step: int) -> Transformer:
+    """The model at a checkpoint, read with Orbax's plain restore (not model.generate's loader)."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.join(cfg.run.dir, "checkpoints", str(step), "state")
+    params = jax.tree.map(np.asarray, ocp.StandardCheckpointer().restore(path)["params"])
+    graphdef, state = nnx.split(Transformer(cfg.model, rngs=nnx.Rngs(1)))
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
+
+
+def _text(prompt: str, new_tokens) -> str:
+    """What the CLI prints for `new_tokens`: the prompt, then the tokens up to an end of document."""
+    tokens = [int(t) for t in new_tokens]
+    eod = ByteTokenizer.eod_id
+    return prompt + ByteTokenizer().decode(tokens[: tokens.index(eod)] if eod in tokens else tokens) + "\n"
+
+
+def _greedy_by_full_forward(model: Transformer, prompt: np.ndarray, n: int) -> np.ndarray:
+    """Greedy decoding without the cache: each token the argmax of the whole sequence's forward."""
+    seq = np.zeros((1, prompt.shape[1] + n), np.int32)
+    seq[:, : prompt.shape[1]] = prompt
+    graphdef, state = nnx.split(model)
+    logits_at = jax.jit(lambda st, x, i: nnx.merge(graphdef, st)(x)[0, i])  # causal: later zeros do not matter
+    for i in range(prompt.shape[1], seq.shape[1]):
+        logits = np.asarray(logits_at(state, seq, i - 1))
+        top2 = np.sort(logits)[-2:]
+        assert top2[1] - top2[0] > 1e-4, "a near tie: rounding could pick either token"
+        seq[0, i] = logits.argmax()
+    return seq[0, prompt.shape[1]:]
+
+
+def test_cli_samples_from_a_sharded_checkpoint(tiny, tmp_path, capsys):
+    """The CLI's text is what the checkpoint's model produces: greedy, the argmax of the full
+    forward at every step; sampled, model.decode's draw for that seed, temperature and top-k;
+    from the step asked for, which decodes differently from the newest one."""
+    # Text that counts: a few steps teach the next digit, so greedy text depends on the context.
+    for i in range(4):
+        (tmp_path / f"count{i}.txt").write_text("0123456789" * 100)
+    cfg = tiny("mesh.fsdp=2", "mesh.tensor=2", "train.steps=30", "checkpoint.every=15", "optim.lr=1e-2",
+               "optim.warmup_steps=0", "train.log_every=30", f"data.path={tmp_path}/count*.txt", "data.eval_fraction=0")
     trainer.run(cfg)
     capsys.readouterr()
+    prompt_text, n = "34567", 12
+    prompt = ByteTokenizer().encode(prompt_text).astype(np.int32)[None]
+    newest, oldest = _checkpoint_model(cfg, 30), _checkpoint_model(cfg, 15)
+    expected = _text(prompt_text, _greedy_by_full_forward(newest, prompt, n))
+    expected_step_15 = _text(prompt_text, _greedy_by_full_forward(oldest, prompt, n))
+    assert expected != expected_step_15, ("the checkpoints must decode differently", expected)
+    assert len(set(expected)) > 3, (expected, expected_step_15)
+
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    greedy = ["--run-dir", cfg.run.dir, "--prompt", "import json", "--max-new-tokens", "12"]
-    cmd = [sys.executable, "-m", "model.generate", *greedy]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    greedy = ["--run-dir", cfg.run.dir, "--prompt", prompt_text, "--max-new-tokens", str(n)]
+    proc = subprocess.run([sys.executable, "-m", "model.generate", *greedy], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.startswith("import json")
-    # In this process (8 devices) the same greedy continuation, then a sampled one.
+    assert proc.stdout == expected
+    # In this process (8 devices): the same greedy text; another step; then sampled text.
     assert main(greedy) == 0
-    assert capsys.readouterr().out == proc.stdout
-    args = ["--run-dir", cfg.run.dir, "--prompt", "import json", "--temperature", "1.5", "--top-k", "50", "--seed", "4"]
-    assert main(args) == 0
-    assert capsys.readouterr().out.startswith("import json")
+    assert capsys.readouterr().out == expected
+    assert main([*greedy, "--step", "15"]) == 0
+    assert capsys.readouterr().out == expected_step_15
+    sampling = ["--temperature", "1.5", "--top-k", "50", "--seed", "4"]
+    assert main([*greedy, *sampling]) == 0
+    sampled = capsys.readouterr().out
+    assert sampled == _text(prompt_text, np.asarray(generate(newest, prompt, n, temperature=1.5, top_k=50, seed=4))[0])
+    assert sampled != expected, "sampling at temperature 1.5 must leave the greedy path"
     assert main(["--run-dir", cfg.run.dir, "--prompt", "x", "--step", "9"]) == 2
     assert "--step: no checkpoint for step 9" in capsys.readouterr().err

@@ -8,10 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 from flax import nnx
+from jax.extend import core as jcore
 
 from configs import ModelConfig, load_config
+from configs.schema import LOGICAL_AXES
 from model import Transformer, flops_per_token, matmul_params
+from model.transformer import abstract_transformer
 from model.attention import fused_attention, xla_attention
 from sharding import logical_axes
 
@@ -63,6 +67,28 @@ def test_parameter_shapes_and_logical_axes():
         assert len(shape) == len(names) and all(isinstance(n, str) for n in names)
 
 
+def test_the_model_names_exactly_the_logical_axes_a_rules_table_may_use(monkeypatch):
+    """configs.schema.LOGICAL_AXES, the names `sharding.params/activations` accept, are the names
+    the parameters and the constrained activations carry: a name the model adds must be accepted,
+    and a name it no longer uses must not be (a rule for it would match nothing)."""
+    seen: set[str] = set()
+    constrain = nn.with_logical_constraint
+
+    def recording(x, names, *args, **kwargs):
+        seen.update(n for n in names if n is not None)
+        return constrain(x, names, *args, **kwargs)
+
+    monkeypatch.setattr(nn, "with_logical_constraint", recording)
+    cfg = small(tie_embeddings=False)
+    graphdef, state = nnx.split(abstract_transformer(cfg))
+    x = jax.ShapeDtypeStruct((2, cfg.seq_len), jnp.int32)
+    jax.eval_shape(lambda st, t: nnx.merge(graphdef, st)(t), state, x)
+    activation_names = set(seen)
+    param_names = {n for names in jax.tree.leaves(logical_axes(state), is_leaf=lambda a: isinstance(a, tuple)) for n in names}
+    assert {"batch", "length"} <= activation_names and "layers" in param_names  # both really recorded
+    assert activation_names | param_names == set(LOGICAL_AXES)
+
+
 def test_tied_model_has_no_output_matrix():
     assert "lm_head" not in nnx.to_pure_dict(nnx.state(build(small(tie_embeddings=True))))
 
@@ -108,13 +134,28 @@ def test_attention_kernels_agree(segments):
     np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=2e-5, atol=2e-5)
 
 
-def test_grouped_query_attention_differs_from_sharing_nothing():
-    """With fewer kv heads the model is a different function (the grouping is really used)."""
-    a = build(small(num_kv_heads=8))
-    b = build(small(num_kv_heads=2))
-    x = tokens(1, 8, 264)
-    assert a.layers.attn.k.shape != b.layers.attn.k.shape
-    assert jitted(b)(x).shape == jitted(a)(x).shape
+def test_grouped_query_attention_shares_each_kv_head_with_its_group():
+    """16 query heads over 2 kv heads equal plain multi-head attention whose k and v weights are
+    the 2 heads repeated for each group of 8 consecutive query heads (query head h reads kv head
+    h // 8, as Hugging Face Llama's repeat_kv); repeating them in the other order (h % 2) differs."""
+    gqa_cfg, mha_cfg = small(num_kv_heads=2), small(num_kv_heads=16)
+    group = gqa_cfg.num_heads // gqa_cfg.num_kv_heads
+    gqa = build(gqa_cfg)
+    graphdef, mha_state = nnx.split(build(mha_cfg, seed=1))
+    x = tokens(2, 16, gqa_cfg.vocab_size)
+    expected = np.asarray(jitted(gqa)(x))
+
+    def mha_logits(widen) -> np.ndarray:
+        params = nnx.to_pure_dict(nnx.state(gqa))
+        attn = params["layers"]["attn"]  # k, v: [layers, embed, kv_heads, head_dim]
+        attn["k"], attn["v"] = widen(attn["k"]), widen(attn["v"])
+        nnx.replace_by_pure_dict(mha_state, params)
+        return np.asarray(jitted(nnx.merge(graphdef, mha_state))(x))
+
+    repeated = mha_logits(lambda w: jnp.repeat(w, group, axis=2))
+    tiled = mha_logits(lambda w: jnp.tile(w, (1, 1, group, 1)))
+    assert not np.allclose(repeated, tiled, atol=1e-3), "the two head orders must give different models"
+    np.testing.assert_allclose(expected, repeated, rtol=1e-5, atol=1e-5)
 
 
 def _grads(cfg: ModelConfig) -> tuple[dict, str]:
@@ -142,11 +183,32 @@ def test_remat_policies_give_the_same_gradients(policy, grads_without_remat):
         np.testing.assert_allclose(np.asarray(r), np.asarray(g), rtol=1e-5, atol=1e-7)
 
 
-def test_bfloat16_compute_keeps_float32_parameters():
-    cfg = small(dtype="bfloat16")
+def _matmul_operand_dtypes(jaxpr: jcore.Jaxpr) -> list[set[str]]:
+    """The operand dtypes of every dot_general in `jaxpr`, nested jaxprs (scan, remat) included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append({str(v.aval.dtype) for v in eqn.invars})
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(sub, (jcore.Jaxpr, jcore.ClosedJaxpr)):
+                    found += _matmul_operand_dtypes(getattr(sub, "jaxpr", sub))
+    return found
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compute_dtype_sets_every_matmul_and_parameters_stay_float32(dtype):
+    """model.dtype is the dtype of every matmul of the forward (projections, attention, MLP,
+    output head), while the parameters are stored in float32 and the logits come out in float32."""
+    cfg = small(dtype=dtype)
     model = build(cfg)
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(nnx.state(model)))
-    logits = jitted(model)(tokens(1, 8, cfg.vocab_size))
+    graphdef, state = nnx.split(model)
+    x = tokens(1, 8, cfg.vocab_size)
+    jaxpr = jax.make_jaxpr(lambda st, t: nnx.merge(graphdef, st)(t))(state, x)
+    # Per layer q, k, v, scores, weighted values, out, gate, up, down; then the head.
+    assert _matmul_operand_dtypes(jaxpr.jaxpr) == [{dtype}] * 10
+    logits = jitted(model)(x)
     assert logits.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(logits)))
 
 

@@ -4,12 +4,14 @@ layouts really differ, nothing drifts after a step, and impossible layouts fail 
 from __future__ import annotations
 
 import jax
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from configs import ConfigError, load_config
-from sharding import make_mesh, resolve_mesh_shape, shardings, to_rules
-from trainer.optimizer import make_optimizer
+from sharding import activation_rules, make_mesh, resolve_mesh_shape, shardings, to_rules
+from trainer.optimizer import lr_schedule, make_optimizer
+from trainer.program import abstract_program
 from trainer.state import abstract_model, init_state, state_shardings
 from trainer.step import make_train_step
 
@@ -117,20 +119,37 @@ def test_fsdp_splits_parameter_memory(states):
     assert per_device_bytes(states["fsdp=8"][0]) < full / 4
 
 
-def test_shardings_do_not_drift_after_a_step():
-    cfg, mesh, graphdef, tx, schedule, sh = build(LAYOUTS["data=2,fsdp=2,tensor=2"])
-    state = init_state(cfg.model, tx, 0, sh)
-    from sharding import activation_rules, batch_sharding
+def _two_steps(step, program, state) -> list:
+    """The state's shardings (params, Adam mu, Adam nu: lists of leaves) after each of two real steps."""
+    tokens = np.random.RandomState(0).randint(0, 256, (2, 16, program.cfg.model.seq_len + 1)).astype(np.int32)
+    after = []
+    with activation_rules(program.mesh, program.layout.act_rules):
+        for rows in tokens:
+            state, _ = step(state, {"tokens": jax.device_put(rows, program.batch_sh)})
+            adam = state.opt_state[1][0]  # chain(clip, adamw) -> adamw's ScaleByAdamState
+            after.append([[x.sharding for x in jax.tree.leaves(tree)] for tree in (state.params, adam.mu, adam.nu)])
+    return after
 
-    act = to_rules(cfg.sharding.activations)
-    batch_sh = batch_sharding(mesh, act)
-    tokens = jax.device_put(jax.numpy.zeros((16, cfg.model.seq_len + 1), jax.numpy.int32), batch_sh)
-    step = jax.jit(make_train_step(graphdef, tx, schedule, 1), out_shardings=(sh, None), donate_argnums=0)
-    with activation_rules(mesh, act):
-        new, _ = step(state, {"tokens": tokens})
-    assert batch_sh.spec == P(("data", "fsdp"), None)
-    for a, b in zip(jax.tree.leaves(sh), jax.tree.leaves(new)):
-        assert b.sharding.spec == a.spec
+
+def test_shardings_neither_drift_nor_recompile_over_two_steps():
+    """The trainer's jitted step, run twice: it compiles once, and after each step every
+    parameter and Adam moment has exactly the sharding the rules give its logical names. The
+    same step jitted without pinned shardings hands back shardings spelled otherwise (the
+    size-1 `pipeline` axis dropped) and compiles again on step 2, so both checks can fail."""
+    cfg = mesh_cfg(**LAYOUTS["data=2,fsdp=2,tensor=2"])
+    program = abstract_program(cfg)
+    _, _, axes = abstract_model(cfg.model)
+    expected = jax.tree.leaves(shardings(axes, to_rules(cfg.sharding.params), program.mesh))
+    assert len({sh.spec for sh in expected}) > 3, "the rules must really shard the parameters in several ways"
+
+    for after in _two_steps(program.step, program, init_state(cfg.model, program.tx, 0, program.state_sh)):
+        assert after == [expected] * 3
+    assert program.step._cache_size() == 1, "the second step must reuse the first step's executable"
+
+    schedule = lr_schedule(cfg.optim, cfg.train.steps)
+    unpinned = jax.jit(make_train_step(program.graphdef, program.tx, schedule, 1), donate_argnums=0)
+    first, _ = _two_steps(unpinned, program, init_state(cfg.model, program.tx, 0, program.state_sh))
+    assert first[0] != expected and unpinned._cache_size() == 2
 
 
 @pytest.mark.parametrize(
