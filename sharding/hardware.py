@@ -67,6 +67,9 @@ HARDWARE = {
     # TPU ICI per chip: v5e 1,600 Gb/s, v5p 4,800 Gb/s, v6e 3,584 Gb/s over all links; a ring
     # along one torus axis is assumed to use two links' worth. Between slices the data-center
     # network, assumed 25 GB/s per chip. A slice is the "node": every chip of it shares ICI.
+    "tpu-v4": Hardware("tpu-v4", platform="tpu", spec="v4", peak_flops=275e12, hbm_bytes_per_s=1.2e12,
+                       memory_bytes=32e9, intra_node_bytes_per_s=100e9, inter_node_bytes_per_s=25e9,
+                       devices_per_node=0, device_kinds=("TPU v4",), torus_dims=3),
     "tpu-v5e": Hardware("tpu-v5e", platform="tpu", spec="v5e", peak_flops=197e12, hbm_bytes_per_s=0.819e12,
                         memory_bytes=16e9, intra_node_bytes_per_s=50e9, inter_node_bytes_per_s=25e9,
                         devices_per_node=0, device_kinds=("TPU v5 lite", "TPU v5e"), torus_dims=2),

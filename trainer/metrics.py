@@ -16,28 +16,12 @@ from typing import Any
 
 import jax
 
+from sharding.hardware import peak_flops_of_kind
 from trainer.observe import TensorBoard
 
-# Dense bf16 peak FLOP/s per device, by a substring of `device_kind`. Longest match wins.
-PEAK_FLOPS = {
-    "H100": 989e12,
-    "H200": 989e12,
-    "GH200": 989e12,
-    "A100": 312e12,
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5e": 197e12,
-    "TPU v5p": 459e12,
-    "TPU v5": 459e12,
-    "TPU v6 lite": 918e12,
-    "TPU v6e": 918e12,
-}
-
-
 def peak_flops(device: Any) -> float | None:
-    kind = getattr(device, "device_kind", "")
-    matches = [k for k in PEAK_FLOPS if k in kind]
-    return PEAK_FLOPS[max(matches, key=len)] if matches else None
+    """Dense bf16 peak FLOP/s of `device` from the one hardware table (sharding.hardware)."""
+    return peak_flops_of_kind(getattr(device, "device_kind", ""))
 
 
 def log(message: str) -> None:
