@@ -46,7 +46,7 @@ RING_FACTORS = {
 
 _OP = re.compile(r"^\s*(?:ROOT\s+)?%\S+ = (.+?) (" + "|".join(COLLECTIVES) + r")(-start)?\(")
 _SHAPE = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")
-_HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
+HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
 _CALL = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _DEF = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = .*? ([a-z][\w\-]*)\(")
@@ -199,13 +199,13 @@ def multiplicities(lines: list[str]) -> tuple[dict[str, int], int]:
     bodies: dict[str, list[str]] = defaultdict(list)
     current = None
     for line in lines:
-        header = _HEADER.match(line)
+        header = HEADER.match(line)
         current = header.group(2) if header else current
         if current is not None and not header:
             bodies[current].append(line)
     entry, current, unknown = None, None, 0
     for line in lines:
-        header = _HEADER.match(line)
+        header = HEADER.match(line)
         if header:
             current = header.group(2)
             entry = current if header.group(1) else entry
@@ -249,7 +249,7 @@ def collectives(
     node_of = [p // nodes for p in range(num_devices)] if isinstance(nodes, int) else list(nodes)
     found, current = [], None
     for line in lines:
-        header = _HEADER.match(line)
+        header = HEADER.match(line)
         if header:
             current = header.group(2)
             continue

@@ -22,8 +22,6 @@ The loss's scalar reductions are left out (bytes, not megabytes).
 from __future__ import annotations
 
 import math
-from typing import Any
-
 import jax
 import numpy as np
 
@@ -44,7 +42,7 @@ def gathered_bytes(shapes: dict, axes: dict, cfg: Config, sizes: dict[str, int])
     return total
 
 
-def minimum(cfg: Config, sizes: dict[str, int], shapes: dict, axes: dict, microbatches: int) -> dict[str, Any]:
+def minimum(cfg: Config, sizes: dict[str, int], shapes: dict, axes: dict) -> dict[str, float]:
     """Axis -> the least bytes each device sends over it per step (axes of size 1 left out)."""
     m = cfg.model
     ring = lambda n: (n - 1) / n  # noqa: E731

@@ -126,7 +126,7 @@ def state_bytes(cfg: Config, n: int) -> dict[str, int]:
     return {
         "params": per_device(state.params),
         "optimizer": per_device(state.opt_state) + per_device(state.step),
-        "minimum": minimum(cfg, p.layout.sizes, p.shapes, p.axes, p.layout.microbatches),
+        "minimum": minimum(cfg, p.layout.sizes, p.shapes, p.axes),
     }
 
 

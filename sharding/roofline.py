@@ -23,10 +23,9 @@ import re
 from collections import defaultdict
 from typing import Callable
 
-from sharding.hlo import COLLECTIVES, multiplicities, shape_bytes
+from sharding.hlo import COLLECTIVES, HEADER, multiplicities, shape_bytes
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*)$")
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
 _DIMS = re.compile(r"\[([\d,]*)\]")
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call", "conditional",
          "after-all", "partition-id", "replica-id", "iota", "opt-barrier", "add-dependency", "copy-done",
@@ -59,9 +58,9 @@ def parse(hlo_text: str) -> dict[str, list[Instr]]:
     comps: dict[str, list[Instr]] = {}
     current = None
     for line in hlo_text.splitlines():
-        header = _HEADER.match(line)
+        header = HEADER.match(line)
         if header:
-            current = comps.setdefault(header.group(1), [])
+            current = comps.setdefault(header.group(2), [])
             continue
         m = _INSTR.match(line)
         if m and current is not None:

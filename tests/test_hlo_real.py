@@ -34,7 +34,7 @@ def least() -> float:
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"),
                       ["mesh.data=1", "mesh.fsdp=8", "model.dtype=bfloat16", "train.global_batch=16"])
     _, shapes, axes = abstract_model(cfg.model)
-    return minimum(cfg, MESH, shapes, axes, 1)["fsdp"]
+    return minimum(cfg, MESH, shapes, axes)["fsdp"]
 
 
 def test_combined_gpu_reduce_scatter_counts_its_operands() -> None:
