@@ -62,6 +62,7 @@ class Collective:
     count: int  # executions per step (static occurrences x enclosing loop trip counts)
     inter_node: bool  # some group holds devices of more than one node
     dtype: str = ""  # element type(s) of the buffer, e.g. "bf16" or "bf16+f32" for a combined op
+    by_dtype: tuple[tuple[str, int], ...] = ()  # `bytes` split by element type (a combined op mixes them)
 
     @property
     def wire_bytes(self) -> float:
@@ -113,6 +114,18 @@ def buffer_bytes(kind: str, start: bool, type_text: str, line: str) -> int:
         # `..._promoted`); a GPU or TPU reduces the bf16 the program asked for.
         return shape_bytes(type_text.replace("f32[", "bf16["))
     return shape_bytes(type_text)
+
+
+def _split_by_dtype(type_text: str, size: int) -> tuple[tuple[str, int], ...]:
+    """`size` bytes shared out in proportion to each element type's bytes in the op's type
+    (both sides of an async tuple hold the same mix); indices and tokens are not data."""
+    raw: dict[str, float] = {}
+    for dt, dims in _SHAPE.findall(type_text):
+        if dt not in ("u32", "s32", "token"):
+            raw[dt] = raw.get(dt, 0.0) + dtype_bytes(dt) * math.prod(int(d) for d in dims.split(",") if d)
+    total, names = sum(raw.values()), sorted(raw)
+    parts = [round(size * raw[dt] / total) if total else 0 for dt in names[:-1]]
+    return tuple(zip(names, [*parts, size - sum(parts)])) if names else ()
 
 
 def _gathers(line: str, defs: dict[str, str]) -> bool:
@@ -265,8 +278,9 @@ def collectives(
         if kind == "reduce-scatter" and not start:
             size *= n  # a synchronous op's type is its result: one shard of the reduced buffer
         crossing = any(len({node_of[p] for p in g}) > 1 for g in groups)
-        dtypes = "+".join(sorted({dt for dt, _ in _SHAPE.findall(type_text) if dt not in ("u32", "s32", "token")}))
-        found.append(Collective(kind, spanned_axes(groups, mesh_shape), n, size, mults[current], crossing, dtypes))
+        split = _split_by_dtype(type_text, size)
+        dtypes = "+".join(dt for dt, _ in split)
+        found.append(Collective(kind, spanned_axes(groups, mesh_shape), n, size, mults[current], crossing, dtypes, split))
     return found, unknown
 
 

@@ -19,8 +19,9 @@ GB = 1e9
 
 
 def _aggregate(ops: list[dict]) -> list[dict]:
-    """Per (kind, dtype, mesh axes, link): executions per step, buffer bytes and ring bytes sent."""
-    total: dict[tuple, dict] = defaultdict(lambda: {"count": 0, "bytes": 0.0, "wire_bytes": 0.0})
+    """Per (kind, dtype, mesh axes, link): executions per step, buffer bytes (also split by
+    element type, `by_dtype`) and ring bytes sent."""
+    total: dict[tuple, dict] = defaultdict(lambda: {"count": 0, "bytes": 0.0, "wire_bytes": 0.0, "by_dtype": {}})
     for op in ops:
         if not op["axes"]:
             continue  # a group of one device moves nothing
@@ -28,6 +29,8 @@ def _aggregate(ops: list[dict]) -> list[dict]:
         t["count"] += op["count"]
         t["bytes"] += op["count"] * op["bytes"]
         t["wire_bytes"] += op["count"] * op["wire_bytes"]
+        for dt, b in op.get("by_dtype") or [(op["dtype"], op["bytes"])]:
+            t["by_dtype"][dt] = t["by_dtype"].get(dt, 0) + op["count"] * b
     return [{"kind": k, "dtype": d, "axes": list(a), "inter_node": i, **v} for (k, d, a, i), v in sorted(total.items())]
 
 

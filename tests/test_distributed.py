@@ -103,7 +103,11 @@ def test_a_second_job_is_refused_and_a_killed_peer_stops_the_others_within_60_s(
     print(f"survivor exited {code} {elapsed:.1f} s after the kill")
     assert code != 0 and elapsed < 60, (code, elapsed)
     out = procs[0].output
-    assert "stopped sending heartbeats" in out or "another task died" in out, out[-2000:]
+    # Three ways the survivor learns of it: the coordination service's heartbeat check, its
+    # "another task died" broadcast, or (first, under load) the step's own CPU collective, whose
+    # gloo transport aborts the process when the dead peer's connection breaks mid-message.
+    peer_gone = ("stopped sending heartbeats", "another task died", "[enforce fail at external/gloo/gloo/transport")
+    assert any(reason in out for reason in peer_gone), out[-2000:]
 
 
 def test_processes_with_different_configs_refuse_to_start(tmp_path):

@@ -64,6 +64,8 @@ def test_gpu_fsdp_program_moves_bf16_at_its_minimum(least: float) -> None:
             results = tuple_parts(re.match(r"\s*%\S+ = (.+?) all-gather-start\(", line).group(1))[-1]
             wide += sum(shape_bytes(part) for part in tuple_parts(results) if part.startswith("f32"))
     assert 0 < wide <= 2 * norms, (wide, norms)  # gathered for the forward and the backward
+    assert sum(dict(c.by_dtype).get("f32", 0) for c in ops if c.kind == "all-gather") == wide  # the parser's split
+    assert all(sum(b for _, b in c.by_dtype) == c.bytes for c in ops)
     sent = sum(c.wire_bytes * c.count for c in ops if c.axes == ("fsdp",))
     assert 0.9 <= sent / least <= 1.1, (sent, least)
 

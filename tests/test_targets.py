@@ -91,7 +91,11 @@ def test_h100_fsdp_moves_bf16_and_stays_near_its_minimum(h100_8b: dict) -> None:
     p = h100_8b["fsdp"][0]["plans"][0]
     big = _gathers_and_reductions(p)
     assert {c["kind"] for c in big} == {"all-gather", "reduce-scatter"}, big
-    assert all(c["dtype"] == "bf16" for c in big), [(c["kind"], c["dtype"], c["bytes"]) for c in big]
+    # The matmul weights move in bf16; the norm scales stay float32 and ride along in combined
+    # gathers (0.3% of their bytes), so the check is on bytes, not on the op's dtype label.
+    for c in big:
+        share = c["by_dtype"].get("bf16", 0) / c["bytes"]
+        assert share > 0.99, (c["kind"], c["by_dtype"])
     ratio = p["traffic"]["ratio"]
     assert 0.9 <= ratio <= 1.1, p["traffic"]
 

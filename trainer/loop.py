@@ -66,9 +66,7 @@ def build(p: Prepared, devices: list) -> Built:
     """Restores the newest readable checkpoint or creates the state, sharded; then writes the
     resolved config into run.dir."""
     cfg, layout = p.cfg, p.layout
-    from_hf = bool(cfg.init.from_hf) and not has_checkpoints(cfg.run.dir)
-    if from_hf:  # checked before anything is written; once the run has checkpoints it resumes from them
-        hf.check_compatible(cfg.model, cfg.init.from_hf)
+    from_hf = bool(cfg.init.from_hf) and not has_checkpoints(cfg.run.dir)  # checked by `prepare`
     program = make_program(p, devices)
     ckpt = Checkpointer(checkpoint_dir(cfg.run.dir), cfg.checkpoint)
     iterator = make_iterator(cfg, p.source)

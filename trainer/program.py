@@ -2,7 +2,7 @@
 ahead-of-time compile (on real devices, or abstractly for benchmarks and planning).
 
 `prepare` does every check that bad input can fail (mesh, divisibility, batch, pipeline, resume,
-data path) before anything is compiled or written.
+Hugging Face checkpoint, data path) before anything is compiled or written.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from sharding import (
 )
 from sharding.cast import cast_for_compute
 from sharding.hlo import COLLECTIVES, static_counts  # noqa: F401  (COLLECTIVES: re-exported)
-from trainer.checkpoint import check_resumable
+from model import hf
+from trainer.checkpoint import check_resumable, has_checkpoints
 from trainer.layout import Layout, layer_runner, plan_layout
 from trainer.optimizer import make_optimizer
 from trainer.state import TrainState, abstract_model, abstract_state, state_shardings
@@ -64,6 +65,8 @@ def prepare(cfg: Config, num_devices: int, with_data: bool = True) -> Prepared:
     if not with_data:
         return Prepared(cfg, layout, graphdef, shapes, axes, None)
     check_resumable(cfg)
+    if cfg.init.from_hf and not has_checkpoints(cfg.run.dir):  # once the run has checkpoints it resumes from them
+        hf.check_compatible(cfg.model, cfg.init.from_hf)
     return Prepared(cfg, layout, graphdef, shapes, axes, open_source(cfg))
 
 
