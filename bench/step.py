@@ -26,18 +26,17 @@ from configs import ConfigError, load_config
 from data import batch_fields
 from model import flops_per_token
 from trainer.metrics import peak_flops  # importing trainer sets the stack's XLA flags
-from trainer.program import abstract_program
+from trainer.program import abstract_program, compiled_stats
 from trainer.state import init_state, param_count
 
 
 def peak_memory(compiled: jax.stages.Compiled) -> tuple[float, str]:
     """Peak bytes on device 0: the allocator's own figure where it keeps one (GPU, TPU), else
-    the compiler's estimate (arguments + outputs + temporaries)."""
+    the compile's own figure (trainer.program.compiled_stats: the planner's too)."""
     stats = jax.devices()[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:
         return float(stats["peak_bytes_in_use"]), "allocator"
-    m = compiled.memory_analysis()
-    return float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes), "compiler"
+    return float(compiled_stats(compiled)["total_bytes"]), "compiler"
 
 
 def bench(config: str | None, overrides: list[str], steps: int, warmup: int) -> dict:

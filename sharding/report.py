@@ -49,7 +49,7 @@ def entry(cfg: Config, n: int, hw: Hardware, measured: dict, state: dict[str, in
     """One plan: memory, FLOPs, collectives against their minimum, and the predicted time."""
     tokens = cfg.train.global_batch * cfg.model.seq_len
     model_flops = flops_per_token(cfg.model) * tokens / n
-    total = measured["argument_bytes"] + measured["temp_bytes"] + measured["output_bytes"] - measured["alias_bytes"]
+    total = measured["total_bytes"]
     memory = {
         "params": state["params"],
         "optimizer": state["optimizer"],

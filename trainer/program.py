@@ -143,7 +143,10 @@ def fill_microbatches(cfg: Config, num_devices: int) -> Config:
 
 def compiled_stats(compiled: jax.stages.Compiled) -> dict[str, float]:
     """Per-device bytes from `memory_analysis()` and FLOPs from `cost_analysis()`, which counts
-    the body of a loop (the layer scan, pipeline ticks) once, not once per trip."""
+    the body of a loop (the layer scan, pipeline ticks) once, not once per trip.
+
+    `total_bytes`, the one memory figure of a compile everywhere (planner, benchmarks): arguments,
+    temporaries and outputs, less the outputs that reuse a donated argument's buffer."""
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, list) else cost) or {}  # a deviceless GPU compile has none
@@ -152,6 +155,8 @@ def compiled_stats(compiled: jax.stages.Compiled) -> dict[str, float]:
         "output_bytes": mem.output_size_in_bytes,
         "alias_bytes": mem.alias_size_in_bytes,
         "temp_bytes": mem.temp_size_in_bytes,
+        "total_bytes": (mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
+                        - mem.alias_size_in_bytes),
         "xla_flops": cost.get("flops", float("nan")),
     }
 
