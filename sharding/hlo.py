@@ -277,6 +277,11 @@ def collectives(
         n = max(len(g) for g in groups) if kind != "collective-permute" else 2
         if kind == "reduce-scatter" and not start:
             size *= n  # a synchronous op's type is its result: one shard of the reduced buffer
+        if kind == "all-reduce" and current.startswith("all-reduce-scatter"):
+            # libtpu's reduce-scatter: a kCustom fusion whose computation holds an all-reduce of the
+            # (padded) full buffer and the dynamic-slice of this device's shard; its emitter
+            # (AllReduceScatterFusion) reduces and scatters in one pass, so it moves a reduce-scatter.
+            kind = "reduce-scatter"
         crossing = any(len({node_of[p] for p in g}) > 1 for g in groups)
         split = _split_by_dtype(type_text, size)
         dtypes = "+".join(dt for dt, _ in split)

@@ -83,9 +83,8 @@ def tpu_slice_shape(hw: Hardware, chips: int) -> str:
     dims = [1] * hw.torus_dims
     for _ in range(int(math.log2(chips))):
         dims[dims.index(min(dims))] *= 2
-    if hw.torus_dims == 3 and chips >= 4 and dims.count(1):  # v5p hosts are 2x2x1: no 4x1x1 slices
-        dims = sorted(dims, reverse=True)
-    return "x".join(str(d) for d in sorted(dims))
+    # libtpu names a slice with a dimension of 1 last ("2x2x1", the v5p host), others ascending.
+    return "x".join(str(d) for d in sorted(dims, reverse=1 in dims and hw.torus_dims == 3 and chips > 1))
 
 
 def gpu_spec(hw: Hardware) -> str:

@@ -1,9 +1,12 @@
 """The collectives parser and the roofline on programs the real compilers emitted.
 
 Fixtures: the tiny preset in bf16 with FSDP over 8 devices, compiled by XLA's GPU compiler for
-8 H100s and by libtpu for a v5p 2x2x2 slice (regenerate: tests/fixtures/make_hlo.sh). GPU
-collectives are async start/done pairs, and one reduce-scatter-start combines a layer's
-gradients into a tuple of (operands, results); TPU writes gradient reductions its own way.
+8 H100s and by libtpu for a v5p 2x2x2 slice, and over 4 devices for one v5p host (2x2x1)
+(regenerate: tests/fixtures/make_hlo.sh). GPU collectives are async start/done pairs, and one
+reduce-scatter-start combines a layer's gradients into a tuple of (operands, results). libtpu
+writes a reduce-scatter as a kCustom fusion over an `all-reduce-scatter` computation (all-reduce
+of the padded buffer, then this device's slice) on a 2x2x1 host, and as a plain all-reduce then
+a dynamic-slice on a 3D torus (2x2x2 and larger): the latter moves an all-reduce's bytes.
 """
 
 from __future__ import annotations
@@ -87,3 +90,18 @@ def test_roofline_counts_the_model_flops() -> None:
     compiled = sum(k.flops * k.count for k in found)
     model = flops_per_token(cfg.model) * 16 * cfg.model.seq_len / 8
     assert 0.95 * model <= compiled <= 1.3 * model, (compiled, model)
+
+
+def test_tpu_all_reduce_scatter_fusion_is_a_reduce_scatter() -> None:
+    text = _text("v5p_tiny_fsdp4.hlo")
+    inside = re.findall(r"^%all-reduce-scatter[\w.\-]* \(.*?^}", text, re.M | re.S)
+    assert inside, "the fixture no longer holds an all-reduce-scatter fusion"
+    buffers = {shape_bytes(m) for body in inside for m in re.findall(r"= (\S+) all-reduce\(", body)}
+    ops, unknown = collectives(text, {"pipeline": 1, "data": 1, "fsdp": 4, "tensor": 1}, 4)
+    scattered = [c for c in ops if c.kind == "reduce-scatter"]
+    assert unknown == 0 and scattered and {c.bytes for c in scattered} == buffers, (scattered, buffers)
+    assert all(c.axes == ("fsdp",) and c.group_size == 4 for c in scattered)
+    # The 3D-torus program reduces the same gradients with plain all-reduces: read as what they are.
+    ops8, _ = collectives(_text("v5p_tiny_fsdp8.hlo"), MESH, 8)
+    assert not [c for c in ops8 if c.kind == "reduce-scatter"]
+    assert any(c.kind == "all-reduce" and c.dtype == "bf16" and c.bytes >= 16 * 1024 for c in ops8)

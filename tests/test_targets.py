@@ -108,6 +108,7 @@ def test_data_parallel_all_reduces_its_gradient_once(h100_8b: dict) -> None:
 def test_tpu_slice_shapes() -> None:
     assert tpu_slice_shape(HARDWARE["tpu-v5p"], 64) == "4x4x4"
     assert tpu_slice_shape(HARDWARE["tpu-v5p"], 8) == "2x2x2"
+    assert tpu_slice_shape(HARDWARE["tpu-v5p"], 4) == "2x2x1"  # one v5p host; libtpu refuses "1x2x2"
     assert tpu_slice_shape(HARDWARE["tpu-v6e"], 256) == "16x16"
     assert tpu_slice_shape(HARDWARE["tpu-v5e"], 8) == "2x4"
 
