@@ -87,6 +87,10 @@ class MeshConfig:
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    # A hybrid mesh: the job spans `nodes` GPU hosts or TPU slices (> 1), and only the axis
+    # `across` crosses them (InfiniBand / DCN); the other axes stay inside a node (NVLink / ICI).
+    nodes: int = 1
+    across: str = "data"
 
 
 @dataclass(kw_only=True)
@@ -329,6 +333,8 @@ def validate_static(cfg: Config) -> None:
         "model.loss_chunk",
         f"{m.loss_chunk} must be 0 (off) or divide model.seq_len={m.seq_len}",
     )
+    _require(cfg.mesh.nodes > 0, "mesh.nodes", f"must be > 0 (1: one node or slice), got {cfg.mesh.nodes}")
+    _one_of(cfg.mesh.across, "mesh.across", MESH_AXES)
     _one_of(m.dtype, "model.dtype", DTYPES)
     _one_of(m.remat, "model.remat", REMAT_POLICIES)
     _one_of(m.attention, "model.attention", ATTENTION_IMPLS)

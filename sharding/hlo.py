@@ -49,6 +49,7 @@ _SHAPE = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")
 HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
 _CALL = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
 _DEF = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = .*? ([a-z][\w\-]*)\(")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
@@ -114,6 +115,12 @@ def buffer_bytes(kind: str, start: bool, type_text: str, line: str) -> int:
         # `..._promoted`); a GPU or TPU reduces the bf16 the program asked for.
         return shape_bytes(type_text.replace("f32[", "bf16["))
     return shape_bytes(type_text)
+
+
+def _dtypes(type_text: str, size: int) -> tuple[str, tuple[tuple[str, int], ...]]:
+    """The op's dtype label ("bf16", "bf16+f32") and its bytes split by element type."""
+    split = _split_by_dtype(type_text, size)
+    return "+".join(dt for dt, _ in split), split
 
 
 def _split_by_dtype(type_text: str, size: int) -> tuple[tuple[str, int], ...]:
@@ -254,26 +261,38 @@ def collectives(
 
     mesh_shape: axis name -> size, outermost first, as the jit mesh. nodes: the node (GPU host,
     TPU slice) of each device position of the mesh, or an int n: positions p and q share a
-    node iff p // n == q // n."""
+    node iff p // n == q // n.
+
+    A multi-slice TPU program is one slice's: its device ids number that slice's chips (the
+    mesh positions of slice 0, in mesh order), and what crosses slices (DCN) is a host-transfer
+    `send` the megascale runtime carries out, read here as the collective it names."""
     lines = hlo_text.splitlines()
     mults, unknown = multiplicities(lines)
     defs = {m.group(1): m.group(2) for m in map(_DEF.match, lines) if m}
     num_devices = math.prod(mesh_shape.values())
     node_of = [p // nodes for p in range(num_devices)] if isinstance(nodes, int) else list(nodes)
+    per_slice = _MEGASCALE.search(hlo_text) is not None
+    local = [p for p in range(num_devices) if node_of[p] == node_of[0]] if per_slice else list(range(num_devices))
     found, current = [], None
     for line in lines:
         header = HEADER.match(line)
         if header:
             current = header.group(2)
             continue
+        if current is None or mults.get(current, 0) == 0:
+            continue
+        dcn = _MEGASCALE.search(line) if " send(" in line else None
+        if dcn:
+            found.append(_across_slices(dcn.group(1), line, mesh_shape, node_of, mults[current]))
+            continue
         op = _OP.match(line)
-        if not op or current is None or mults.get(current, 0) == 0:
+        if not op:
             continue
         type_text, kind, start = op.groups()
         size = buffer_bytes(kind, bool(start), type_text, line)
         if kind == "all-reduce" and _gathers(line, defs):
             kind = "all-gather"  # TPU: an all-gather written as an all-reduce of a zero-padded buffer
-        groups = device_groups(line, num_devices)
+        groups = [[local[i] for i in g] for g in device_groups(line, len(local))]
         n = max(len(g) for g in groups) if kind != "collective-permute" else 2
         if kind == "reduce-scatter" and not start:
             size *= n  # a synchronous op's type is its result: one shard of the reduced buffer
@@ -283,10 +302,25 @@ def collectives(
             # (AllReduceScatterFusion) reduces and scatters in one pass, so it moves a reduce-scatter.
             kind = "reduce-scatter"
         crossing = any(len({node_of[p] for p in g}) > 1 for g in groups)
-        split = _split_by_dtype(type_text, size)
-        dtypes = "+".join(dt for dt, _ in split)
-        found.append(Collective(kind, spanned_axes(groups, mesh_shape), n, size, mults[current], crossing, dtypes, split))
+        found.append(Collective(kind, spanned_axes(groups, mesh_shape), n, size, mults[current], crossing,
+                                *_dtypes(type_text, size)))
     return found, unknown
+
+
+def _across_slices(transfer: str, line: str, mesh_shape: dict[str, int], node_of: list[int], count: int) -> Collective:
+    """A megascale `send`: this slice's part of a collective among the slices, over DCN."""
+    kind = transfer.lower().replace("_", "-")
+    operand = tuple_parts(line.split(" = ", 1)[1].split(" send(", 1)[0])[0]
+    n = len(set(node_of))
+    size = shape_bytes(operand) * (n if kind == "all-gather" else 1)  # a gather sends its shard, holds n
+    shape = tuple(mesh_shape.values())
+    origin = np.unravel_index(0, shape)
+    axes = []
+    for i, name in enumerate(mesh_shape):  # the axes along which the node changes
+        steps = [np.ravel_multi_index(tuple(k if j == i else c for j, c in enumerate(origin)), shape) for k in range(shape[i])]
+        if len({node_of[p] for p in steps}) > 1:
+            axes.append(name)
+    return Collective(kind, tuple(axes), n, size, count, True, *_dtypes(operand, size))
 
 
 def static_counts(hlo_text: str) -> dict[str, int]:

@@ -3,6 +3,10 @@
 One size may be -1 and takes the devices left over; the product must equal the device count.
 Axes are `Auto` so XLA propagates shardings from the logical-axis constraints (a plain Flax
 model does not run under Explicit axes; see JAX-NOTES).
+
+A hybrid mesh (`mesh.nodes` > 1) spans several GPU hosts or TPU slices joined by a slower link
+(InfiniBand, DCN): `mesh_utils.create_hybrid_device_mesh` lays the devices out so that only the
+axis `mesh.across` crosses them and every other axis stays inside one node's fast links.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import math
 
 import jax
+import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from configs.schema import MESH_AXES, ConfigError, MeshConfig
@@ -35,9 +41,36 @@ def resolve_mesh_shape(mesh_cfg: MeshConfig, num_devices: int) -> dict[str, int]
     if total != num_devices:
         shape = " x ".join(f"{a}={s}" for a, s in sizes.items())
         raise ConfigError(f"mesh: {shape} = {total} devices, but {num_devices} are available")
+    if sizes[mesh_cfg.across] % mesh_cfg.nodes:
+        raise ConfigError(f"mesh.nodes={mesh_cfg.nodes} does not divide mesh.{mesh_cfg.across}={sizes[mesh_cfg.across]}, "
+                          f"the axis that crosses nodes (mesh.across={mesh_cfg.across})")
     return sizes
 
 
-def make_mesh(sizes: dict[str, int], devices: list | None = None) -> Mesh:
+def node_index(device: jax.Device) -> int:
+    """The node a device sits in: its TPU slice, or its process (one process per GPU host)."""
+    return device.slice_index if device.platform == "tpu" else device.process_index
+
+
+def check_nodes(devices: list, nodes: int) -> None:
+    """Raises ConfigError unless the devices sit in exactly `nodes` nodes (mesh.nodes > 1)."""
+    found = len({node_index(d) for d in devices})
+    if nodes > 1 and found != nodes:
+        where = "TPU slices" if devices[0].platform == "tpu" else "processes (one per node)"
+        raise ConfigError(f"mesh.nodes={nodes}, but the {len(devices)} devices sit in {found} {where}")
+
+
+def make_mesh(sizes: dict[str, int], devices: list | None = None, nodes: int = 1, across: str = "data") -> Mesh:
+    """The mesh of `sizes` over `devices` (default: all). With `nodes` > 1, only the axis
+    `across` spans nodes; raises ConfigError if the devices do not sit in that many nodes."""
+    devices = jax.devices() if devices is None else devices
     shape = tuple(sizes[axis] for axis in MESH_AXES)
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    if nodes == 1:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    check_nodes(devices, nodes)
+    inside = tuple(s // nodes if a == across else s for a, s in zip(MESH_AXES, shape))
+    between = tuple(nodes if a == across else 1 for a in MESH_AXES)
+    grid = mesh_utils.create_hybrid_device_mesh(inside, between, devices, process_is_granule=devices[0].platform != "tpu",
+                                                allow_split_physical_axes=True)
+    return Mesh(np.asarray(grid), MESH_AXES, axis_types=axis_types)

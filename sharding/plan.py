@@ -98,7 +98,8 @@ def candidates(overrides: list[str], n: int, search: bool, remats: list[str]) ->
         raise ConfigError(f"--devices={n}: the pinned mesh axes {fixed} do not divide it")
     meshes = _factorizations(n // rest, free) if free else [{}]
     policies = [pinned["model.remat"]] if "model.remat" in pinned else remats
-    base = [o for o in overrides if not o.startswith(("mesh.", "model.remat="))]
+    searched = {f"mesh.{a}" for a in MESH_AXES} | {"model.remat"}
+    base = [o for o in overrides if o.split("=", 1)[0] not in searched]  # mesh.nodes and mesh.across stay
     return [
         base + [f"mesh.{a}={({**fixed, **m})[a]}" for a in MESH_AXES] + [f"model.remat={r}"] for m in meshes for r in policies
     ]
@@ -139,7 +140,11 @@ def measure(cfg: Config, hw: Hardware, target: Hardware | None, n: int, topology
         where = "the CPU" if target is None else "a TPU"
         notes.append(f"model.attention=cudnn has no kernel on {where}: planned with xla attention, whose "
                      "[batch, heads, T, T] scores flash attention would not hold (temporaries: an upper bound)")
-    devices = jax.devices() if target is None else target_devices(target, n, topology=topology)
+    if target is None and cfg.mesh.nodes > 1:
+        cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, nodes=1))
+        notes.append("mesh.nodes: fake CPU devices sit in one process, so the fallback lays them out as one node")
+    slices = cfg.mesh.nodes if target is not None and target.platform == "tpu" else 1
+    devices = jax.devices() if target is None else target_devices(target, n, slices=slices, topology=topology)
     program = abstract_program(cfg, devices)
     try:
         compiled, seconds = program.compile()

@@ -37,6 +37,11 @@ BAD = {
     "microbatches vs batch": (["mesh.pipeline=4", "mesh.data=2", "pipeline.microbatches=6"],
                               "pipeline.microbatches=6 does not divide the per-replica batch 8"),
     "repeats without stages": (["pipeline.repeats=2"], "pipeline.repeats=2 needs mesh.pipeline > 1"),
+    "nodes vs crossing axis": (["mesh.data=2", "mesh.fsdp=4", "mesh.nodes=4"],
+                               "mesh.nodes=4 does not divide mesh.data=2, the axis that crosses nodes (mesh.across=data)"),
+    "crossing axis name": (["mesh.nodes=2", "mesh.across=dta"], "mesh.across"),
+    "nodes this host lacks": (["mesh.data=2", "mesh.fsdp=4", "mesh.nodes=2"],
+                              "mesh.nodes=2, but the 8 devices sit in 1 processes (one per node)"),
     "vocab below tokenizer": (["model.vocab_size=128"], "model.vocab_size=128 does not match the 'byte' tokenizer's 257 tokens"),
     "vocab far above tokenizer": (["model.vocab_size=512"], "model.vocab_size=512 does not match the 'byte' tokenizer's 257 tokens"),
 }

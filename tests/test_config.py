@@ -111,6 +111,8 @@ def test_yaml_with_a_wrong_type_names_the_file_key(tmp_path):
 EXPLICIT: dict[str, tuple[Any, list[str]]] = {
     "train.preempt_exit_code": (0, []),
     "mesh.data": (2, []),
+    "mesh.nodes": (2, ["mesh.data=2"]),
+    "mesh.across": ("pipeline", ["mesh.pipeline=2"]),
     "model.head_dim": (16, []),
     "model.dtype": ("bfloat16", []),
     "model.remat": ("save_dots", []),

@@ -137,3 +137,38 @@ def test_without_the_compiler_the_plan_says_it_fell_back(tmp_path_factory: pytes
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines()[0].startswith("FALLBACK: h200's compiler is not installed"), done.stdout
     assert json.loads(out.read_text())["compiler"].startswith("XLA CPU compiler on fake CPU devices")
+
+
+def _links(p: dict) -> dict[tuple[str, ...], set[bool]]:
+    """Mesh axes of each collective -> whether it crossed nodes (True), stayed inside (False)."""
+    links: dict[tuple[str, ...], set[bool]] = {}
+    for c in p["collectives"]:
+        links.setdefault(tuple(c["axes"]), set()).add(c["inter_node"])
+    return links
+
+
+@pytest.mark.parametrize("across,inside", [("data", "pipeline"), ("pipeline", "data")])
+def test_two_gpu_nodes_put_only_the_crossing_axis_across(tmp_path_factory: pytest.TempPathFactory,
+                                                         across: str, inside: str) -> None:
+    """16 H100s as 2 nodes of 8: the axis `mesh.across` names crosses InfiniBand, the other stays
+    on NVLink; swapping them swaps the links (default device order would cross with pipeline)."""
+    _need("h100")
+    result, out, status = plan(tmp_path_factory, "--config", "tiny", "--devices", "16", "--hardware", "h100",
+                               "mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=4", "mesh.nodes=2", f"mesh.across={across}")
+    links = _links(result["plans"][0])
+    assert status == 0 and links[(across,)] == {True} and links[(inside,)] == {False}, links
+    assert links[("fsdp",)] == {False}, links
+
+
+def test_two_tpu_slices_reduce_data_over_dcn_and_gather_fsdp_inside(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Two v5e 2x2 slices: the per-slice program gathers over fsdp on ICI; the data-parallel
+    gradient sum crosses slices as megascale (DCN) transfers, read as all-reduces over `data`."""
+    _need("tpu-v5e")
+    result, out, status = plan(tmp_path_factory, "--config", "tiny", "--devices", "8", "--hardware", "tpu-v5e",
+                               "mesh.data=2", "mesh.fsdp=4", "mesh.nodes=2")
+    assert status == 0, out
+    p = result["plans"][0]
+    links = _links(p)
+    assert links[("data",)] == {True} and links[("fsdp",)] == {False}, links
+    data = [c for c in p["collectives"] if c["axes"] == ["data"]]
+    assert {c["kind"] for c in data} == {"all-reduce"}, data

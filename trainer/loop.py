@@ -23,6 +23,7 @@ from configs.schema import nan_steps
 from data import describe, eval_batches, global_batches, make_iterator, to_global
 from model import flops_per_token, hf
 from sharding import distributed
+from sharding.mesh import check_nodes
 from trainer import rundir_lock
 from trainer.checkpoint import Checkpointer, check_resumable, checkpoint_dir, has_checkpoints
 from trainer.faults import Preempted, StopSignal, TooManyBadSteps, Watchdog, fingerprint
@@ -123,6 +124,7 @@ def run(cfg: Config, devices: list | None = None) -> list[dict[str, Any]]:
     distributed.check_same_everywhere(fingerprint(cfg), cfg.dist.init_timeout_s)
     devices = jax.devices() if devices is None else devices
     p = prepare(cfg, len(devices))
+    check_nodes(devices, cfg.mesh.nodes)
     # Bad input has been refused with run.dir untouched; from here on this run writes there, alone.
     with rundir_lock.hold(cfg.run.dir, cfg.run.lock_timeout_s, cfg.dist.init_timeout_s, log):
         check_resumable(cfg)  # again: a holder alive at the first check may have saved since

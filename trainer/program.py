@@ -108,7 +108,7 @@ class Program:
 
 def make_program(p: Prepared, devices: list) -> Program:
     cfg, layout = p.cfg, p.layout
-    mesh = make_mesh(layout.sizes, devices)
+    mesh = make_mesh(layout.sizes, devices, cfg.mesh.nodes, cfg.mesh.across)
     tx, schedule = make_optimizer(cfg.optim, cfg.train.steps, p.axes)
     state_sh = state_shardings(tx, p.shapes, shardings(p.axes, layout.param_rules, mesh), mesh)
     batch_sh = batch_sharding(mesh, layout.act_rules)
