@@ -6,8 +6,9 @@ Works on the optimized HLO text of any compiler (GPU, TPU, CPU), which is what r
 computations) that does work: a fusion, a custom call (cuBLAS GEMM, cuDNN attention), or a
 bare op. Its executions per step are its computation's loop trip counts (sharding.hlo).
 
-- FLOPs: 2 x result elements x contracted elements for every `dot` and `convolution` inside a
-  fusion (nested fusions included) or a GEMM custom call; cuDNN flash attention counts its
+- FLOPs: 2 x result elements x contracted elements for every `dot` inside a fusion (nested
+  fusions included) or a GEMM custom call, and for every `convolution` (the TPU's matmul) the
+  multiply-adds that land on real input (a padded window is not all work); cuDNN flash attention counts its
   two (forward) or five (backward) matmuls of [T, S] per head, halved when causal.
 - Bytes: the kernel's operands plus its result, except that an operand a fusion only reads
   through `dynamic-slice` counts the slices (a scan reading layer i of a stacked weight), and
@@ -81,6 +82,41 @@ def _dot_flops(ins: Instr, types: dict[str, str]) -> float:
     return 2.0 * math.prod(_dims(ins.type)) * k
 
 
+def _taps(out: int, size: int, pad_lo: int, stride: int, lhs_dilate: int, rhs_dilate: int, extent: int) -> int:
+    """How many (output position, kernel position) pairs of one spatial dimension land on real
+    input, not on padding or dilation holes: the multiply-adds that dimension contributes."""
+    span = (extent - 1) * lhs_dilate + 1
+    return sum(1 for o in range(out) for k in range(size)
+               if 0 <= (x := o * stride + k * rhs_dilate - pad_lo) < span and x % lhs_dilate == 0)
+
+
+def _conv_flops(ins: Instr, types: dict[str, str]) -> float:
+    """A convolution, which is how the TPU compiler writes a matmul (a batched one puts the batch
+    on a padded spatial window, so counting the whole window would overcount): 2 x output batch
+    x output features x input features per group x the taps of each spatial dimension."""
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.attrs)
+    if not labels or len(ins.operands) < 2:
+        return 0.0
+    lhs_l, rhs_l, out_l = labels.groups()
+    lhs, rhs, out = _dims(types.get(ins.operands[0], "")), _dims(types.get(ins.operands[1], "")), _dims(ins.type)
+    if len(lhs) != len(lhs_l) or len(rhs) != len(rhs_l) or len(out) != len(out_l):
+        return 0.0
+    window = re.search(r"window=\{([^}]*)\}", ins.attrs)
+    fields = dict(re.findall(r"(\w+)=(\S+)", window.group(1))) if window else {}
+
+    def per_dim(key: str) -> list[str]:  # one entry per spatial dimension; [] = the default everywhere
+        return fields[key].split("x") if key in fields else []
+
+    spatial = sorted(c for c in out_l if c.isdigit())
+    pads, strides, lhs_dil, rhs_dil = per_dim("pad"), per_dim("stride"), per_dim("lhs_dilate"), per_dim("rhs_dilate")
+    taps = 1
+    for j, d in enumerate(spatial):
+        pad_lo = int(pads[j].split("_")[0]) if pads else 0
+        taps *= _taps(out[out_l.index(d)], rhs[rhs_l.index(d)], pad_lo, int(strides[j]) if strides else 1,
+                      int(lhs_dil[j]) if lhs_dil else 1, int(rhs_dil[j]) if rhs_dil else 1, lhs[lhs_l.index(d)])
+    return 2.0 * out[out_l.index("b")] * out[out_l.index("f")] * rhs[rhs_l.index("i")] * taps
+
+
 def _gemm_flops(ins: Instr, types: dict[str, str]) -> float:
     config = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
     lhs = _dims(types.get(ins.operands[0], "")) if ins.operands else []
@@ -104,7 +140,7 @@ def _fusion_flops(comp: str, comps: dict[str, list[Instr]], types: dict[str, str
     total = 0.0
     for ins in comps.get(comp, []):
         if ins.op in ("dot", "convolution"):
-            total += _dot_flops(ins, types)
+            total += _conv_flops(ins, types) if ins.op == "convolution" else _dot_flops(ins, types)
         elif ins.op == "fusion":
             called = re.search(r"calls=%([\w.\-]+)", ins.attrs)
             total += _fusion_flops(called.group(1), comps, types) if called else 0.0
@@ -176,7 +212,8 @@ def kernels(hlo_text: str) -> list[Kernel]:
                          else _attention_flops(ins, types) if "fmha" in target else 0.0)
                 size = sum(shape_bytes(types.get(o, "")) for o in ins.operands) + shape_bytes(ins.type)
             else:
-                flops = _dot_flops(ins, types) if ins.op in ("dot", "convolution") else 0.0
+                flops = (_conv_flops(ins, types) if ins.op == "convolution"
+                         else _dot_flops(ins, types) if ins.op == "dot" else 0.0)
                 size = sum(shape_bytes(types.get(o, "")) for o in ins.operands) + shape_bytes(ins.type)
             found.append(Kernel(ins.name, ins.op, flops, size, count))
     return found

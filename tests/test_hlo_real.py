@@ -80,15 +80,18 @@ def test_tpu_program_gathers_bf16(least: float) -> None:
     assert all(c.axes == ("fsdp",) for c in ops if c.bytes >= 16 * 1024)
 
 
-def test_roofline_counts_the_model_flops() -> None:
-    """The GPU program's matmul FLOPs against the model formula (6 N per token plus attention):
-    the compiled kernels do at least the model's work and not much more (no remat here)."""
+@pytest.mark.parametrize("fixture,devices", [("h100_tiny_fsdp8.hlo", 8), ("v5p_tiny_fsdp8.hlo", 8),
+                                             ("v5p_tiny_fsdp4.hlo", 4)])
+def test_roofline_counts_the_model_flops(fixture: str, devices: int) -> None:
+    """The program's matmul FLOPs against the model formula (6 N per token plus attention): the
+    compiled kernels (GPU dots and GEMMs; TPU convolutions, some with the batch on a padded
+    window) do at least the model's work and not much more (no remat here)."""
     from model import flops_per_token
 
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), ["model.dtype=bfloat16"])
-    found = kernels(_text("h100_tiny_fsdp8.hlo"))
+    found = kernels(_text(fixture))
     compiled = sum(k.flops * k.count for k in found)
-    model = flops_per_token(cfg.model) * 16 * cfg.model.seq_len / 8
+    model = flops_per_token(cfg.model) * 16 * cfg.model.seq_len / devices
     assert 0.95 * model <= compiled <= 1.3 * model, (compiled, model)
 
 
