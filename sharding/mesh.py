@@ -67,7 +67,11 @@ def make_mesh(sizes: dict[str, int], devices: list | None = None, nodes: int = 1
     shape = tuple(sizes[axis] for axis in MESH_AXES)
     axis_types = (AxisType.Auto,) * len(MESH_AXES)
     if nodes == 1:
-        return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+        try:
+            return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+        except NotImplementedError:  # a TPU axis that is no product of whole torus dims (8 on 4x4x4)
+            grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+            return Mesh(grid, MESH_AXES, axis_types=axis_types)
     check_nodes(devices, nodes)
     inside = tuple(s // nodes if a == across else s for a, s in zip(MESH_AXES, shape))
     between = tuple(nodes if a == across else 1 for a in MESH_AXES)

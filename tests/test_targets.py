@@ -159,6 +159,20 @@ def test_v5p_fsdp_inside_one_ring_reduce_scatters_at_its_minimum(tmp_path_factor
     assert 0.9 <= p["traffic"]["ratio"] <= 1.1, p["traffic"]
 
 
+def test_v5p_tensor_axis_split_across_torus_dims(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """tensor=8 on a 4x4x4 v5p slice is no product of whole torus dims: the mesh splits one (jax's
+    own layout refuses it), and the activation all-reduces over `tensor` sit at their minimum."""
+    _need("tpu-v5p")
+    cfg = os.path.join(ROOT, "configs", "llama3-8b.yaml")
+    result, out, status = plan(tmp_path_factory, "--config", cfg, "--devices", "64", "--hardware", "tpu-v5p",
+                               "mesh.data=8", "mesh.tensor=8")
+    p = result["plans"][0]
+    assert status == 0, out
+    rows = {r["axes"]: r for r in p["traffic"]["rows"]}
+    assert 0.9 <= rows["tensor"]["sent"] / rows["tensor"]["minimum"] <= 1.1, rows
+    assert 0.9 <= p["traffic"]["ratio"] <= 1.1, p["traffic"]
+
+
 def test_without_the_compiler_the_plan_says_it_fell_back(tmp_path_factory: pytest.TempPathFactory) -> None:
     env = dict(os.environ, MESHLM_COMPILERS=str(tmp_path_factory.mktemp("none")))
     out = tmp_path_factory.mktemp("plan") / "plan.json"
