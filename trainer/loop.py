@@ -18,11 +18,11 @@ from typing import Any, Iterator
 import jax
 import numpy as np
 
-from configs import Config, dump_config
+from configs import Config, ConfigError, dump_config
 from configs.schema import nan_steps
 from data import describe, eval_batches, global_batches, make_iterator, to_global
 from model import flops_per_token, hf
-from sharding import distributed
+from sharding import distributed, resolve_mesh_shape
 from sharding.mesh import check_nodes
 from trainer import rundir_lock
 from trainer.checkpoint import Checkpointer, check_resumable, checkpoint_dir, has_checkpoints
@@ -32,7 +32,7 @@ from trainer.metrics import MetricsLogger, log
 from trainer.observe import instrument
 from trainer.program import Prepared, Program, make_program, prepare
 from trainer.state import TrainState, init_state, param_count, state_from_params
-from trainer.xla_env import use_compile_cache
+from trainer.xla_env import device_count_hint, set_cpu_device_count, use_compile_cache
 
 
 def _write_config(run_dir: str, cfg: Config, resume_step: int | None) -> None:
@@ -119,16 +119,27 @@ def run(cfg: Config, devices: list | None = None) -> list[dict[str, Any]]:
     Raises ConfigError for bad input or a run.dir in use by a live run, Preempted after a signal
     (checkpoint committed) and TooManyBadSteps after `train.max_bad_steps` non-finite steps in a row."""
     goodput = Goodput()
+    why_not = set_cpu_device_count(cfg) if devices is None else "the caller chose the devices"
     use_compile_cache(cfg.run.compile_cache)
     distributed.initialize(cfg.dist)
     distributed.check_same_everywhere(fingerprint(cfg), cfg.dist.init_timeout_s)
     devices = jax.devices() if devices is None else devices
+    _check_device_count(cfg, devices, why_not)
     p = prepare(cfg, len(devices))
     check_nodes(devices, cfg.mesh.nodes)
     # Bad input has been refused with run.dir untouched; from here on this run writes there, alone.
     with rundir_lock.hold(cfg.run.dir, cfg.run.lock_timeout_s, cfg.dist.init_timeout_s, log):
         check_resumable(cfg)  # again: a holder alive at the first check may have saved since
         return _run_holding_the_lock(cfg, p, devices, goodput)
+
+
+def _check_device_count(cfg: Config, devices: list, why_not: str) -> None:
+    """The mesh's own error for a device count that does not fit, with what to do about it."""
+    try:
+        resolve_mesh_shape(cfg.mesh, len(devices))
+    except ConfigError as e:
+        hint = device_count_hint(cfg, devices[0].platform, len(devices), why_not)
+        raise ConfigError(f"{e}; {hint}" if hint else str(e)) from None
 
 
 def _run_holding_the_lock(cfg: Config, p: Prepared, devices: list, goodput: Goodput) -> list[dict[str, Any]]:
