@@ -3,6 +3,7 @@ accumulation equals one big batch, and resuming from a checkpoint is bitwise exa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -97,7 +98,9 @@ def test_run_dir_holds_config_metrics_and_checkpoints(tiny):
 
     cfg = tiny("train.steps=2", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
     trainer.run(cfg)
-    assert load_config(os.path.join(cfg.run.dir, "config.yaml")) == cfg
+    # The resolved config: optim.decay_steps (0: train.steps at the start) is written as the horizon used.
+    resolved = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, decay_steps=2))
+    assert load_config(os.path.join(cfg.run.dir, "config.yaml")) == resolved
     records = read_metrics(cfg.run.dir)
     for key in ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_s"):
         assert key in records[-1]
@@ -168,3 +171,31 @@ def test_no_first_write_cost_is_timed_as_a_step(tmp_path):
     step_s = {r["step"]: r["step_s"] for r in read_metrics(tmp_path)}
     steady = float(np.median([step_s[s] for s in range(3, 11)]))
     assert step_s[2] < 5 * steady, f"step 2 took {step_s[2]:.3f} s, the steady steps {steady:.3f} s: {step_s}"
+
+
+def test_extending_a_run_continues_its_schedule(tiny, tmp_path, capsys):
+    """A 4-step run extended to 6 keeps the horizon it started with (optim.decay_steps=4): its
+    rates and losses equal, bit for bit, a 6-step run planned with that horizon, not those of a
+    6-step run (whose cosine decays over 6). A resume that changes the schedule says so."""
+    common = ["mesh.data=1", "optim.warmup_steps=1", "checkpoint.every=4"]
+    one = jax.devices()[:1]
+    extended = tmp_path / "extended"
+    first = trainer.run(tiny("train.steps=4", *common, f"run.dir={extended}"), devices=one)
+    second = trainer.run(tiny("train.steps=6", *common, f"run.dir={extended}"), devices=one)
+    out = capsys.readouterr().out
+    planned = trainer.run(tiny("train.steps=6", "optim.decay_steps=4", *common, f"run.dir={tmp_path / 'planned'}"),
+                          devices=one)
+    longer = trainer.run(tiny("train.steps=6", *common, f"run.dir={tmp_path / 'longer'}"), devices=one)
+
+    def lrs(history: list[dict]) -> list[float]:
+        return [r["lr"] for r in history]
+
+    assert lrs(longer)[2:] != lrs(planned)[2:], "the two horizons must give different rates"
+    assert lrs(first + second) == lrs(planned)
+    np.testing.assert_array_equal(losses(first + second), losses(planned))
+    assert "resumed from step 4\nthe learning-rate schedule keeps its horizon optim.decay_steps=4 (train.steps=6)" in out
+    from configs import load_config
+
+    assert load_config(str(extended / "config.yaml")).optim.decay_steps == 4, "the resolved horizon is recorded"
+    trainer.run(tiny("train.steps=7", "optim.decay_steps=10", *common, f"run.dir={extended}"), devices=one)
+    assert "the learning-rate schedule changes on this resume: optim.decay_steps 4 -> 10" in capsys.readouterr().out

@@ -48,13 +48,21 @@ def has_checkpoints(run_dir: str) -> bool:
     return os.path.isdir(ckpt_dir) and bool(os.listdir(ckpt_dir))
 
 
+def saved_config(run_dir: str) -> Config | None:
+    """The config of the run whose checkpoints run_dir holds (its config.yaml), or None when
+    there are no checkpoints to resume."""
+    saved = os.path.join(run_dir, "config.yaml")
+    if not (os.path.exists(saved) and has_checkpoints(run_dir)):
+        return None
+    return load_config(saved)
+
+
 def check_resumable(cfg: Config) -> None:
     """If run.dir holds checkpoints, the new config must fit them. Raises ConfigError naming
     the first key that differs, before anything in run.dir is touched."""
-    saved = os.path.join(cfg.run.dir, "config.yaml")
-    if not (os.path.exists(saved) and has_checkpoints(cfg.run.dir)):
+    old = saved_config(cfg.run.dir)
+    if old is None:
         return
-    old = load_config(saved)
     for key in RESUME_KEYS:
         if _get(old, key) != _get(cfg, key):
             name = key.replace("resolved_", "")

@@ -25,7 +25,7 @@ from model import flops_per_token, hf
 from sharding import distributed, resolve_mesh_shape
 from sharding.mesh import check_nodes
 from trainer import rundir_lock
-from trainer.checkpoint import Checkpointer, check_resumable, checkpoint_dir, has_checkpoints
+from trainer.checkpoint import Checkpointer, check_resumable, checkpoint_dir, has_checkpoints, saved_config
 from trainer.faults import Preempted, StopSignal, TooManyBadSteps, Watchdog, fingerprint
 from trainer.goodput import Goodput
 from trainer.metrics import MetricsLogger, log
@@ -63,7 +63,34 @@ class Built:
     eval_rows: list[dict[str, np.ndarray]]  # this process's rows of the held-out batches; [] = no eval
 
 
-def build(p: Prepared, devices: list) -> Built:
+# The optim keys that shape the learning-rate schedule.
+SCHEDULE_KEYS = ("lr", "warmup_steps", "schedule", "min_lr_ratio", "decay_steps")
+
+
+def resolve_schedule(cfg: Config) -> tuple[Config, str]:
+    """`cfg` with `optim.decay_steps` resolved: as set; else, resuming, the horizon of the
+    checkpoints' config (a longer train.steps continues the schedule the run was on); else
+    train.steps. Also the line to print on resume when the schedule differs from the checkpoints'
+    or its horizon from train.steps ("" otherwise)."""
+    saved, note = saved_config(cfg.run.dir), ""
+    if saved is None:
+        horizon = cfg.optim.decay_steps or cfg.train.steps
+    else:
+        kept = saved.optim.decay_steps or saved.train.steps  # 0: written before it was resolved
+        horizon = cfg.optim.decay_steps or kept
+        old = dataclasses.replace(saved.optim, decay_steps=kept)
+        new = dataclasses.replace(cfg.optim, decay_steps=horizon)
+        changed = [f"optim.{k} {getattr(old, k)} -> {getattr(new, k)}" for k in SCHEDULE_KEYS
+                   if getattr(old, k) != getattr(new, k)]
+        if changed:
+            note = f"the learning-rate schedule changes on this resume: {', '.join(changed)}"
+        elif horizon != cfg.train.steps:
+            note = (f"the learning-rate schedule keeps its horizon optim.decay_steps={horizon} (train.steps="
+                    f"{cfg.train.steps}): set optim.decay_steps to change it")
+    return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, decay_steps=horizon)), note
+
+
+def build(p: Prepared, devices: list, schedule_note: str = "") -> Built:
     """Restores the newest readable checkpoint or creates the state, sharded; then writes the
     resolved config into run.dir."""
     cfg, layout = p.cfg, p.layout
@@ -93,6 +120,8 @@ def build(p: Prepared, devices: list) -> Built:
     else:
         start, state = restored
         log(f"resumed from step {start}")
+        if schedule_note:
+            log(schedule_note)
     _write_config(cfg.run.dir, cfg, start)
     if layout.pipelined:
         log(
@@ -130,7 +159,10 @@ def run(cfg: Config, devices: list | None = None) -> list[dict[str, Any]]:
     # Bad input has been refused with run.dir untouched; from here on this run writes there, alone.
     with rundir_lock.hold(cfg.run.dir, cfg.run.lock_timeout_s, cfg.dist.init_timeout_s, log):
         check_resumable(cfg)  # again: a holder alive at the first check may have saved since
-        return _run_holding_the_lock(cfg, p, devices, goodput)
+        # Resolved under the lock: the horizon comes from the checkpoints this run resumes.
+        cfg, schedule_note = resolve_schedule(cfg)
+        p = dataclasses.replace(p, cfg=cfg)
+        return _run_holding_the_lock(cfg, p, devices, goodput, schedule_note)
 
 
 def _check_device_count(cfg: Config, devices: list, why_not: str) -> None:
@@ -142,8 +174,10 @@ def _check_device_count(cfg: Config, devices: list, why_not: str) -> None:
         raise ConfigError(f"{e}; {hint}" if hint else str(e)) from None
 
 
-def _run_holding_the_lock(cfg: Config, p: Prepared, devices: list, goodput: Goodput) -> list[dict[str, Any]]:
-    b = build(p, devices)
+def _run_holding_the_lock(
+    cfg: Config, p: Prepared, devices: list, goodput: Goodput, schedule_note: str
+) -> list[dict[str, Any]]:
+    b = build(p, devices, schedule_note)
     logger = MetricsLogger(
         cfg.run.dir, cfg.train.steps, cfg.train.global_batch * cfg.model.seq_len, flops_per_token(cfg.model), devices
     )
