@@ -110,25 +110,29 @@ def build(p: Prepared, devices: list, schedule_note: str = "") -> Built:
         f"{devices[0].platform} devices, {jax.process_count()} process(es); "
         f"{param_count(p.shapes) / 1e6:.2f}M parameters"
     )
-    restored = ckpt.restore_latest(program.abstract_state(), iterator, warn=log)
-    if restored is None and from_hf:
-        params = hf.load_params(cfg.init.from_hf, cfg.model, program.state_sh.params)
-        start, state = 0, state_from_params(params, program.tx, program.state_sh)
-        log(f"initialized the parameters from {cfg.init.from_hf} (init.from_hf)")
-    elif restored is None:
-        start, state = 0, init_state(cfg.model, program.tx, cfg.run.seed, program.state_sh)
-    else:
-        start, state = restored
-        log(f"resumed from step {start}")
-        if schedule_note:
-            log(schedule_note)
-    _write_config(cfg.run.dir, cfg, start)
-    if layout.pipelined:
-        log(
-            f"pipeline: {layout.stages} stages x {layout.repeats} repeat(s), {layout.microbatches} microbatches, "
-            f"{cfg.model.num_layers // (layout.stages * layout.repeats)} layers per stage and repeat; "
-            f"bubble fraction {layout.bubble:.3f}"
-        )
+    try:
+        restored = ckpt.restore_latest(program.abstract_state(), iterator, warn=log)
+        if restored is None and from_hf:
+            params = hf.load_params(cfg.init.from_hf, cfg.model, program.state_sh.params)
+            start, state = 0, state_from_params(params, program.tx, program.state_sh)
+            log(f"initialized the parameters from {cfg.init.from_hf} (init.from_hf)")
+        elif restored is None:
+            start, state = 0, init_state(cfg.model, program.tx, cfg.run.seed, program.state_sh)
+        else:
+            start, state = restored
+            log(f"resumed from step {start}")
+            if schedule_note:
+                log(schedule_note)
+        _write_config(cfg.run.dir, cfg, start)
+        if layout.pipelined:
+            log(
+                f"pipeline: {layout.stages} stages x {layout.repeats} repeat(s), {layout.microbatches} microbatches, "
+                f"{cfg.model.num_layers // (layout.stages * layout.repeats)} layers per stage and repeat; "
+                f"bubble fraction {layout.bubble:.3f}"
+            )
+    except BaseException:
+        ckpt.close()  # its library log too: the console gets its printers back for the error
+        raise
     return Built(program, state, start, iterator, ckpt, eval_rows)
 
 
@@ -178,6 +182,13 @@ def _run_holding_the_lock(
     cfg: Config, p: Prepared, devices: list, goodput: Goodput, schedule_note: str
 ) -> list[dict[str, Any]]:
     b = build(p, devices, schedule_note)
+    try:
+        return _train(cfg, b, devices, goodput)
+    finally:
+        b.ckpt.close()  # also when compiling fails: it gives the console its printers back (LibraryLog)
+
+
+def _train(cfg: Config, b: Built, devices: list, goodput: Goodput) -> list[dict[str, Any]]:
     logger = MetricsLogger(
         cfg.run.dir, cfg.train.steps, cfg.train.global_batch * cfg.model.seq_len, flops_per_token(cfg.model), devices
     )
