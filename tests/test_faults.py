@@ -189,9 +189,10 @@ def test_a_nan_batch_skips_its_update(tmp_path):
     code, out = run(*args(tmp_path, "train.steps=5", "debug.nan_steps=3", "checkpoint.every=1", "checkpoint.keep=10"))
     assert code == 0, out
     assert "warning: step 3 has a non-finite loss" in out
-    with open(tmp_path / "metrics.jsonl") as f:
-        records = {r["step"]: r for r in map(json.loads, f)}
-    assert np.isnan(records[3]["loss"])
+    records = {r["step"]: r for r in strict_records(tmp_path)}
+    # Strict JSON: the skipped step's loss and gradient norm are null, and its `finite` flag 0.
+    assert records[3]["loss"] is None and records[3]["grad_norm"] is None and records[3]["finite"] == 0
+    assert records[2]["finite"] == 1 and records[4]["finite"] == 1
     # Had the NaN gradients been applied, every later loss would be NaN too.
     assert np.isfinite(records[4]["loss"]) and np.isfinite(records[5]["loss"])
     assert [records[s]["skipped_steps"] for s in range(1, 6)] == [0, 0, 1, 1, 1]
@@ -203,6 +204,16 @@ def test_a_nan_batch_skips_its_update(tmp_path):
     assert adam_updates == {2: 2, 4: 3}, "step 3 left the optimizer state as it was"
 
 
+def strict_records(run_dir) -> list[dict]:
+    """metrics.jsonl read by a strict JSON reader (one that refuses NaN and Infinity)."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line, parse_constant=refuse) for line in f]
+
+
 def test_too_many_bad_steps_in_a_row_stop_the_run(tmp_path):
     code, out = run(*args(tmp_path, "train.steps=10", "debug.nan_steps=3,4,5", "train.max_bad_steps=3",
                           "checkpoint.every=1"))
@@ -210,6 +221,17 @@ def test_too_many_bad_steps_in_a_row_stop_the_run(tmp_path):
     assert "error: 3 non-finite steps in a row (train.max_bad_steps=3), the last at step 5; " \
            "the last good checkpoint is step 2" in out
     assert max(steps_on_disk(tmp_path)) == 2
+    assert "summary: step 5/10 (stopped: TooManyBadSteps)" in out, "the summary stops where the error does"
+
+
+def test_too_many_bad_steps_before_any_checkpoint_say_there_is_none(tmp_path):
+    code, out = run(*args(tmp_path, "train.steps=30", "debug.nan_steps=2,3,4", "train.max_bad_steps=3"))
+    assert code == 3, out
+    assert "error: 3 non-finite steps in a row (train.max_bad_steps=3), the last at step 4; " \
+           "there is no checkpoint (rerunning starts over)" in out
+    assert steps_on_disk(tmp_path) == []
+    assert "summary: step 4/30 (stopped: TooManyBadSteps)" in out
+    assert [r["loss"] is None for r in strict_records(tmp_path)] == [False, True, True, True]
 
 
 # train.py whose first step never returns, as a step wedged in a collective or a driver would:

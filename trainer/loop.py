@@ -250,7 +250,7 @@ def _loop(
     batches = _timed(global_batches(local, b.program.batch_sh, cfg.train.global_batch), logger)
     logger.start(b.start)
     watchdog.beat(b.start)
-    books = _Books(cfg, b.start, logger)
+    books = _Books(cfg, b.start, logger, b.start if b.start in ckpt.all_steps() else None, goodput)
     previous: tuple[int, dict] | None = None  # the step before, whose flag we read one step late
     for done in range(b.start + 1, last + 1):
         state, metrics = step_fn(state, next(batches))
@@ -293,10 +293,10 @@ class _Books:
     """Per-step bookkeeping outside jit: reads each step's `finite` flag (which waits for that
     step), counts bad steps, and logs the steps that are due."""
 
-    def __init__(self, cfg: Config, start: int, logger: MetricsLogger):
-        self.cfg, self.start, self.logger = cfg, start, logger
+    def __init__(self, cfg: Config, start: int, logger: MetricsLogger, saved: int | None, goodput: Goodput):
+        self.cfg, self.start, self.logger, self.goodput = cfg, start, logger, goodput
         self.streak = self.skipped = 0
-        self.saved = start  # the newest checkpointed step
+        self.saved = saved  # the newest checkpointed step; None: there is none
 
     def settle(self, step: int, metrics: dict, force_log: bool = False) -> None:
         cfg = self.cfg
@@ -307,10 +307,16 @@ class _Books:
             loss = float(jax.device_get(metrics["loss"]))
             log(f"warning: step {step} has a non-finite loss ({loss}) or gradient norm; update skipped "
                 f"({self.streak} in a row)")
-            if self.streak >= cfg.train.max_bad_steps:
-                raise TooManyBadSteps(
-                    f"{self.streak} non-finite steps in a row (train.max_bad_steps={cfg.train.max_bad_steps}), the "
-                    f"last at step {step}; the last good checkpoint is step {self.saved}"
-                )
-        if force_log or step % cfg.train.log_every == 0 or step in (self.start + 1, cfg.train.steps):
+        stopping = self.streak >= cfg.train.max_bad_steps
+        if stopping or force_log or step % cfg.train.log_every == 0 or step in (self.start + 1, cfg.train.steps):
             self.logger.write(step, {**metrics, "skipped_steps": self.skipped})
+        if stopping:
+            # The step after this one has been dispatched, but the run ends here: the summary
+            # counts up to this step, as the error does.
+            self.goodput.last_step = step
+            last = ("there is no checkpoint (rerunning starts over)" if self.saved is None
+                    else f"the last good checkpoint is step {self.saved}")
+            raise TooManyBadSteps(
+                f"{self.streak} non-finite steps in a row (train.max_bad_steps={cfg.train.max_bad_steps}), the "
+                f"last at step {step}; {last}"
+            )

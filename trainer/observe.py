@@ -112,9 +112,10 @@ def read_metrics(run_dir: str) -> list[dict[str, Any]]:
 
 
 def last_value(records: list[dict[str, Any]], key: str) -> tuple[int, float] | None:
-    """(step, value) of the last record that has `key`."""
+    """(step, value) of the last record that has a number for `key` (metrics.jsonl writes a
+    non-finite value as null)."""
     for record in reversed(records):
-        if key in record:
+        if record.get(key) is not None:
             return int(record["step"]), float(record[key])
     return None
 

@@ -27,8 +27,9 @@ def plot_runs(run_dirs: list[str], out: str, labels: list[str] | None = None, ti
     drawn = 0
     for run_dir, label in zip(run_dirs, labels):
         records = read_metrics(run_dir)
-        train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-        held_out = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+        # A skipped step's loss is null in metrics.jsonl: it leaves a point out, not a gap.
+        train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
+        held_out = [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
         if not train and not held_out:
             continue
         color = f"C{drawn % 10}"
