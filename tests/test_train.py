@@ -86,11 +86,32 @@ def test_resume_is_bitwise_exact(tiny, tmp_path, capsys):
     assert load_config(str(resumed_dir / "config.yaml")).train.steps == 8
 
 
-def test_a_finished_run_does_nothing_more(tiny, capsys):
+def _snapshot(run_dir) -> dict[str, tuple]:
+    """Every path under run_dir: a file's bytes and modification time, a directory's presence."""
+    out = {}
+    for d, dirs, files in os.walk(run_dir):
+        for name in dirs:
+            out[os.path.join(d, name)] = ("dir",)
+        for name in files:
+            path = os.path.join(d, name)
+            with open(path, "rb") as f:
+                out[path] = (f.read(), os.stat(path).st_mtime_ns)
+    return out
+
+
+def test_a_finished_run_does_nothing_more_and_changes_nothing(tiny, capsys):
+    """Rerunning a finished run, with the same train.steps or a smaller one, trains nothing and
+    writes nothing: no new config.yaml or config.step<N>.yaml, no summary.json invocation."""
     cfg = tiny("train.steps=2")
     trainer.run(cfg)
-    assert trainer.run(cfg) == []
-    assert "nothing to do" in capsys.readouterr().out
+    before = _snapshot(cfg.run.dir)
+    assert {"config.yaml", "summary.json", "metrics.jsonl"} <= set(os.listdir(cfg.run.dir))
+    capsys.readouterr()
+    for steps in (2, 1):
+        assert trainer.run(tiny(f"train.steps={steps}")) == []
+        assert f"nothing to do: the checkpoint at step 2 has reached train.steps={steps}; " \
+               f"{cfg.run.dir} is left as it was" in capsys.readouterr().out
+        assert _snapshot(cfg.run.dir) == before
 
 
 def test_run_dir_holds_config_metrics_and_checkpoints(tiny):

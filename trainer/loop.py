@@ -121,9 +121,10 @@ def build(p: Prepared, devices: list, schedule_note: str = "") -> Built:
         else:
             start, state = restored
             log(f"resumed from step {start}")
-            if schedule_note:
+            if schedule_note and start < cfg.train.steps:
                 log(schedule_note)
-        _write_config(cfg.run.dir, cfg, start)
+        if start < cfg.train.steps:  # a run with nothing to do leaves run.dir as it was
+            _write_config(cfg.run.dir, cfg, start)
         if layout.pipelined:
             log(
                 f"pipeline: {layout.stages} stages x {layout.repeats} repeat(s), {layout.microbatches} microbatches, "
@@ -192,12 +193,11 @@ def _train(cfg: Config, b: Built, devices: list, goodput: Goodput) -> list[dict[
     logger = MetricsLogger(
         cfg.run.dir, cfg.train.steps, cfg.train.global_batch * cfg.model.seq_len, flops_per_token(cfg.model), devices
     )
-    goodput.begin(cfg.run.dir, b.start)
     if b.start >= cfg.train.steps:
-        log(f"nothing to do: the checkpoint at step {b.start} has reached train.steps={cfg.train.steps}")
-        b.ckpt.close()
-        goodput.finish(cfg, logger)
+        log(f"nothing to do: the checkpoint at step {b.start} has reached train.steps={cfg.train.steps}; "
+            f"{cfg.run.dir} is left as it was")
         return logger.history
+    goodput.begin(cfg.run.dir, b.start)
     step_fn, seconds = b.program.compile(b.state)
     log(f"compiled the train step in {seconds:.1f} s")
     evaluate = _evaluator(cfg, b, logger)
