@@ -191,3 +191,27 @@ def test_compile_cache_serves_a_second_run(tmp_path):
     first = train("a")
     assert any(name.startswith("jit_train_step") for name in first), first
     assert train("b") == first
+
+
+def test_plot_writes_beside_the_runs_by_default(tmp_path):
+    """`python -m trainer.plot RUN` run from a checkout leaves the checkout alone: the PNG goes
+    into the run directory (for several runs, their common parent)."""
+    runs = tmp_path / "runs"
+    for name in ("a", "b"):
+        (runs / name).mkdir(parents=True)
+        (runs / name / "metrics.jsonl").write_text(
+            '{"step": 1, "loss": 5.0}\n{"step": 2, "loss": null, "finite": 0}\n{"step": 3, "loss": 4.0}\n')
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+
+    def plot(*run_dirs: str) -> str:
+        out = subprocess.run([sys.executable, "-m", "trainer.plot", *run_dirs], capture_output=True, text=True,
+                             cwd=checkout, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    assert plot(str(runs / "a")) == f"wrote {runs / 'a' / 'loss_curves.png'}"
+    assert (runs / "a" / "loss_curves.png").stat().st_size > 0
+    assert plot("../runs/a", "../runs/b") == "wrote ../runs/loss_curves.png"
+    assert (runs / "loss_curves.png").stat().st_size > 0
+    assert os.listdir(checkout) == [], "nothing is written into the working directory"
