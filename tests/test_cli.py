@@ -215,3 +215,26 @@ def test_plot_writes_beside_the_runs_by_default(tmp_path):
     assert plot("../runs/a", "../runs/b") == "wrote ../runs/loss_curves.png"
     assert (runs / "loss_curves.png").stat().st_size > 0
     assert os.listdir(checkout) == [], "nothing is written into the working directory"
+
+
+def test_planner_tables_name_layouts_one_way_and_show_tiny_step_times(capsys):
+    """`sharding.plan --search`: a layout refused before compiling is named like a ranked one
+    (`data=8 fsdp=1`, not `mesh.pipeline=1 mesh.data=8 ...`), and a tiny model's microsecond
+    step time keeps its digits instead of printing 0.000."""
+    from sharding.report import print_search
+
+    timed = {"step_s": 2.34e-5, "mfu": 0.01, "compute_s": 2.0e-5, "exposed_comm_s": 3.4e-6, "overlapped_comm_s": 0.0}
+    plan = {
+        "compiler": "XLA CPU", "config": "tiny", "devices": 8,
+        "hardware": {"name": "h100", "memory_budget": 76e9},
+        "plans": [
+            {"status": "fits", "layout": {"pipeline": 1, "data": 8, "fsdp": 1, "tensor": 1}, "remat": "none",
+             "memory": {"total": 1e6}, "traffic": {"ratio": 1.0}, "time": timed},
+            {"status": "invalid", "reason": "model.num_heads=16 is not divisible by 32",
+             "overrides": ["mesh.pipeline=1", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=8", "model.remat=none"]},
+        ],
+    }
+    print_search(plan)
+    ranked, refused = capsys.readouterr().out.splitlines()[4:6]
+    assert ranked.startswith("| 1 | data=8 fsdp=1 | none | fits | 0.00 | 2.34e-05 | 1.0% | 1.00 | 2e-05 | 3.4e-06 | 0 |"), ranked
+    assert refused.startswith("| - | data=1 fsdp=1 tensor=8 | "), refused
