@@ -33,6 +33,8 @@ BAD = {
                              "sharding.params.embd: unknown logical name; did you mean 'embed'?"),
     "wrong type": (["train.global_batch=big"], "train.global_batch: expected int, got 'big'"),
     "negative steps": (["train.steps=-3"], "train.steps: must be >= 0, got -3"),
+    "negative decay steps": (["optim.decay_steps=-1"],
+                             "optim.decay_steps: must be >= 0 (0: train.steps at the run's start), got -1"),
     "no data file": (["data.path=/nonexistent/**/*.txt"], "data.path: no file matches '/nonexistent/**/*.txt'"),
     "pipeline stages": (["mesh.pipeline=8", "mesh.data=1"], "model.num_layers=4 is not divisible by mesh.pipeline=8 x pipeline.repeats=1"),
     "pipeline repeats": (["mesh.pipeline=2", "mesh.data=4", "pipeline.repeats=4"],
