@@ -149,6 +149,10 @@ class OptimConfig:
     lr: float = 3e-3
     warmup_steps: int = 30
     schedule: str = "cosine"
+    # The schedule's horizon: the step the decay ends at. 0: train.steps at the run's start, then
+    # kept on resume (from the checkpoints' config.yaml), so a longer train.steps continues the
+    # schedule the run was on instead of reshaping it.
+    decay_steps: int = 0
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     b1: float = 0.9
@@ -361,6 +365,7 @@ def validate_static(cfg: Config) -> None:
     _check_profile(cfg)
     _require(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
     _require(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
+    _require(o.decay_steps >= 0, "optim.decay_steps", f"must be >= 0 (0: train.steps at the run's start), got {o.decay_steps}")
     _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
     _require(o.clip >= 0, "optim.clip", f"must be >= 0, got {o.clip}")
     _require(cfg.data.prefetch >= 0, "data.prefetch", f"must be >= 0, got {cfg.data.prefetch}")

@@ -11,6 +11,7 @@ from collections import defaultdict
 from typing import Any, Callable
 
 from configs import Config
+from configs.schema import MESH_AXES
 from model import flops_per_token
 from sharding.hardware import Hardware, predict
 from sharding.mesh import resolve_mesh_shape
@@ -155,10 +156,20 @@ def _size(n: float) -> str:
     return f"{n / GB:.3f} GB" if abs(n) >= 0.1 * GB else f"{n / 1e6:.3f} MB"
 
 
+def _seconds(x: float) -> str:
+    """Three significant digits: a tiny model's step is microseconds, which 3 decimals show as 0.000."""
+    return f"{x:.3g}"
+
+
 def _layout_text(p: dict) -> str:
-    if "layout" not in p:
-        return " ".join(o for o in p["overrides"] if o.startswith("mesh."))
-    return " ".join(f"{k}={v}" for k, v in p["layout"].items() if v != 1 or k in ("data", "fsdp"))
+    """`data=8 fsdp=1 tensor=2`, the same for a layout refused before compiling (read from its
+    mesh overrides) as for one that was compiled."""
+    layout = p.get("layout") or {
+        key.removeprefix("mesh."): int(value)
+        for key, value in (o.split("=", 1) for o in p["overrides"])
+        if key.removeprefix("mesh.") in MESH_AXES and value.lstrip("-").isdigit()
+    }
+    return " ".join(f"{k}={v}" for k, v in layout.items() if v != 1 or k in ("data", "fsdp"))
 
 
 def print_plan(plan: dict) -> None:
@@ -192,8 +203,8 @@ def print_plan(plan: dict) -> None:
         print(f"  {row['axes'] or '(none)':<20}{_size(row['sent']):>14} sent {_size(row['minimum']):>14} minimum  {ratio}")
     if tr["ratio"] is not None:
         print(f"  {'total':<20}{_size(tr['sent']):>14} sent {_size(tr['minimum']):>14} minimum  {tr['ratio']:.2f}x")
-    print(f"predicted step {t['step_s']:.3f} s, MFU {t['mfu']:.1%}: compute (roofline) {t['compute_s']:.3f} s, "
-          f"overlapped comm {t['overlapped_comm_s']:.3f} s, exposed comm {t['exposed_comm_s']:.3f} s, "
+    print(f"predicted step {_seconds(t['step_s'])} s, MFU {t['mfu']:.1%}: compute (roofline) {_seconds(t['compute_s'])} s, "
+          f"overlapped comm {_seconds(t['overlapped_comm_s'])} s, exposed comm {_seconds(t['exposed_comm_s'])} s, "
           f"bubble {t['bubble']:.3f} (compile {p['compile_s']:.1f} s)")
 
 
@@ -208,8 +219,9 @@ def print_search(plan: dict) -> None:
         if "time" in p:
             t = p["time"]
             ratio = p["traffic"]["ratio"]
-            cols = [f"{p['memory']['total'] / GB:.2f}", f"{t['step_s']:.3f}", f"{t['mfu']:.1%}",
-                    f"{ratio:.2f}" if ratio is not None else "-", f"{t['compute_s']:.3f}", f"{t['exposed_comm_s']:.3f}", f"{t['overlapped_comm_s']:.3f}"]
+            cols = [f"{p['memory']['total'] / GB:.2f}", _seconds(t["step_s"]), f"{t['mfu']:.1%}",
+                    f"{ratio:.2f}" if ratio is not None else "-", _seconds(t["compute_s"]), _seconds(t["exposed_comm_s"]),
+                    _seconds(t["overlapped_comm_s"])]
         else:
             cols = [p.get("reason", "")] + [""] * 6
         print(f"| {rank} | {_layout_text(p)} | {p.get('remat', '')} | {p['status']} | " + " | ".join(cols) + " |")

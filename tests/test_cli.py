@@ -15,7 +15,12 @@ from conftest import ROOT, stdlib_glob
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 
 BAD = {
-    "mesh product": (["mesh.data=3"], "mesh: pipeline=1 x data=3 x fsdp=1 x tensor=1 = 3 devices, but 8 are available"),
+    "mesh product": (["mesh.data=3"], "mesh: pipeline=1 x data=3 x fsdp=1 x tensor=1 = 3 devices, but 8 are available; "
+                     "this process sees 8 cpu device(s): make the mesh sizes multiply to 8, or leave one at -1"),
+    # The conftest's XLA_FLAGS name 8 devices (and JAX has started): the user's flag wins, and the line says what to do.
+    "mesh beyond the devices": (["mesh.data=16"], "= 16 devices, but 8 are available; for 16 CPU devices start the "
+                                "process with XLA_FLAGS=--xla_force_host_platform_device_count=16 (train.py sets it "
+                                "itself on a CPU-only machine, but here XLA_FLAGS already sets"),
     "heads": (["mesh.data=1", "mesh.tensor=8", "model.num_heads=12", "model.num_kv_heads=4", "sharding.params.kv_heads=null"],
               "model.num_heads=12 is not divisible by 8"),
     "kv heads": (["mesh.data=1", "mesh.tensor=8", "model.num_kv_heads=4"], "model.num_kv_heads=4 is not divisible by 8"),
@@ -28,6 +33,8 @@ BAD = {
                              "sharding.params.embd: unknown logical name; did you mean 'embed'?"),
     "wrong type": (["train.global_batch=big"], "train.global_batch: expected int, got 'big'"),
     "negative steps": (["train.steps=-3"], "train.steps: must be >= 0, got -3"),
+    "negative decay steps": (["optim.decay_steps=-1"],
+                             "optim.decay_steps: must be >= 0 (0: train.steps at the run's start), got -1"),
     "no data file": (["data.path=/nonexistent/**/*.txt"], "data.path: no file matches '/nonexistent/**/*.txt'"),
     "pipeline stages": (["mesh.pipeline=8", "mesh.data=1"], "model.num_layers=4 is not divisible by mesh.pipeline=8 x pipeline.repeats=1"),
     "pipeline repeats": (["mesh.pipeline=2", "mesh.data=4", "pipeline.repeats=4"],
@@ -97,8 +104,8 @@ def test_bad_input_leaves_an_existing_run_untouched(finished_run, overrides, mes
     assert snapshot() == before
 
 
-def _cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
+def _cli(*args: str, timeout: int = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ) if env is None else env
     return subprocess.run(
         [sys.executable, os.path.join(ROOT, "train.py"), *args],
         capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env,
@@ -108,7 +115,8 @@ def _cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("mesh.data=3", "mesh: pipeline=1 x data=3 x fsdp=1 x tensor=1 = 3 devices, but 8 are available"),
+        ("mesh.data=3", "mesh: pipeline=1 x data=3 x fsdp=1 x tensor=1 = 3 devices, but 8 are available; "
+                        "this process sees 8 cpu device(s): make the mesh sizes multiply to 8, or leave one at -1"),
         # FSDP is the rule `embed -> fsdp`: a misspelt name would leave every parameter whole.
         ("sharding.params.embd=fsdp", "sharding.params.embd: unknown logical name; did you mean 'embed'?"),
     ],
@@ -120,12 +128,55 @@ def test_real_process_bad_input_no_traceback(tmp_path, override, message):
     assert not (tmp_path / "r").exists()
 
 
+def _env_without_device_count() -> dict[str, str]:
+    """The environment of a user who has never heard of XLA_FLAGS, on a CPU-only machine."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
 def test_real_process_trains_a_sharded_run(tmp_path):
+    """The README's multi-device command as written: no XLA_FLAGS, yet the mesh gets its 8 devices."""
     out = _cli("--config", TINY, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.steps=3",
-               f"run.dir={tmp_path / 'a'}", f"data.path={stdlib_glob('json')}")
+               f"run.dir={tmp_path / 'a'}", f"data.path={stdlib_glob('json')}", env=_env_without_device_count())
     assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == (
+        "the mesh names 8 devices: running 8 CPU devices on this CPU-only machine "
+        "(XLA_FLAGS --xla_force_host_platform_device_count=8, set by train.py)")
+    assert "mesh pipeline=1 x data=2 x fsdp=2 x tensor=2 on 8 cpu devices" in out.stdout
     assert "compiled the train step" in out.stdout and "step 3/3" in out.stdout
     assert sorted(os.listdir(tmp_path / "a")) == ["checkpoints", "config.yaml", "metrics.jsonl", "summary.json", "tb"]
+
+
+def test_a_user_device_count_that_is_too_small_says_what_to_do(tmp_path):
+    env = dict(_env_without_device_count(), XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    out = _cli("--config", TINY, f"run.dir={tmp_path / 'r'}", "mesh.data=2", "mesh.fsdp=2", env=env)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "error: mesh: pipeline=1 x data=2 x fsdp=2 x tensor=1 = 4 devices, but 2 are available; for 4 CPU devices "
+        "start the process with XLA_FLAGS=--xla_force_host_platform_device_count=4 (train.py sets it itself on a "
+        "CPU-only machine, but here XLA_FLAGS already sets --xla_force_host_platform_device_count, and the user's "
+        "flag wins)"]
+    assert not (tmp_path / "r").exists()
+
+
+def test_device_count_is_set_only_where_it_can_apply():
+    """Where the count cannot be set (an accelerator, or JAX already running), nothing is changed
+    and the reason comes back for the error's hint."""
+    from configs import load_config
+    from trainer.xla_env import device_count_hint, set_cpu_device_count
+
+    cfg = load_config(TINY, ["mesh.data=2", "mesh.tensor=2"])
+    cases = {
+        "JAX_PLATFORMS=cuda is not CPU-only": {"JAX_PLATFORMS": "cuda"},
+        "JAX had already started in this process": {"JAX_PLATFORMS": "cpu"},  # this test process runs JAX
+    }
+    for why, env in cases.items():
+        before = dict(env)
+        assert set_cpu_device_count(cfg, env) == why and env == before
+    assert set_cpu_device_count(load_config(TINY, ["mesh.fsdp=1"]), {}) == "", "a mesh of -1 asks for no count"
+    assert device_count_hint(cfg, "gpu", 1, "") == (
+        "this process sees 1 gpu device(s): make the mesh sizes multiply to 1, or leave one at -1")
 
 
 def test_compile_cache_serves_a_second_run(tmp_path):
@@ -142,3 +193,50 @@ def test_compile_cache_serves_a_second_run(tmp_path):
     first = train("a")
     assert any(name.startswith("jit_train_step") for name in first), first
     assert train("b") == first
+
+
+def test_plot_writes_beside_the_runs_by_default(tmp_path):
+    """`python -m trainer.plot RUN` run from a checkout leaves the checkout alone: the PNG goes
+    into the run directory (for several runs, their common parent)."""
+    runs = tmp_path / "runs"
+    for name in ("a", "b"):
+        (runs / name).mkdir(parents=True)
+        (runs / name / "metrics.jsonl").write_text(
+            '{"step": 1, "loss": 5.0}\n{"step": 2, "loss": null, "finite": 0}\n{"step": 3, "loss": 4.0}\n')
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+
+    def plot(*run_dirs: str) -> str:
+        out = subprocess.run([sys.executable, "-m", "trainer.plot", *run_dirs], capture_output=True, text=True,
+                             cwd=checkout, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    assert plot(str(runs / "a")) == f"wrote {runs / 'a' / 'loss_curves.png'}"
+    assert (runs / "a" / "loss_curves.png").stat().st_size > 0
+    assert plot("../runs/a", "../runs/b") == "wrote ../runs/loss_curves.png"
+    assert (runs / "loss_curves.png").stat().st_size > 0
+    assert os.listdir(checkout) == [], "nothing is written into the working directory"
+
+
+def test_planner_tables_name_layouts_one_way_and_show_tiny_step_times(capsys):
+    """`sharding.plan --search`: a layout refused before compiling is named like a ranked one
+    (`data=8 fsdp=1`, not `mesh.pipeline=1 mesh.data=8 ...`), and a tiny model's microsecond
+    step time keeps its digits instead of printing 0.000."""
+    from sharding.report import print_search
+
+    timed = {"step_s": 2.34e-5, "mfu": 0.01, "compute_s": 2.0e-5, "exposed_comm_s": 3.4e-6, "overlapped_comm_s": 0.0}
+    plan = {
+        "compiler": "XLA CPU", "config": "tiny", "devices": 8,
+        "hardware": {"name": "h100", "memory_budget": 76e9},
+        "plans": [
+            {"status": "fits", "layout": {"pipeline": 1, "data": 8, "fsdp": 1, "tensor": 1}, "remat": "none",
+             "memory": {"total": 1e6}, "traffic": {"ratio": 1.0}, "time": timed},
+            {"status": "invalid", "reason": "model.num_heads=16 is not divisible by 32",
+             "overrides": ["mesh.pipeline=1", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=8", "model.remat=none"]},
+        ],
+    }
+    print_search(plan)
+    ranked, refused = capsys.readouterr().out.splitlines()[4:6]
+    assert ranked.startswith("| 1 | data=8 fsdp=1 | none | fits | 0.00 | 2.34e-05 | 1.0% | 1.00 | 2e-05 | 3.4e-06 | 0 |"), ranked
+    assert refused.startswith("| - | data=1 fsdp=1 tensor=8 | "), refused

@@ -113,9 +113,10 @@ def test_kill_9_mid_save_ignores_the_half_written_checkpoint(tmp_path):
 
 @pytest.fixture(scope="module")
 def finished_8(tmp_path_factory):
-    """A run with checkpoints at steps 4 and 8, to be damaged in copies."""
+    """A run with checkpoints at steps 4 and 8, to be damaged in copies; on the learning-rate
+    schedule of the 12-step reference, which its resumes to 12 steps keep (optim.decay_steps)."""
     run_dir = tmp_path_factory.mktemp("damaged") / "run"
-    code, out = run(*args(run_dir, "train.steps=8", "checkpoint.every=4"))
+    code, out = run(*args(run_dir, "train.steps=8", "checkpoint.every=4", "optim.decay_steps=12"))
     assert code == 0 and steps_on_disk(run_dir) == [4, 8], out
     return run_dir
 
@@ -137,6 +138,14 @@ DAMAGE = {
 }
 
 
+# What the warning says each damage is: the innermost error of the failed read, on one line.
+WHY = {
+    "truncated array data": "(ValueError: OUT_OF_RANGE: Error reading ",
+    "missing files": "(KeyError: Item \"state\" was not found in the checkpoint. Available items: ['data'])",
+    "bad metadata": "(JSONDecodeError: Expecting property name enclosed in double quotes: line 1 column 2 (char 1))",
+}
+
+
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, finished_8, uninterrupted, damage):
     run_dir = tmp_path / "run"
@@ -144,10 +153,18 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, finished
     DAMAGE[damage](run_dir / "checkpoints" / "8")
     code, out = run(*args(run_dir, "train.steps=12", "checkpoint.every=4"))
     assert code == 0, out
-    assert f"warning: checkpoint {run_dir / 'checkpoints' / '8'} cannot be read" in out
+    (aside,) = os.listdir(run_dir / "checkpoints.damaged")  # kept aside, not deleted
+    # One line, whole: what is wrong, where it went, what the run does instead; the library's own
+    # tracebacks (hundreds of lines on a bigger state) are in run.dir/library.log, not the console.
+    (warning,) = [line for line in out.splitlines() if "checkpoint" in line and "cannot be read" in line]
+    assert warning.startswith(f"warning: checkpoint {run_dir / 'checkpoints' / '8'} cannot be read ("), warning
+    assert warning.endswith(f"); moved to {run_dir / 'checkpoints.damaged' / aside}; resuming from step 4 instead "
+                            f"(library messages: {run_dir / 'library.log'})"), warning
+    assert WHY[damage] in warning, warning
+    assert "Traceback" not in out and "Exception ignored" not in out, out
+    assert "Traceback" in (run_dir / "library.log").read_text()
     assert "resumed from step 4" in out
     assert steps_on_disk(run_dir) == [8, 12]  # checkpoint.keep=2 in tiny.yaml
-    assert len(os.listdir(run_dir / "checkpoints.damaged")) == 1, "the damaged one is kept aside, not deleted"
     losses = final_losses(run_dir)
     assert {s: losses[s] for s in range(5, 13)} == {s: uninterrupted[s] for s in range(5, 13)}
 
@@ -172,9 +189,10 @@ def test_a_nan_batch_skips_its_update(tmp_path):
     code, out = run(*args(tmp_path, "train.steps=5", "debug.nan_steps=3", "checkpoint.every=1", "checkpoint.keep=10"))
     assert code == 0, out
     assert "warning: step 3 has a non-finite loss" in out
-    with open(tmp_path / "metrics.jsonl") as f:
-        records = {r["step"]: r for r in map(json.loads, f)}
-    assert np.isnan(records[3]["loss"])
+    records = {r["step"]: r for r in strict_records(tmp_path)}
+    # Strict JSON: the skipped step's loss and gradient norm are null, and its `finite` flag 0.
+    assert records[3]["loss"] is None and records[3]["grad_norm"] is None and records[3]["finite"] == 0
+    assert records[2]["finite"] == 1 and records[4]["finite"] == 1
     # Had the NaN gradients been applied, every later loss would be NaN too.
     assert np.isfinite(records[4]["loss"]) and np.isfinite(records[5]["loss"])
     assert [records[s]["skipped_steps"] for s in range(1, 6)] == [0, 0, 1, 1, 1]
@@ -186,6 +204,16 @@ def test_a_nan_batch_skips_its_update(tmp_path):
     assert adam_updates == {2: 2, 4: 3}, "step 3 left the optimizer state as it was"
 
 
+def strict_records(run_dir) -> list[dict]:
+    """metrics.jsonl read by a strict JSON reader (one that refuses NaN and Infinity)."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line, parse_constant=refuse) for line in f]
+
+
 def test_too_many_bad_steps_in_a_row_stop_the_run(tmp_path):
     code, out = run(*args(tmp_path, "train.steps=10", "debug.nan_steps=3,4,5", "train.max_bad_steps=3",
                           "checkpoint.every=1"))
@@ -193,6 +221,17 @@ def test_too_many_bad_steps_in_a_row_stop_the_run(tmp_path):
     assert "error: 3 non-finite steps in a row (train.max_bad_steps=3), the last at step 5; " \
            "the last good checkpoint is step 2" in out
     assert max(steps_on_disk(tmp_path)) == 2
+    assert "summary: step 5/10 (stopped: TooManyBadSteps)" in out, "the summary stops where the error does"
+
+
+def test_too_many_bad_steps_before_any_checkpoint_say_there_is_none(tmp_path):
+    code, out = run(*args(tmp_path, "train.steps=30", "debug.nan_steps=2,3,4", "train.max_bad_steps=3"))
+    assert code == 3, out
+    assert "error: 3 non-finite steps in a row (train.max_bad_steps=3), the last at step 4; " \
+           "there is no checkpoint (rerunning starts over)" in out
+    assert steps_on_disk(tmp_path) == []
+    assert "summary: step 4/30 (stopped: TooManyBadSteps)" in out
+    assert [r["loss"] is None for r in strict_records(tmp_path)] == [False, True, True, True]
 
 
 # train.py whose first step never returns, as a step wedged in a collective or a driver would:
@@ -220,3 +259,20 @@ def test_a_hung_step_dumps_stacks_and_exits(tmp_path):
     assert "error: step 1 has run" in out and "more than train.step_timeout_s=3; stacks of every thread follow" in out
     assert "Current thread" in out or "Thread 0x" in out, "every thread's stack is dumped"
     assert 'in hung_step' in out, "the dump shows where the step hangs"
+
+
+def test_a_damaged_checkpoint_is_one_line_on_the_console(tmp_path):
+    """The default model's state (3.2M parameters, truncated in its largest file): a failed read
+    leaves the checkpoint library's tasks failing by the hundred ("Event loop is closed", "Exception
+    ignored in: <coroutine ...>"); they go to run.dir/library.log, and the console has one line."""
+    cmd = ["train.steps=4", "checkpoint.every=2", "train.global_batch=4", "model.seq_len=64", "eval.every=0",
+           f"run.dir={tmp_path}", DATA]
+    code, out = run(*cmd, devices=1)
+    assert code == 0 and steps_on_disk(tmp_path) == [2, 4], out
+    _truncate(_largest_file(tmp_path / "checkpoints" / "4" / "state"))
+    code, out = run(*cmd[1:], "train.steps=5", devices=1)
+    assert code == 0, out
+    assert "Traceback" not in out and "Exception ignored" not in out, out
+    (warning,) = [line for line in out.splitlines() if "cannot be read" in line]
+    assert "; resuming from step 2 instead (library messages: " in warning, warning
+    assert (tmp_path / "library.log").read_text().count("Traceback") > 10, "the library's tracebacks are kept"

@@ -4,14 +4,23 @@ Saves are asynchronous: the arrays are copied off the device before `save` retur
 next step may donate them) and written to disk in the background, into a temporary directory
 that is renamed to the step only once complete: a crash mid-save leaves the previous
 checkpoints intact and the half-written one is ignored (and cleaned up) on restart. A
-checkpoint that exists but cannot be read is skipped with a warning for the one before it.
+checkpoint that exists but cannot be read is moved aside, with one warning line, for the one
+before it. A failed read leaves the checkpoint library's background tasks failing after it
+(tracebacks by the hundred: "Event loop is closed", "Exception ignored in: <coroutine ...>",
+"Task exception was never retrieved"); from the first failed read to the end of the run those go
+to `run.dir/library.log` (`LibraryLog`), not the console.
 """
 
 from __future__ import annotations
 
+import gc
+import logging
 import os
+import sys
 import time
-from typing import Callable
+import traceback
+from types import TracebackType
+from typing import Any, Callable, TextIO
 
 import grain
 import jax
@@ -48,13 +57,21 @@ def has_checkpoints(run_dir: str) -> bool:
     return os.path.isdir(ckpt_dir) and bool(os.listdir(ckpt_dir))
 
 
+def saved_config(run_dir: str) -> Config | None:
+    """The config of the run whose checkpoints run_dir holds (its config.yaml), or None when
+    there are no checkpoints to resume."""
+    saved = os.path.join(run_dir, "config.yaml")
+    if not (os.path.exists(saved) and has_checkpoints(run_dir)):
+        return None
+    return load_config(saved)
+
+
 def check_resumable(cfg: Config) -> None:
     """If run.dir holds checkpoints, the new config must fit them. Raises ConfigError naming
     the first key that differs, before anything in run.dir is touched."""
-    saved = os.path.join(cfg.run.dir, "config.yaml")
-    if not (os.path.exists(saved) and has_checkpoints(cfg.run.dir)):
+    old = saved_config(cfg.run.dir)
+    if old is None:
         return
-    old = load_config(saved)
     for key in RESUME_KEYS:
         if _get(old, key) != _get(cfg, key):
             name = key.replace("resolved_", "")
@@ -80,6 +97,83 @@ class NoReadableCheckpoint(ConfigError):
     """run.dir has checkpoints and none of them can be read."""
 
 
+LIBRARY_LOG = "library.log"
+
+
+def library_log_path(run_dir: str) -> str:
+    """run.dir/library.log (library.pN.log for process N > 0: each process has its own leftovers)."""
+    index = jax.process_index()
+    return os.path.join(run_dir, LIBRARY_LOG if index == 0 else f"library.p{index}.log")
+
+
+class LibraryLog:
+    """While started, the tracebacks that reach Python's last-resort printers (sys.excepthook, which
+    a library thread's unhandled error goes through; sys.unraisablehook; the `asyncio` logger) are
+    appended to a file instead of the console. The file is created at its first line."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._file: TextIO | None = None
+        self._saved: tuple[Any, Any, bool] | None = None
+        self._handler = logging.StreamHandler(self)
+
+    def write(self, text: str) -> None:
+        if self._file is None:
+            self._file = open(self.path, "a")
+        self._file.write(text)
+        self._file.flush()
+
+    def flush(self) -> None:
+        pass  # every write is flushed
+
+    def note(self, header: str, error: BaseException) -> None:
+        self.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {header}\n" + "".join(traceback.format_exception(error)))
+
+    def _excepthook(self, kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
+        self.write("".join(traceback.format_exception(kind, error, tb)))
+
+    def _unraisablehook(self, u: Any) -> None:
+        where = f"Exception ignored in: {u.object!r}\n" if u.object is not None else ""
+        self.write(where + "".join(traceback.format_exception(u.exc_type, u.exc_value, u.exc_traceback)))
+
+    @property
+    def started(self) -> bool:
+        return self._saved is not None
+
+    def start(self) -> None:
+        if self.started:
+            return
+        asyncio_log = logging.getLogger("asyncio")
+        self._saved = (sys.excepthook, sys.unraisablehook, asyncio_log.propagate)
+        sys.excepthook, sys.unraisablehook = self._excepthook, self._unraisablehook
+        asyncio_log.addHandler(self._handler)
+        asyncio_log.propagate = False
+
+    def stop(self) -> None:
+        """Collects what the failed reads left behind (their coroutines report when collected),
+        then gives the console its printers back."""
+        if not self.started:
+            return
+        gc.collect()
+        asyncio_log = logging.getLogger("asyncio")
+        sys.excepthook, sys.unraisablehook, asyncio_log.propagate = self._saved
+        asyncio_log.removeHandler(self._handler)
+        self._saved = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _why(error: Exception) -> str:
+    """The root cause of a failed read, on one line: the innermost exception of the chain, whose
+    message names the file or array (the outer ones repeat a whole TensorStore spec)."""
+    while (inner := error.__cause__ or error.__context__) is not None:
+        error = inner
+    text = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+    first = " ".join(text.split("\n", 1)[0].split())
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
 class Checkpointer:
     """The run's CheckpointManager: state and data position saved together, restored with
     fallback past damaged checkpoints."""
@@ -92,6 +186,8 @@ class Checkpointer:
             max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, cleanup_tmp_directories=True
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
+        self.library_log = LibraryLog(library_log_path(os.path.dirname(self.directory)))
+        self._closed = False
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -120,47 +216,75 @@ class Checkpointer:
         self, target: TrainState, iterator: grain.DatasetIterator, warn: Callable[[str], None]
     ) -> tuple[int, TrainState] | None:
         """The newest readable checkpoint, falling back past damaged ones (moved aside to
-        `checkpoints.damaged/` so new saves can take their step). None when there are none, or
-        none readable and `checkpoint.fresh_if_unreadable`; otherwise NoReadableCheckpoint."""
+        `checkpoints.damaged/` so new saves can take their step), each named in one warning line.
+        None when there are none, or none readable and `checkpoint.fresh_if_unreadable`; otherwise
+        NoReadableCheckpoint."""
         steps = sorted(self.manager.all_steps(), reverse=True)
-        damaged = []
+        damaged: dict[int, str] = {}  # step -> why it cannot be read
         for step in steps:
             state, reason = None, ""
             try:
                 state = self.restore(step, target, iterator)
             except Exception as e:  # truncated or missing files, bad metadata: all unreadable
-                reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+                self.library_log.start()
+                self.library_log.note(f"checkpoint {self._path(step)} cannot be read:", e)
+                reason = _why(e)
             if not _everywhere(state is not None):  # one process's shards may be the damaged ones
-                warn(f"warning: checkpoint {os.path.join(self.directory, str(step))} cannot be read ({reason or 'on another process'})")
-                damaged.append(step)
+                damaged[step] = reason or "on another process"
                 continue
-            self._move_aside(damaged)
+            self._warn_moved(damaged, f"resuming from step {step} instead", warn)
             return step, state
         if not steps:
             return None
         if self.fresh_if_unreadable:
-            warn(f"warning: no checkpoint in {self.directory} can be read; starting over (checkpoint.fresh_if_unreadable)")
-            self._move_aside(damaged)
+            self._warn_moved(damaged, "no readable checkpoint is left: starting over (checkpoint.fresh_if_unreadable)", warn)
             return None
+        for step, reason in damaged.items():
+            warn(f"warning: checkpoint {self._path(step)} cannot be read ({reason}){self._see_log()}")
         raise NoReadableCheckpoint(
             f"no checkpoint in {self.directory} can be read (tried steps {', '.join(map(str, steps))}); "
             "set checkpoint.fresh_if_unreadable=true to start over"
         )
 
-    def _move_aside(self, steps: list[int]) -> None:
+    def _path(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def _see_log(self) -> str:
+        return f" (library messages: {self.library_log.path})" if os.path.exists(self.library_log.path) else ""
+
+    def _warn_moved(self, damaged: dict[int, str], then: str, warn: Callable[[str], None]) -> None:
+        """Moves the damaged checkpoints aside and says, one line each, what is wrong, where it
+        went and what the run does instead."""
+        moved = self._move_aside(list(damaged))
+        for step, reason in damaged.items():
+            warn(f"warning: checkpoint {self._path(step)} cannot be read ({reason}); moved to {moved[step]}; "
+                 f"{then}{self._see_log()}")
+
+    def _move_aside(self, steps: list[int]) -> dict[int, str]:
+        """Moves `steps` to checkpoints.damaged/<step>-<time>; returns where each went."""
         if not steps:
-            return
+            return {}
+        aside = self.directory + ".damaged"
+        stamp = int(time.time())
+        moved = {step: os.path.join(aside, f"{step}-{stamp}") for step in steps}
         if jax.process_index() == 0:
-            aside = self.directory + ".damaged"
             os.makedirs(aside, exist_ok=True)
-            for step in steps:
-                os.replace(os.path.join(self.directory, str(step)), os.path.join(aside, f"{step}-{int(time.time())}"))
+            for step, path in moved.items():
+                os.replace(self._path(step), path)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("checkpoints moved aside")
         self.manager.reload()
+        return moved
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.close()
+        """Waits for saves in flight and stops the library log; a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.manager.close()
+        finally:
+            self.library_log.stop()

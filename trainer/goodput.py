@@ -101,7 +101,7 @@ class Goodput:
         seconds["recompute"] = steps_s * again / ran if ran else 0.0
         seconds["productive"] = steps_s - seconds["recompute"]
         if error is None:
-            outcome = "done" if ran else "nothing to do"
+            outcome = "done"  # a run with nothing to do writes no summary (trainer.loop)
         else:
             outcome = "preempted" if isinstance(error, Preempted) else f"stopped: {type(error).__name__}"
         tokens = ran * logger.tokens_per_step

@@ -18,21 +18,21 @@ from typing import Any, Iterator
 import jax
 import numpy as np
 
-from configs import Config, dump_config
+from configs import Config, ConfigError, dump_config
 from configs.schema import nan_steps
 from data import describe, eval_batches, global_batches, make_iterator, to_global
 from model import flops_per_token, hf
-from sharding import distributed
+from sharding import distributed, resolve_mesh_shape
 from sharding.mesh import check_nodes
 from trainer import rundir_lock
-from trainer.checkpoint import Checkpointer, check_resumable, checkpoint_dir, has_checkpoints
+from trainer.checkpoint import Checkpointer, check_resumable, checkpoint_dir, has_checkpoints, saved_config
 from trainer.faults import Preempted, StopSignal, TooManyBadSteps, Watchdog, fingerprint
 from trainer.goodput import Goodput
 from trainer.metrics import MetricsLogger, log
 from trainer.observe import instrument
 from trainer.program import Prepared, Program, make_program, prepare
 from trainer.state import TrainState, init_state, param_count, state_from_params
-from trainer.xla_env import use_compile_cache
+from trainer.xla_env import device_count_hint, set_cpu_device_count, use_compile_cache
 
 
 def _write_config(run_dir: str, cfg: Config, resume_step: int | None) -> None:
@@ -63,7 +63,34 @@ class Built:
     eval_rows: list[dict[str, np.ndarray]]  # this process's rows of the held-out batches; [] = no eval
 
 
-def build(p: Prepared, devices: list) -> Built:
+# The optim keys that shape the learning-rate schedule.
+SCHEDULE_KEYS = ("lr", "warmup_steps", "schedule", "min_lr_ratio", "decay_steps")
+
+
+def resolve_schedule(cfg: Config) -> tuple[Config, str]:
+    """`cfg` with `optim.decay_steps` resolved: as set; else, resuming, the horizon of the
+    checkpoints' config (a longer train.steps continues the schedule the run was on); else
+    train.steps. Also the line to print on resume when the schedule differs from the checkpoints'
+    or its horizon from train.steps ("" otherwise)."""
+    saved, note = saved_config(cfg.run.dir), ""
+    if saved is None:
+        horizon = cfg.optim.decay_steps or cfg.train.steps
+    else:
+        kept = saved.optim.decay_steps or saved.train.steps  # 0: written before it was resolved
+        horizon = cfg.optim.decay_steps or kept
+        old = dataclasses.replace(saved.optim, decay_steps=kept)
+        new = dataclasses.replace(cfg.optim, decay_steps=horizon)
+        changed = [f"optim.{k} {getattr(old, k)} -> {getattr(new, k)}" for k in SCHEDULE_KEYS
+                   if getattr(old, k) != getattr(new, k)]
+        if changed:
+            note = f"the learning-rate schedule changes on this resume: {', '.join(changed)}"
+        elif horizon != cfg.train.steps:
+            note = (f"the learning-rate schedule keeps its horizon optim.decay_steps={horizon} (train.steps="
+                    f"{cfg.train.steps}): set optim.decay_steps to change it")
+    return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, decay_steps=horizon)), note
+
+
+def build(p: Prepared, devices: list, schedule_note: str = "") -> Built:
     """Restores the newest readable checkpoint or creates the state, sharded; then writes the
     resolved config into run.dir."""
     cfg, layout = p.cfg, p.layout
@@ -83,23 +110,30 @@ def build(p: Prepared, devices: list) -> Built:
         f"{devices[0].platform} devices, {jax.process_count()} process(es); "
         f"{param_count(p.shapes) / 1e6:.2f}M parameters"
     )
-    restored = ckpt.restore_latest(program.abstract_state(), iterator, warn=log)
-    if restored is None and from_hf:
-        params = hf.load_params(cfg.init.from_hf, cfg.model, program.state_sh.params)
-        start, state = 0, state_from_params(params, program.tx, program.state_sh)
-        log(f"initialized the parameters from {cfg.init.from_hf} (init.from_hf)")
-    elif restored is None:
-        start, state = 0, init_state(cfg.model, program.tx, cfg.run.seed, program.state_sh)
-    else:
-        start, state = restored
-        log(f"resumed from step {start}")
-    _write_config(cfg.run.dir, cfg, start)
-    if layout.pipelined:
-        log(
-            f"pipeline: {layout.stages} stages x {layout.repeats} repeat(s), {layout.microbatches} microbatches, "
-            f"{cfg.model.num_layers // (layout.stages * layout.repeats)} layers per stage and repeat; "
-            f"bubble fraction {layout.bubble:.3f}"
-        )
+    try:
+        restored = ckpt.restore_latest(program.abstract_state(), iterator, warn=log)
+        if restored is None and from_hf:
+            params = hf.load_params(cfg.init.from_hf, cfg.model, program.state_sh.params)
+            start, state = 0, state_from_params(params, program.tx, program.state_sh)
+            log(f"initialized the parameters from {cfg.init.from_hf} (init.from_hf)")
+        elif restored is None:
+            start, state = 0, init_state(cfg.model, program.tx, cfg.run.seed, program.state_sh)
+        else:
+            start, state = restored
+            log(f"resumed from step {start}")
+            if schedule_note and start < cfg.train.steps:
+                log(schedule_note)
+        if start < cfg.train.steps:  # a run with nothing to do leaves run.dir as it was
+            _write_config(cfg.run.dir, cfg, start)
+        if layout.pipelined:
+            log(
+                f"pipeline: {layout.stages} stages x {layout.repeats} repeat(s), {layout.microbatches} microbatches, "
+                f"{cfg.model.num_layers // (layout.stages * layout.repeats)} layers per stage and repeat; "
+                f"bubble fraction {layout.bubble:.3f}"
+            )
+    except BaseException:
+        ckpt.close()  # its library log too: the console gets its printers back for the error
+        raise
     return Built(program, state, start, iterator, ckpt, eval_rows)
 
 
@@ -119,29 +153,51 @@ def run(cfg: Config, devices: list | None = None) -> list[dict[str, Any]]:
     Raises ConfigError for bad input or a run.dir in use by a live run, Preempted after a signal
     (checkpoint committed) and TooManyBadSteps after `train.max_bad_steps` non-finite steps in a row."""
     goodput = Goodput()
+    why_not = set_cpu_device_count(cfg) if devices is None else "the caller chose the devices"
     use_compile_cache(cfg.run.compile_cache)
     distributed.initialize(cfg.dist)
     distributed.check_same_everywhere(fingerprint(cfg), cfg.dist.init_timeout_s)
     devices = jax.devices() if devices is None else devices
+    _check_device_count(cfg, devices, why_not)
     p = prepare(cfg, len(devices))
     check_nodes(devices, cfg.mesh.nodes)
     # Bad input has been refused with run.dir untouched; from here on this run writes there, alone.
     with rundir_lock.hold(cfg.run.dir, cfg.run.lock_timeout_s, cfg.dist.init_timeout_s, log):
         check_resumable(cfg)  # again: a holder alive at the first check may have saved since
-        return _run_holding_the_lock(cfg, p, devices, goodput)
+        # Resolved under the lock: the horizon comes from the checkpoints this run resumes.
+        cfg, schedule_note = resolve_schedule(cfg)
+        p = dataclasses.replace(p, cfg=cfg)
+        return _run_holding_the_lock(cfg, p, devices, goodput, schedule_note)
 
 
-def _run_holding_the_lock(cfg: Config, p: Prepared, devices: list, goodput: Goodput) -> list[dict[str, Any]]:
-    b = build(p, devices)
+def _check_device_count(cfg: Config, devices: list, why_not: str) -> None:
+    """The mesh's own error for a device count that does not fit, with what to do about it."""
+    try:
+        resolve_mesh_shape(cfg.mesh, len(devices))
+    except ConfigError as e:
+        hint = device_count_hint(cfg, devices[0].platform, len(devices), why_not)
+        raise ConfigError(f"{e}; {hint}" if hint else str(e)) from None
+
+
+def _run_holding_the_lock(
+    cfg: Config, p: Prepared, devices: list, goodput: Goodput, schedule_note: str
+) -> list[dict[str, Any]]:
+    b = build(p, devices, schedule_note)
+    try:
+        return _train(cfg, b, devices, goodput)
+    finally:
+        b.ckpt.close()  # also when compiling fails: it gives the console its printers back (LibraryLog)
+
+
+def _train(cfg: Config, b: Built, devices: list, goodput: Goodput) -> list[dict[str, Any]]:
     logger = MetricsLogger(
         cfg.run.dir, cfg.train.steps, cfg.train.global_batch * cfg.model.seq_len, flops_per_token(cfg.model), devices
     )
-    goodput.begin(cfg.run.dir, b.start)
     if b.start >= cfg.train.steps:
-        log(f"nothing to do: the checkpoint at step {b.start} has reached train.steps={cfg.train.steps}")
-        b.ckpt.close()
-        goodput.finish(cfg, logger)
+        log(f"nothing to do: the checkpoint at step {b.start} has reached train.steps={cfg.train.steps}; "
+            f"{cfg.run.dir} is left as it was")
         return logger.history
+    goodput.begin(cfg.run.dir, b.start)
     step_fn, seconds = b.program.compile(b.state)
     log(f"compiled the train step in {seconds:.1f} s")
     evaluate = _evaluator(cfg, b, logger)
@@ -194,7 +250,7 @@ def _loop(
     batches = _timed(global_batches(local, b.program.batch_sh, cfg.train.global_batch), logger)
     logger.start(b.start)
     watchdog.beat(b.start)
-    books = _Books(cfg, b.start, logger)
+    books = _Books(cfg, b.start, logger, b.start if b.start in ckpt.all_steps() else None, goodput)
     previous: tuple[int, dict] | None = None  # the step before, whose flag we read one step late
     for done in range(b.start + 1, last + 1):
         state, metrics = step_fn(state, next(batches))
@@ -237,10 +293,10 @@ class _Books:
     """Per-step bookkeeping outside jit: reads each step's `finite` flag (which waits for that
     step), counts bad steps, and logs the steps that are due."""
 
-    def __init__(self, cfg: Config, start: int, logger: MetricsLogger):
-        self.cfg, self.start, self.logger = cfg, start, logger
+    def __init__(self, cfg: Config, start: int, logger: MetricsLogger, saved: int | None, goodput: Goodput):
+        self.cfg, self.start, self.logger, self.goodput = cfg, start, logger, goodput
         self.streak = self.skipped = 0
-        self.saved = start  # the newest checkpointed step
+        self.saved = saved  # the newest checkpointed step; None: there is none
 
     def settle(self, step: int, metrics: dict, force_log: bool = False) -> None:
         cfg = self.cfg
@@ -251,10 +307,16 @@ class _Books:
             loss = float(jax.device_get(metrics["loss"]))
             log(f"warning: step {step} has a non-finite loss ({loss}) or gradient norm; update skipped "
                 f"({self.streak} in a row)")
-            if self.streak >= cfg.train.max_bad_steps:
-                raise TooManyBadSteps(
-                    f"{self.streak} non-finite steps in a row (train.max_bad_steps={cfg.train.max_bad_steps}), the "
-                    f"last at step {step}; the last good checkpoint is step {self.saved}"
-                )
-        if force_log or step % cfg.train.log_every == 0 or step in (self.start + 1, cfg.train.steps):
+        stopping = self.streak >= cfg.train.max_bad_steps
+        if stopping or force_log or step % cfg.train.log_every == 0 or step in (self.start + 1, cfg.train.steps):
             self.logger.write(step, {**metrics, "skipped_steps": self.skipped})
+        if stopping:
+            # The step after this one has been dispatched, but the run ends here: the summary
+            # counts up to this step, as the error does.
+            self.goodput.last_step = step
+            last = ("there is no checkpoint (rerunning starts over)" if self.saved is None
+                    else f"the last good checkpoint is step {self.saved}")
+            raise TooManyBadSteps(
+                f"{self.streak} non-finite steps in a row (train.max_bad_steps={cfg.train.max_bad_steps}), the "
+                f"last at step {step}; {last}"
+            )

@@ -3,6 +3,10 @@ TensorBoard events in `run.dir/tb/`, a console line, MFU.
 
 Only process 0 writes. Throughput is measured between two logged steps (the loop fetches
 metrics one step late, so the time covers finished device work, not dispatch).
+
+metrics.jsonl is strict JSON: a value that is not a finite number (the loss and gradient norm of
+a skipped step) is written as `null`, and such a step has `finite` 0 (1 otherwise). The records
+returned to Python (`history`) keep the float NaN or inf.
 """
 
 from __future__ import annotations
@@ -28,6 +32,11 @@ def log(message: str) -> None:
     """A line on stdout from process 0 only."""
     if jax.process_index() == 0:
         print(message, flush=True)
+
+
+def _strict(value: Any) -> Any:
+    """`value`, or None for a non-finite float (JSON has no NaN or Infinity)."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def _duration(seconds: float) -> str:
@@ -90,9 +99,10 @@ class MetricsLogger:
     def _append(self, record: dict[str, Any]) -> None:
         self.history.append(record)
         if self.is_main:
+            strict = {k: _strict(v) for k, v in record.items()}
             with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-            self.tb.write(record)
+                f.write(json.dumps(strict, allow_nan=False) + "\n")
+            self.tb.write(strict)  # the same values: a null is no scalar there either
 
     def _print(self, r: dict[str, Any]) -> None:
         width = len(str(self.total_steps))

@@ -33,17 +33,21 @@ class TensorBoard:
     """One event file per invocation under `run_dir/tb/`, created at the first record."""
 
     def __init__(self, run_dir: str):
+        # Imported here, not at the top: a machine without tensorboardX (the GPU box has no
+        # network) can still import the trainer and time steps with bench.step. And here, not at
+        # the first record: the import takes about a second (tensorboardX imports torch where it
+        # is installed), which would be timed as the step it falls in.
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        self._classes = EventsWriter, Event, Summary
         self.dir = os.path.join(run_dir, TB_DIR)
         self._writer: EventsWriter | None = None
 
     def write(self, record: dict[str, Any]) -> None:
         """Every number in `record` but `step` becomes a scalar of that name at that step."""
-        # Imported here: a machine without tensorboardX (the GPU box has no network) can still
-        # import the trainer and time steps with bench.step.
-        from tensorboardX.event_file_writer import EventsWriter
-        from tensorboardX.proto.event_pb2 import Event
-        from tensorboardX.proto.summary_pb2 import Summary
-
+        EventsWriter, Event, Summary = self._classes
         values = [
             Summary.Value(tag=k, simple_value=float(v))
             for k, v in record.items()
@@ -108,9 +112,10 @@ def read_metrics(run_dir: str) -> list[dict[str, Any]]:
 
 
 def last_value(records: list[dict[str, Any]], key: str) -> tuple[int, float] | None:
-    """(step, value) of the last record that has `key`."""
+    """(step, value) of the last record that has a number for `key` (metrics.jsonl writes a
+    non-finite value as null)."""
     for record in reversed(records):
-        if key in record:
+        if record.get(key) is not None:
             return int(record["step"]), float(record[key])
     return None
 

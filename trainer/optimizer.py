@@ -9,10 +9,11 @@ from configs.schema import OptimConfig
 
 
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
-    """Linear warmup to `lr`, then the named decay down to `lr * min_lr_ratio` at the last step.
-    The update at step s uses the rate at s + 1, so the first update is not wasted on lr = 0."""
+    """Linear warmup to `lr`, then the named decay down to `lr * min_lr_ratio` at step
+    `optim.decay_steps` (0: `total_steps`), where it stays. The update at step s uses the rate at
+    s + 1, so the first update is not wasted on lr = 0."""
     warmup = optax.linear_schedule(0.0, cfg.lr, max(cfg.warmup_steps, 1))
-    decay_steps = max(total_steps - cfg.warmup_steps, 1)
+    decay_steps = max((cfg.decay_steps or total_steps) - cfg.warmup_steps, 1)
     end = cfg.lr * cfg.min_lr_ratio
     if cfg.schedule == "cosine":
         decay = optax.cosine_decay_schedule(cfg.lr, decay_steps, alpha=cfg.min_lr_ratio)

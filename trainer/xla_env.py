@@ -5,12 +5,24 @@ flag here is also accepted (and ignored) by the CPU backend, so tests run with t
 - latency-hiding scheduler: orders collectives so their transfer overlaps independent compute
   (the FSDP all-gathers and gradient reduce-scatters of the layer scan).
 
-Also here: the persistent compilation cache (`run.compile_cache`).
+Also here: the CPU device count a mesh needs (a CPU-only machine gets as many CPU devices as
+the config's mesh names, so `mesh.data=2 mesh.fsdp=2 mesh.tensor=2` runs without the user knowing
+`--xla_force_host_platform_device_count`), and the persistent compilation cache (`run.compile_cache`).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
+import math
 import os
+import pkgutil
+import sys
+
+from configs import Config
+from configs.schema import MESH_AXES
+
+FORCE_COUNT = "--xla_force_host_platform_device_count"
 
 GPU_DEFAULTS = {
     "xla_gpu_enable_latency_hiding_scheduler": "true",
@@ -25,6 +37,78 @@ def set_default_flags(env: dict[str, str] | None = None) -> list[str]:
     if added:
         env["XLA_FLAGS"] = " ".join([current, *added]).strip()
     return added
+
+
+def mesh_device_count(cfg: Config) -> int:
+    """The devices the mesh names: the product of its fixed sizes (a -1 axis takes what is left,
+    so it asks for none beyond them)."""
+    return math.prod(size for size in (getattr(cfg.mesh, a) for a in MESH_AXES) if size > 0)
+
+
+def _accelerator_plugin() -> str:
+    """The name of an installed JAX GPU/TPU plugin ("" if none): with one, JAX may pick an
+    accelerator, whose device count no flag changes."""
+    if importlib.util.find_spec("libtpu") is not None:
+        return "libtpu"
+    spec = importlib.util.find_spec("jax_plugins")
+    if spec is not None and spec.submodule_search_locations:
+        for module in pkgutil.iter_modules(spec.submodule_search_locations):
+            return module.name
+    for entry in importlib.metadata.entry_points(group="jax_plugins"):
+        return entry.name
+    return ""
+
+
+def _backend_started() -> bool:
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import xla_bridge  # already imported with jax: no start-up cost
+
+    return xla_bridge.backends_are_initialized()
+
+
+def set_cpu_device_count(cfg: Config, env: dict[str, str] | None = None) -> str:
+    """On a CPU-only machine, asks XLA for as many CPU devices as the mesh names (per process), if
+    JAX has not started yet and the user's XLA_FLAGS name no count; prints one line saying so.
+    Returns "" when the count is set or not needed, else why it could not be set (for the hint
+    of `device_count_hint`)."""
+    env = os.environ if env is None else env
+    processes = max(cfg.dist.num_processes, 1)
+    wanted = mesh_device_count(cfg)
+    if wanted <= processes or wanted % processes:
+        return ""
+    local = wanted // processes
+    platforms = env.get("JAX_PLATFORMS", "").strip().lower()
+    if FORCE_COUNT in env.get("XLA_FLAGS", ""):
+        return f"XLA_FLAGS already sets {FORCE_COUNT}, and the user's flag wins"
+    if platforms not in ("", "cpu"):
+        return f"JAX_PLATFORMS={platforms} is not CPU-only"
+    plugin = "" if platforms == "cpu" else _accelerator_plugin()
+    if plugin:
+        return f"an accelerator plugin ({plugin}) is installed, so JAX may not run on the CPU (JAX_PLATFORMS=cpu forces it)"
+    if _backend_started():
+        return "JAX had already started in this process"
+    env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), f"{FORCE_COUNT}={local}"]).strip()
+    if cfg.dist.process_id <= 0:
+        each = " per process" if processes > 1 else ""
+        print(f"the mesh names {wanted} devices: running {local} CPU devices{each} on this CPU-only machine "
+              f"(XLA_FLAGS {FORCE_COUNT}={local}, set by train.py)", flush=True)
+    return ""
+
+
+def device_count_hint(cfg: Config, platform: str, available: int, why_not: str) -> str:
+    """What to do when the mesh names another device count than there is, in one clause ("" when
+    the sizes themselves are malformed: their own error says enough)."""
+    sizes = [getattr(cfg.mesh, a) for a in MESH_AXES]
+    if any(size == 0 or size < -1 for size in sizes) or sizes.count(-1) > 1:
+        return ""
+    wanted = mesh_device_count(cfg)
+    if platform == "cpu" and wanted > available:
+        local = wanted // max(cfg.dist.num_processes, 1)
+        return (f"for {wanted} CPU devices start the process with XLA_FLAGS={FORCE_COUNT}={local}"
+                + (f" (train.py sets it itself on a CPU-only machine, but here {why_not})" if why_not else ""))
+    return (f"this process sees {available} {platform} device(s): make the mesh sizes multiply to "
+            f"{available}, or leave one at -1")
 
 
 def use_compile_cache(path: str) -> None:

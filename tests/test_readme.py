@@ -1,0 +1,164 @@
+"""The README's command blocks name only what exists: every config key (dotted `key=value`),
+every flag (`--x`, checked against the command's own `--help`, run as a real process), every
+file of this repository and every make target; the `python train.py` commands load their
+config and overrides through the real loader, and the cheap ones run (`--emit slurm`)."""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+import train
+from configs import all_keys, load_config
+from configs.schema import LOGICAL_AXES
+from conftest import ROOT
+from trainer.sweep import load_sweep
+
+# Placeholders the README writes for "your value here", never passed as they are.
+PLACEHOLDERS = {"...", "FILE", "key=value", "dotted.key=value"}
+# Shell and scheduler front ends that wrap one of our commands.
+WRAPPERS = {"srun"}
+# Paths that exist only once a user has run something (a venv, a run directory, ...).
+MADE_BY_USE = (".venv", "runs")
+
+
+def command_lines() -> list[str]:
+    """Every line of a fenced block of README.md that runs one of our commands (continuations joined)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    lines = []
+    for block in re.findall(r"^```[^\n]*\n(.*?)^```", text, re.S | re.M):
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            line = line.strip()
+            if re.match(r"(make|python|\.venv/bin/python|\. |srun|gcloud|[A-Z_]+=)", line):
+                lines.append(line)
+    return lines
+
+
+def _argv(line: str) -> list[str]:
+    """The command's words: comments, a trailing `&`, leading VAR=value and wrappers removed;
+    `gcloud ... --command "cd X && CMD"` gives CMD. Placeholders are left in (see `synopsis`)."""
+    words = shlex.split(line, comments=True)
+    if words and words[0] == "gcloud":
+        inner = words[words.index("--command") + 1]
+        return _argv(inner.split("&&")[-1])
+    while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):
+        words = words[1:]
+    if words and words[0] in WRAPPERS:
+        words = words[next(i for i, w in enumerate(words) if w == "python"):]
+    return [w.strip("[]") for w in words if w != "&"]
+
+
+def synopsis(argv: list[str]) -> bool:
+    """A usage line (`[--config FILE] [key=value ...]`): its words are checked, not parsed."""
+    return any(w in PLACEHOLDERS for w in argv)
+
+
+def commands() -> list[list[str]]:
+    return [[w for w in _argv(line) if w not in PLACEHOLDERS] for line in command_lines()]
+
+
+def test_the_readme_has_the_commands_this_test_reads():
+    """A parser that found nothing would pass everything below: the README's blocks hold these."""
+    found = {" ".join(argv[:3]) for argv in commands()}
+    for expected in ("make train", "python train.py --config", "python train.py --sweep", "python -m sharding.plan",
+                     "python -m data.prepare", "python -m model.hf", "python -m model.generate"):
+        assert any(f.startswith(expected) for f in found), (expected, found)
+    assert len(commands()) >= 30
+
+
+def _is_key_value(word: str) -> bool:
+    return re.fullmatch(r"[a-z_]+(\.[a-z_0-9]+)+=.*", word) is not None
+
+
+def _check_key(key: str) -> None:
+    table = re.fullmatch(r"sharding\.(params|activations)\.(\w+)", key)
+    if table:
+        assert table.group(2) in LOGICAL_AXES, f"{key}: not a logical name"
+    else:
+        assert key in all_keys(), f"{key}: not a config key"
+
+
+def _check_path(word: str) -> None:
+    """A word naming a file of this repository (its first part is a top-level entry) must exist."""
+    for value in (word, word.split("=", 1)[-1]):
+        first = value.split("/", 1)[0]  # "" for an absolute path: the user's, not ours
+        if "/" in value and first and first not in MADE_BY_USE and os.path.exists(os.path.join(ROOT, first)):
+            assert os.path.exists(os.path.join(ROOT, value)), f"{value}: no such file in the repository"
+
+
+@functools.cache
+def help_text(*command: str) -> str:
+    """`python COMMAND --help` (`train.py`, or `-m MODULE [SUB]`), run for real."""
+    out = subprocess.run([sys.executable, *command, "--help"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def _check_flags(argv: list[str], text: str) -> None:
+    for flag in (w for w in argv if w.startswith("--")):
+        assert re.search(rf"{re.escape(flag)}\b", text), f"{flag} is not a flag of {argv[:3]}"
+
+
+def _check_config(config: str | None, overrides: list[str]) -> None:
+    """The config file and the concrete overrides go through the real loader (its static checks)."""
+    if config and config.split("/", 1)[0] in MADE_BY_USE:
+        return  # written by an earlier command (model.hf import)
+    concrete = [w for w in overrides if "$" not in w and "..." not in w]
+    load_config(config, concrete)
+
+
+@pytest.mark.parametrize("line", command_lines())
+def test_a_readme_command_names_only_what_exists(line):
+    argv = _argv(line)
+    for word in argv:
+        _check_path(word)
+        if _is_key_value(word) and word not in PLACEHOLDERS:
+            _check_key(word.split("=", 1)[0])
+    concrete = [w for w in argv if w not in PLACEHOLDERS]
+    if argv[0] == "make":
+        with open(os.path.join(ROOT, "Makefile")) as f:
+            targets = re.findall(r"^([a-z]+):", f.read(), re.M)
+        assert set(argv[1:]) <= set(targets), (argv, targets)
+    elif argv[0] == "." or argv[:3] == [".venv/bin/python", "-m", "pytest"]:
+        return  # the venv's own tools; the test file it names was checked above
+    elif argv[:2] == ["python", "train.py"]:
+        _check_flags(argv, help_text("train.py"))
+        if synopsis(argv):
+            return
+        args = train.parse_args(concrete[2:])
+        if args.sweep:
+            assert load_sweep(os.path.join(ROOT, args.sweep), args.overrides).points
+        else:
+            _check_config(args.config, args.overrides)
+    else:
+        assert argv[:2] == ["python", "-m"], argv
+        module = argv[2]
+        assert os.path.exists(os.path.join(ROOT, *module.split(".")) + ".py"), module
+        sub = [argv[3]] if len(argv) > 3 and not argv[3].startswith("-") else []
+        _check_flags(argv, help_text("-m", module, *sub))
+        if "--config" in argv:
+            _check_config(argv[argv.index("--config") + 1], [w for w in concrete if _is_key_value(w)])
+
+
+def test_the_sweep_emit_command_runs_as_written(tmp_path):
+    """`python train.py --sweep configs/sweeps/tiny_lr.yaml --emit slurm` (from the README): a
+    real process in a copy of the repository's configs, so the sweep's dir: lands in tmp_path."""
+    shutil.copytree(os.path.join(ROOT, "configs"), tmp_path / "configs")
+    (line,) = [line for line in command_lines() if "--emit slurm" in line]
+    argv = _argv(line)
+    assert argv[:2] == ["python", "train.py"], argv
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *argv[2:]], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert out.returncode == 0, out.stderr
+    (script,) = [os.path.join(d, f) for d, _, files in os.walk(tmp_path / "runs") for f in files if f == "sweep.sbatch"]
+    with open(script) as f:
+        assert 'PYTHON="${PYTHON:-python}"' in f.read()
