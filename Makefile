@@ -35,9 +35,12 @@ train: $(STAMP)
 	$(BIN)/python train.py $(ARGS)
 
 # MESHLM_REQUIRE_EXTRAS=1: the extras and compilers were installed above, so a test that needs
-# a missing one fails instead of skipping (tests/conftest.py, `require`).
+# a missing one fails instead of skipping (tests/conftest.py, `require`). `-n auto --dist
+# loadfile`: one pytest worker per core, each running whole files (most tests are single-threaded
+# Python or one XLA compile, so two cores run two files at once; a file's module fixtures are
+# compiled once).
 test: $(STAMP) $(COMPILERS_STAMP)
-	MESHLM_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q tests
+	MESHLM_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q -n auto --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
