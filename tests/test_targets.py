@@ -125,11 +125,15 @@ def test_tpu_slice_shapes() -> None:
     assert tpu_slice_shape(HARDWARE["tpu-v5e"], 8) == "2x4"
 
 
-def test_llama3_8b_on_v5p_64_compiles_with_bf16_gathers(tmp_path_factory: pytest.TempPathFactory) -> None:
+def _v5p_64_8b(tmp_path_factory: pytest.TempPathFactory, *layout: str) -> tuple[dict, str, int]:
+    """The llama3-8b plan on a v5p-64 slice (4x4x4) with this layout."""
     _need("tpu-v5p")
     cfg = os.path.join(ROOT, "configs", "llama3-8b.yaml")
-    result, out, status = plan(tmp_path_factory, "--config", cfg, "--devices", "64", "--hardware", "tpu-v5p",
-                               "mesh.data=1", "mesh.fsdp=64")
+    return plan(tmp_path_factory, "--config", cfg, "--devices", "64", "--hardware", "tpu-v5p", *layout)
+
+
+def test_llama3_8b_on_v5p_64_compiles_with_bf16_gathers(tmp_path_factory: pytest.TempPathFactory) -> None:
+    result, out, status = _v5p_64_8b(tmp_path_factory, "mesh.data=1", "mesh.fsdp=64")
     p = result["plans"][0]
     assert result["compiler"].startswith("TPU compiler (libtpu, v5p)") and status == 0, (p.get("reason"), out)
     # The preset asks for cuDNN attention, which a TPU lacks: planned with xla, and said so.
@@ -147,10 +151,7 @@ def test_v5p_fsdp_inside_one_ring_reduce_scatters_at_its_minimum(tmp_path_factor
     """llama3-8b on a v5p-64 with fsdp=4 (one torus ring) and data=16: libtpu gathers weights
     and reduce-scatters gradients in bf16 and the step sends within 10% of its minimum (over the
     whole 4x4x4 torus, `mesh.fsdp=64`, it writes them as all-reduces instead: README)."""
-    _need("tpu-v5p")
-    cfg = os.path.join(ROOT, "configs", "llama3-8b.yaml")
-    result, out, status = plan(tmp_path_factory, "--config", cfg, "--devices", "64", "--hardware", "tpu-v5p",
-                               "mesh.data=16", "mesh.fsdp=4")
+    result, out, status = _v5p_64_8b(tmp_path_factory, "mesh.data=16", "mesh.fsdp=4")
     p = result["plans"][0]
     assert status == 0, out
     big = _gathers_and_reductions(p)
@@ -162,10 +163,7 @@ def test_v5p_fsdp_inside_one_ring_reduce_scatters_at_its_minimum(tmp_path_factor
 def test_v5p_tensor_axis_split_across_torus_dims(tmp_path_factory: pytest.TempPathFactory) -> None:
     """tensor=8 on a 4x4x4 v5p slice is no product of whole torus dims: the mesh splits one (jax's
     own layout refuses it), and the activation all-reduces over `tensor` sit at their minimum."""
-    _need("tpu-v5p")
-    cfg = os.path.join(ROOT, "configs", "llama3-8b.yaml")
-    result, out, status = plan(tmp_path_factory, "--config", cfg, "--devices", "64", "--hardware", "tpu-v5p",
-                               "mesh.data=8", "mesh.tensor=8")
+    result, out, status = _v5p_64_8b(tmp_path_factory, "mesh.data=8", "mesh.tensor=8")
     p = result["plans"][0]
     assert status == 0, out
     rows = {r["axes"]: r for r in p["traffic"]["rows"]}
