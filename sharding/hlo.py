@@ -118,21 +118,16 @@ def buffer_bytes(kind: str, start: bool, type_text: str, line: str) -> int:
 
 
 def _dtypes(type_text: str, size: int) -> tuple[str, tuple[tuple[str, int], ...]]:
-    """The op's dtype label ("bf16", "bf16+f32") and its bytes split by element type."""
-    split = _split_by_dtype(type_text, size)
-    return "+".join(dt for dt, _ in split), split
-
-
-def _split_by_dtype(type_text: str, size: int) -> tuple[tuple[str, int], ...]:
-    """`size` bytes shared out in proportion to each element type's bytes in the op's type
-    (both sides of an async tuple hold the same mix); indices and tokens are not data."""
+    """The op's dtype label ("bf16", "bf16+f32") and `size` bytes shared out in proportion to
+    each element type's bytes in the op's type (both sides of an async tuple hold the same mix);
+    indices and tokens are not data."""
     raw: dict[str, float] = {}
     for dt, dims in _SHAPE.findall(type_text):
         if dt not in ("u32", "s32", "token"):
             raw[dt] = raw.get(dt, 0.0) + dtype_bytes(dt) * math.prod(int(d) for d in dims.split(",") if d)
     total, names = sum(raw.values()), sorted(raw)
     parts = [round(size * raw[dt] / total) if total else 0 for dt in names[:-1]]
-    return tuple(zip(names, [*parts, size - sum(parts)])) if names else ()
+    return "+".join(names), tuple(zip(names, [*parts, size - sum(parts)])) if names else ()
 
 
 def _gathers(line: str, defs: dict[str, str]) -> bool:
@@ -313,14 +308,9 @@ def _across_slices(transfer: str, line: str, mesh_shape: dict[str, int], node_of
     operand = tuple_parts(line.split(" = ", 1)[1].split(" send(", 1)[0])[0]
     n = len(set(node_of))
     size = shape_bytes(operand) * (n if kind == "all-gather" else 1)  # a gather sends its shard, holds n
-    shape = tuple(mesh_shape.values())
-    origin = np.unravel_index(0, shape)
-    axes = []
-    for i, name in enumerate(mesh_shape):  # the axes along which the node changes
-        steps = [np.ravel_multi_index(tuple(k if j == i else c for j, c in enumerate(origin)), shape) for k in range(shape[i])]
-        if len({node_of[p] for p in steps}) > 1:
-            axes.append(name)
-    return Collective(kind, tuple(axes), n, size, count, True, *_dtypes(operand, size))
+    grid = np.asarray(node_of).reshape(tuple(mesh_shape.values()))
+    axes = tuple(name for i, name in enumerate(mesh_shape) if np.any(np.diff(grid, axis=i)))  # the node changes along it
+    return Collective(kind, axes, n, size, count, True, *_dtypes(operand, size))
 
 
 def static_counts(hlo_text: str) -> dict[str, int]:

@@ -86,8 +86,18 @@ def _taps(out: int, size: int, pad_lo: int, stride: int, lhs_dilate: int, rhs_di
     """How many (output position, kernel position) pairs of one spatial dimension land on real
     input, not on padding or dilation holes: the multiply-adds that dimension contributes."""
     span = (extent - 1) * lhs_dilate + 1
-    return sum(1 for o in range(out) for k in range(size)
-               if 0 <= (x := o * stride + k * rhs_dilate - pad_lo) < span and x % lhs_dilate == 0)
+    if lhs_dilate > 1:  # holes in the input: count pair by pair (rare: transposed strided convolutions)
+        return sum(1 for o in range(out) for k in range(size)
+                   if 0 <= (x := o * stride + k * rhs_dilate - pad_lo) < span and x % lhs_dilate == 0)
+    # Per kernel position k, the outputs o with 0 <= o*stride + k*rhs_dilate - pad_lo < span form
+    # one range: O(size), not O(out x size) (an attention matmul at seq 8192 has both in the thousands).
+    total = 0
+    for k in range(size):
+        offset = k * rhs_dilate - pad_lo
+        first = max(0, (-offset + stride - 1) // stride)
+        last = min(out - 1, (span - 1 - offset) // stride)
+        total += max(0, last - first + 1)
+    return total
 
 
 def _conv_flops(ins: Instr, types: dict[str, str]) -> float:
