@@ -263,8 +263,10 @@ def test_a_hung_step_dumps_stacks_and_exits(tmp_path):
 
 def test_a_damaged_checkpoint_is_one_line_on_the_console(tmp_path):
     """The default model's state (3.2M parameters, truncated in its largest file): a failed read
-    leaves the checkpoint library's tasks failing by the hundred ("Event loop is closed", "Exception
-    ignored in: <coroutine ...>"); they go to run.dir/library.log, and the console has one line."""
+    leaves the checkpoint library's tasks failing ("Event loop is closed", "Exception ignored in:
+    <coroutine ...>"; hundreds on a quiet machine, as few as two when another test file runs
+    beside it); they go to run.dir/library.log, and the console has one line. Any one of them on
+    the console fails the test, so one kept in the log is enough to show the noisy path ran."""
     cmd = ["train.steps=4", "checkpoint.every=2", "train.global_batch=4", "model.seq_len=64", "eval.every=0",
            f"run.dir={tmp_path}", DATA]
     code, out = run(*cmd, devices=1)
@@ -275,4 +277,4 @@ def test_a_damaged_checkpoint_is_one_line_on_the_console(tmp_path):
     assert "Traceback" not in out and "Exception ignored" not in out, out
     (warning,) = [line for line in out.splitlines() if "cannot be read" in line]
     assert "; resuming from step 2 instead (library messages: " in warning, warning
-    assert (tmp_path / "library.log").read_text().count("Traceback") > 10, "the library's tracebacks are kept"
+    assert (tmp_path / "library.log").read_text().count("Traceback") >= 1, "the library's tracebacks are kept"
