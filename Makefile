@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
-# The GPU and TPU compilers (jax-cuda12 plugin + pjrt, libtpu) for sharding.plan, installed
+# The GPU and TPU compilers (jax-cuda12 plugin + pjrt, libtpu) for plan.py, installed
 # beside the venv's packages, not among them: only the planner's compiling process loads them.
 COMPILERS := $(VENV)/compilers
 COMPILERS_STAMP := $(COMPILERS)/.installed-stamp

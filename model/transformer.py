@@ -133,3 +133,15 @@ class Transformer(nnx.Module):
 def abstract_transformer(cfg: ModelConfig) -> Transformer:
     """The model with ShapeDtypeStruct parameters: every shape and logical axis, nothing allocated."""
     return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """The parameters' ShapeDtypeStructs (nested dict, layers stacked), without allocating."""
+    return nnx.to_pure_dict(nnx.state(abstract_transformer(cfg)))
+
+
+def transformer_from_params(cfg: ModelConfig, params: dict) -> Transformer:
+    """The Transformer holding `params` (a pure dict of arrays); no random init is materialized."""
+    graphdef, state = nnx.split(abstract_transformer(cfg))
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)

@@ -19,7 +19,7 @@ counts once and is reported in `unknown_trip_counts`.
 CPU compiles reduce bf16 in f32 (the reducer is renamed `..._promoted`); such ops are counted
 at the bf16 size the program asked for, as a GPU or TPU would move them.
 
-This module knows no trainer or model: the plan (`sharding.plan`) hands it text and a mesh.
+This module knows no trainer or model: the planner (`plan.py`) hands it text and a mesh.
 """
 
 from __future__ import annotations

@@ -220,7 +220,7 @@ def test_plot_writes_beside_the_runs_by_default(tmp_path):
 
 
 def test_planner_tables_name_layouts_one_way_and_show_tiny_step_times(capsys):
-    """`sharding.plan --search`: a layout refused before compiling is named like a ranked one
+    """`plan.py --search`: a layout refused before compiling is named like a ranked one
     (`data=8 fsdp=1`, not `mesh.pipeline=1 mesh.data=8 ...`), and a tiny model's microsecond
     step time keeps its digits instead of printing 0.000."""
     from sharding.report import print_search

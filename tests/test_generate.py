@@ -1,4 +1,4 @@
-"""Decoding with the key/value cache (model/decode.py) and the sampling CLI (model/generate.py).
+"""Decoding with the key/value cache (model/decode.py) and the sampling command (generate.py).
 
 The reference is the training forward pass recomputed on the whole sequence at every step.
 """
@@ -22,7 +22,7 @@ from configs.schema import ModelConfig
 from data.tokenizer import ByteTokenizer
 from model import Transformer
 from model.decode import forward, generate, init_cache
-from model.generate import main
+from generate import main
 
 # A large init scale spreads the logits, so argmax is far from ties that rounding could flip.
 CFG = ModelConfig(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64, vocab_size=264, init_std=0.3)
@@ -70,7 +70,7 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy(model):
 
 
 def _checkpoint_model(cfg, step: int) -> Transformer:
-    """The model at a checkpoint, read with Orbax's plain restore (not model.generate's loader)."""
+    """The model at a checkpoint, read with Orbax's plain restore (not trainer.checkpoint.restore_params)."""
     import orbax.checkpoint as ocp
 
     path = os.path.join(cfg.run.dir, "checkpoints", str(step), "state")
@@ -122,7 +122,7 @@ def test_cli_samples_from_a_sharded_checkpoint(tiny, tmp_path, capsys):
 
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
     greedy = ["--run-dir", cfg.run.dir, "--prompt", prompt_text, "--max-new-tokens", str(n)]
-    proc = subprocess.run([sys.executable, "-m", "model.generate", *greedy], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "generate.py", *greedy], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout == expected

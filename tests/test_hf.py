@@ -1,4 +1,4 @@
-"""Oracle tests of model/hf.py against `transformers`: the same Llama gives the same logits.
+"""Oracle tests of model/hf.py (and the `hf.py` command) against `transformers`: the same Llama gives the same logits.
 
 A small random LlamaForCausalLM (torch, CPU, float32) is saved with `save_pretrained`, read
 into our parameters, and both models score the same tokens; then our parameters are written
@@ -22,13 +22,15 @@ from conftest import ROOT, require, stdlib_glob
 
 torch = require("torch", "hf")
 transformers = require("transformers", "hf")
-require("safetensors", "hf")  # transformers' save_pretrained writes the oracle's weights with it
 
 import trainer  # noqa: E402
 from configs import ConfigError, load_config  # noqa: E402
+import hf as hf_cli  # noqa: E402
 from model import hf  # noqa: E402
 from model.decode import generate  # noqa: E402
-from model.generate import build_model, load_run  # noqa: E402
+from model.safetensors_files import write_safetensors  # noqa: E402
+from model.transformer import transformer_from_params  # noqa: E402
+from trainer.checkpoint import restore_params  # noqa: E402
 from trainer.program import abstract_program  # noqa: E402
 
 TOL = 1e-4
@@ -60,7 +62,7 @@ def their_logits(model: transformers.LlamaForCausalLM, tokens: np.ndarray) -> np
 
 
 def our_logits(cfg, params: dict, tokens: np.ndarray) -> np.ndarray:  # noqa: ANN001 (a Config)
-    return np.asarray(build_model(cfg, params)(jax.numpy.asarray(tokens)))
+    return np.asarray(transformer_from_params(cfg.model, params)(jax.numpy.asarray(tokens)))
 
 
 def rel_diff(a: np.ndarray, b: np.ndarray) -> float:
@@ -87,7 +89,7 @@ TOKENS = np.random.RandomState(0).randint(0, VOCAB, (2, 12))
 )
 def test_import_matches_transformers_and_export_round_trips(tmp_path, tied, kv_heads, rope_theta, head_dim):
     theirs = make_hf(str(tmp_path / "hf"), tied=tied, kv_heads=kv_heads, rope_theta=rope_theta, head_dim=head_dim)
-    cfg = hf.import_config(str(tmp_path / "hf"), str(tmp_path / "run"), "tiny", [])
+    cfg = hf_cli.import_config(str(tmp_path / "hf"), str(tmp_path / "run"), "tiny", [])
     assert (cfg.model.num_kv_heads, cfg.model.tie_embeddings, cfg.model.rope_theta) == (kv_heads, tied, rope_theta)
     params = hf.load_params(str(tmp_path / "hf"), cfg.model, CPU0)
     assert ("lm_head" in params) != tied
@@ -102,7 +104,7 @@ def test_import_matches_transformers_and_export_round_trips(tmp_path, tied, kv_h
 
     out = tmp_path / "exported"
     out.mkdir()
-    hf.write_safetensors(hf.to_hf_tensors(params, cfg.model), str(out / "model.safetensors"))
+    write_safetensors(hf.to_hf_tensors(params, cfg.model), str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(hf.hf_config(cfg.model, {"eos_token_id": 256})))
     assert rel_diff(their_logits(load_exported(str(out)), TOKENS), ref) < TOL
 
@@ -110,7 +112,7 @@ def test_import_matches_transformers_and_export_round_trips(tmp_path, tied, kv_h
 def test_sharded_load_reads_each_block(tmp_path):
     """load_params into pipeline=2 x fsdp=2 x tensor=2 shardings gives the one-device arrays."""
     make_hf(str(tmp_path / "hf"), tied=False, kv_heads=2)
-    cfg = hf.import_config(str(tmp_path / "hf"), str(tmp_path / "run"), "tiny",
+    cfg = hf_cli.import_config(str(tmp_path / "hf"), str(tmp_path / "run"), "tiny",
                            ["mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2", "mesh.data=1"])
     shardings = abstract_program(cfg).state_sh.params
     sharded = hf.load_params(str(tmp_path / "hf"), cfg.model, shardings)
@@ -129,7 +131,7 @@ def test_unsupported_options_name_themselves(tmp_path):
     )
     config.save_pretrained(str(tmp_path / "v5"))
     with pytest.raises(ConfigError, match=r"cannot express: rope_parameters.rope_type='linear', attention_bias=True"):
-        hf.import_config(str(tmp_path / "v5"), str(tmp_path / "run"), "tiny", [])
+        hf_cli.import_config(str(tmp_path / "v5"), str(tmp_path / "run"), "tiny", [])
     # transformers 4.x files name rope scaling differently
     legacy = json.loads((tmp_path / "v5" / "config.json").read_text())
     legacy.update(rope_parameters=None, attention_bias=False, rope_theta=10000.0, hidden_act="gelu",
@@ -137,7 +139,7 @@ def test_unsupported_options_name_themselves(tmp_path):
     (tmp_path / "v4").mkdir()
     (tmp_path / "v4" / "config.json").write_text(json.dumps(legacy))
     with pytest.raises(ConfigError, match=r"hidden_act='gelu', rope_scaling=\{'type': 'dynamic'"):
-        hf.import_config(str(tmp_path / "v4"), str(tmp_path / "run"), "tiny", [])
+        hf_cli.import_config(str(tmp_path / "v4"), str(tmp_path / "run"), "tiny", [])
 
 
 def test_a_config_that_does_not_fit_the_checkpoint_names_the_key(tmp_path, tiny):
@@ -156,8 +158,8 @@ def test_import_cli_fine_tune_on_a_pipeline_then_export(tmp_path, capsys):
     theirs = make_hf(hf_dir, tied=False, kv_heads=2)
     args = ["import", "--hf-dir", hf_dir, "--run-dir", run, "--config", "tiny", f"data.path={stdlib_glob('json')}",
             "train.steps=2", "checkpoint.every=2", "train.log_every=1"]
-    assert hf.main(args) == 0
-    cfg, step, imported = load_run(run, device=jax.devices()[0])
+    assert hf_cli.main(args) == 0
+    cfg, step, imported = restore_params(run, device=jax.devices()[0])
     assert step == 0 and cfg.init.from_hf == hf_dir and cfg.mesh.data == -1
     assert rel_diff(our_logits(cfg, imported, TOKENS), their_logits(theirs, TOKENS)) < TOL
 
@@ -170,14 +172,14 @@ def test_import_cli_fine_tune_on_a_pipeline_then_export(tmp_path, capsys):
     assert "initialized the parameters from" in capsys.readouterr().out
     assert first["step"] == history[0]["step"] == 1
     assert abs(first["loss"] - history[0]["loss"]) < 1e-5 * history[0]["loss"]
-    cfg, step, tuned = load_run(run)
+    cfg, step, tuned = restore_params(run)
     assert step == 2
     tuned_logits = our_logits(cfg, tuned, TOKENS)
     assert rel_diff(tuned_logits, our_logits(cfg, imported, TOKENS)) > 100 * TOL  # training moved the weights
 
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
     out = str(tmp_path / "exported")
-    proc = subprocess.run([sys.executable, "-m", "model.hf", "export", "--run-dir", run, "--out", out],
+    proc = subprocess.run([sys.executable, "hf.py", "export", "--run-dir", run, "--out", out],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "exported step 2" in proc.stdout
@@ -188,7 +190,7 @@ def test_import_cli_fine_tune_on_a_pipeline_then_export(tmp_path, capsys):
     # --dtype bfloat16: half the bytes, BF16 tensors; transformers (upcast to float32) gives the
     # logits of our model with its weights rounded to bfloat16, within TOL; not the exact ones.
     half = str(tmp_path / "exported-bf16")
-    assert hf.main(["export", "--run-dir", run, "--out", half, "--dtype", "bfloat16"]) == 0
+    assert hf_cli.main(["export", "--run-dir", run, "--out", half, "--dtype", "bfloat16"]) == 0
     assert safetensors_dtypes(half) == {"BF16"} and safetensors_dtypes(out) == {"F32"}
     size = lambda d: os.path.getsize(os.path.join(d, "model.safetensors"))  # noqa: E731
     assert size(half) < 0.51 * size(out)
@@ -198,10 +200,10 @@ def test_import_cli_fine_tune_on_a_pipeline_then_export(tmp_path, capsys):
     assert rel_diff(from_bf16, tuned_logits) > 10 * TOL  # the rounding really happened
     # A non-empty --out is left alone unless --overwrite.
     before = open(os.path.join(half, "model.safetensors"), "rb").read()
-    assert hf.main(["export", "--run-dir", run, "--out", half]) == 2
+    assert hf_cli.main(["export", "--run-dir", run, "--out", half]) == 2
     assert "is not empty; give --overwrite" in capsys.readouterr().err
     assert open(os.path.join(half, "model.safetensors"), "rb").read() == before
-    assert hf.main(["export", "--run-dir", run, "--out", half, "--overwrite"]) == 0
+    assert hf_cli.main(["export", "--run-dir", run, "--out", half, "--overwrite"]) == 0
     assert safetensors_dtypes(half) == {"F32"}
 
 
@@ -213,8 +215,8 @@ def safetensors_dtypes(directory: str) -> set[str]:
 
 def test_greedy_generation_matches_transformers(tmp_path):
     theirs = make_hf(str(tmp_path / "hf"), tied=True, kv_heads=2, seed=1)
-    cfg = hf.import_config(str(tmp_path / "hf"), str(tmp_path / "run"), "tiny", [])
-    model = build_model(cfg, hf.load_params(str(tmp_path / "hf"), cfg.model, CPU0))
+    cfg = hf_cli.import_config(str(tmp_path / "hf"), str(tmp_path / "run"), "tiny", [])
+    model = transformer_from_params(cfg.model, hf.load_params(str(tmp_path / "hf"), cfg.model, CPU0))
     ours = np.asarray(generate(model, TOKENS[:1, :6], 10))
     with torch.no_grad():  # no end-of-sequence id: both must produce all 10 tokens
         ref = theirs.generate(torch.tensor(TOKENS[:1, :6]), max_new_tokens=10, do_sample=False, eos_token_id=None,

@@ -1,4 +1,4 @@
-"""The AOT planner (sharding.plan): the HLO collective parser on known text and on real
+"""The AOT planner (plan.py): the HLO collective parser on known text and on real
 compiles, predicted memory against real compiles and materialized state, fits / does not fit
 (the Llama-3-8B shape on 64 H100s), the --search ranking and plan.json, and bad input."""
 
@@ -14,7 +14,7 @@ import pytest
 
 from configs import load_config
 from sharding.hlo import collectives, device_groups, static_counts
-from sharding.plan import main, state_bytes
+from plan import main, state_bytes
 from conftest import ROOT
 from trainer.program import abstract_program, compiled_stats
 
@@ -93,7 +93,7 @@ def searched(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
     args = ["--config", TINY, "--devices", "4", "--search", "--remat", "none,full", "--out", str(out),
             "mesh.pipeline=1", "mesh.tensor=1", "data.source=synthetic"]
     env = dict(os.environ, MESHLM_COMPILERS=str(tmp_path_factory.mktemp("no-compilers")))
-    done = subprocess.run([sys.executable, "-m", "sharding.plan", *args], cwd=ROOT, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "plan.py", *args], cwd=ROOT, capture_output=True, text=True,
                           env=env)
     assert done.returncode == 0, done.stderr
     return done, json.loads(out.read_text())
@@ -185,6 +185,6 @@ def test_bad_input_exits_2_before_compiling(args: list[str], message: str, capsy
 
 
 def test_cli_bad_device_count_exit_status():
-    done = subprocess.run([sys.executable, "-m", "sharding.plan", "--config", TINY, "--devices", "6", "mesh.fsdp=4"],
+    done = subprocess.run([sys.executable, "plan.py", "--config", TINY, "--devices", "6", "mesh.fsdp=4"],
                           cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.startswith("error: mesh")

@@ -68,8 +68,8 @@ def commands() -> list[list[str]]:
 def test_the_readme_has_the_commands_this_test_reads():
     """A parser that found nothing would pass everything below: the README's blocks hold these."""
     found = {" ".join(argv[:3]) for argv in commands()}
-    for expected in ("make train", "python train.py --config", "python train.py --sweep", "python -m sharding.plan",
-                     "python -m data.prepare", "python -m model.hf", "python -m model.generate"):
+    for expected in ("make train", "python train.py --config", "python train.py --sweep", "python plan.py",
+                     "python -m data.prepare", "python hf.py", "python generate.py"):
         assert any(f.startswith(expected) for f in found), (expected, found)
     assert len(commands()) >= 30
 
@@ -96,7 +96,7 @@ def _check_path(word: str) -> None:
 
 @functools.cache
 def help_text(*command: str) -> str:
-    """`python COMMAND --help` (`train.py`, or `-m MODULE [SUB]`), run for real."""
+    """`python COMMAND --help` (`SCRIPT [SUB]` or `-m MODULE [SUB]`), run for real."""
     out = subprocess.run([sys.executable, *command, "--help"], capture_output=True, text=True,
                          cwd=ROOT, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert out.returncode == 0, out.stderr
@@ -111,7 +111,7 @@ def _check_flags(argv: list[str], text: str) -> None:
 def _check_config(config: str | None, overrides: list[str]) -> None:
     """The config file and the concrete overrides go through the real loader (its static checks)."""
     if config and config.split("/", 1)[0] in MADE_BY_USE:
-        return  # written by an earlier command (model.hf import)
+        return  # written by an earlier command (hf.py import)
     concrete = [w for w in overrides if "$" not in w and "..." not in w]
     load_config(config, concrete)
 
@@ -140,11 +140,15 @@ def test_a_readme_command_names_only_what_exists(line):
         else:
             _check_config(args.config, args.overrides)
     else:
-        assert argv[:2] == ["python", "-m"], argv
-        module = argv[2]
-        assert os.path.exists(os.path.join(ROOT, *module.split(".")) + ".py"), module
-        sub = [argv[3]] if len(argv) > 3 and not argv[3].startswith("-") else []
-        _check_flags(argv, help_text("-m", module, *sub))
+        if argv[1] == "-m":  # python -m MODULE [SUB]: a package's command (data.prepare, sharding.targets)
+            module, rest = argv[2], argv[3:]
+            assert os.path.exists(os.path.join(ROOT, *module.split(".")) + ".py"), module
+            command = ["-m", module]
+        else:  # python SCRIPT [SUB]: an entry point beside train.py (plan.py, hf.py, generate.py)
+            assert argv[0] == "python" and os.path.exists(os.path.join(ROOT, argv[1])), argv
+            command, rest = [argv[1]], argv[2:]
+        sub = [rest[0]] if rest and not rest[0].startswith("-") and not _is_key_value(rest[0]) else []
+        _check_flags(argv, help_text(*command, *sub))
         if "--config" in argv:
             _check_config(argv[argv.index("--config") + 1], [w for w in concrete if _is_key_value(w)])
 

@@ -30,9 +30,9 @@ def _need(name: str) -> None:
 
 
 def plan(tmp_path_factory: pytest.TempPathFactory, *args: str) -> tuple[dict, str, int]:
-    """Runs `python -m sharding.plan ARGS --out FILE`; (the JSON plan, stdout, exit status)."""
+    """Runs `python plan.py ARGS --out FILE`; (the JSON plan, stdout, exit status)."""
     out = tmp_path_factory.mktemp("plan") / "plan.json"
-    done = subprocess.run([sys.executable, "-m", "sharding.plan", *args, "--out", str(out)], cwd=ROOT,
+    done = subprocess.run([sys.executable, "plan.py", *args, "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode in (0, 1), done.stderr[-3000:]
     return json.loads(out.read_text()), done.stdout, done.returncode
@@ -174,7 +174,7 @@ def test_v5p_tensor_axis_split_across_torus_dims(tmp_path_factory: pytest.TempPa
 def test_without_the_compiler_the_plan_says_it_fell_back(tmp_path_factory: pytest.TempPathFactory) -> None:
     env = dict(os.environ, MESHLM_COMPILERS=str(tmp_path_factory.mktemp("none")))
     out = tmp_path_factory.mktemp("plan") / "plan.json"
-    done = subprocess.run([sys.executable, "-m", "sharding.plan", "--config", "tiny", "--devices", "8",
+    done = subprocess.run([sys.executable, "plan.py", "--config", "tiny", "--devices", "8",
                            "--hardware", "h200", "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]

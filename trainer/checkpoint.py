@@ -30,6 +30,7 @@ from jax.experimental import multihost_utils
 
 from configs import Config, ConfigError, load_config
 from configs.schema import CheckpointConfig
+from model.transformer import param_shapes
 from trainer.state import TrainState
 
 # Keys a resumed run must share with the run that wrote the checkpoints: they fix the shapes
@@ -64,6 +65,33 @@ def saved_config(run_dir: str) -> Config | None:
     if not (os.path.exists(saved) and has_checkpoints(run_dir)):
         return None
     return load_config(saved)
+
+
+def restore_params(run_dir: str, step: int | None = None, device: jax.Device | None = None) -> tuple[Config, int, dict]:
+    """(the run's config, the step, its parameters on `device`) of the newest (or `step`)
+    checkpoint, whatever mesh it was saved from (Orbax reassembles the shards): nothing but the
+    parameters is read; the optimizer state and data position stay on disk."""
+    cfg_path = os.path.join(run_dir, "config.yaml")
+    if not os.path.exists(cfg_path):
+        raise ConfigError(f"--run-dir: no config.yaml in {run_dir}")
+    cfg = load_config(cfg_path)
+    ckpt_dir = os.path.abspath(checkpoint_dir(run_dir))
+    steps = sorted(int(s) for s in os.listdir(ckpt_dir) if s.isdigit()) if os.path.isdir(ckpt_dir) else []
+    if not steps:
+        raise ConfigError(f"--run-dir: no checkpoints in {ckpt_dir}")
+    step = steps[-1] if step is None else step
+    if step not in steps:
+        raise ConfigError(f"--step: no checkpoint for step {step} in {ckpt_dir} (steps: {', '.join(map(str, steps))})")
+    placement = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+    shapes = param_shapes(cfg.model)
+    target = {"params": jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=placement), shapes)}
+    restore_args = jax.tree.map(
+        lambda s: ocp.ArrayRestoreArgs(sharding=placement, global_shape=s.shape, dtype=s.dtype), target
+    )
+    with ocp.CheckpointManager(ckpt_dir, item_names=("state", "data")) as manager:
+        state_args = ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
+        restored = manager.restore(step, args=ocp.args.Composite(state=state_args))
+    return cfg, step, restored.state["params"]
 
 
 def check_resumable(cfg: Config) -> None:

@@ -2,10 +2,10 @@
 their own compiler, and read per-device memory, FLOPs, collective traffic against its minimum,
 step time and MFU from the compiled program.
 
-    python -m sharding.plan --config configs/llama3-8b.yaml --devices 64 --hardware h100 mesh.fsdp=64
-    python -m sharding.plan --config configs/llama3-8b.yaml --devices 64 --hardware tpu-v5p mesh.fsdp=64
-    python -m sharding.plan --config configs/llama3-8b.yaml --devices 64 --search --out plan.json
-    python -m sharding.plan --config tiny --devices 8 --search mesh.pipeline=1 --remat none,full
+    python plan.py --config configs/llama3-8b.yaml --devices 64 --hardware h100 mesh.fsdp=64
+    python plan.py --config configs/llama3-8b.yaml --devices 64 --hardware tpu-v5p mesh.fsdp=64
+    python plan.py --config configs/llama3-8b.yaml --devices 64 --search --out plan.json
+    python plan.py --config tiny --devices 8 --search mesh.pipeline=1 --remat none,full
 
 The compile runs in a child process. For a GPU (h100, h200, a100) it is XLA's GPU compiler, fed
 the GPU's target description (sharding/gpu_specs/), in nodes of 8; for a TPU (tpu-v5e, tpu-v5p,
@@ -27,7 +27,8 @@ checks reject (with the reason) and, per mesh, policies that recompute more than
 already fits (they can only be slower); it ranks what fits by predicted step time.
 
 Exit status: 0 fits (search: something fits); 1 does not fit; 2 bad input (one line, before
-any compile). This file is an entry point above the trainer, like train.py.
+any compile). An entry point above the trainer, like train.py; the HLO, roofline and hardware
+arithmetic it reads the compile with live in sharding/.
 """
 
 from __future__ import annotations
@@ -188,8 +189,8 @@ def run_child(config: str | None, jobs: list[list[str]], n: int, hw: Hardware, t
         env = child_env(target, dict(os.environ))
         if target is None:
             env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        done = subprocess.run([sys.executable, "-m", "sharding.plan", "--child", spec], env=env, cwd=root,
+        here = os.path.abspath(__file__)
+        done = subprocess.run([sys.executable, here, "--child", spec], env=env, cwd=os.path.dirname(here),
                               capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"the compiling process failed ({done.returncode}):\n{done.stderr[-4000:]}")

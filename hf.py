@@ -1,0 +1,131 @@
+"""Hugging Face Llama checkpoints in and out of a run directory.
+
+    python hf.py import --hf-dir DIR --run-dir RUN [--config PRESET] [key=value ...]
+    python hf.py export --run-dir RUN --out DIR [--step N] [--dtype bfloat16] [--overwrite]
+
+`import` writes RUN/config.yaml (the checkpoint's model keys, then the user's overrides) and a
+step-0 checkpoint holding the Hugging Face weights, a fresh optimizer state and data position, so
+`python train.py --config RUN/config.yaml` fine-tunes. `export` writes a run's checkpoint as
+config.json + model.safetensors (and the tokenizer files of an imported checkpoint). The weight
+mapping itself is model/hf.py; this entry point sits above the trainer, like train.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from typing import Any, Callable
+
+import jax
+
+from configs import dump_config, load_config
+from configs.schema import ConfigError, MeshConfig, PipelineConfig
+from model.hf import check_compatible, hf_config, model_keys, read_hf_config, to_hf_tensors
+from model.safetensors_files import EXPORT_DTYPES, write_safetensors
+from trainer.checkpoint import has_checkpoints, restore_params
+from trainer.loop import build
+from trainer.program import prepare
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "generation_config.json",
+)
+
+
+def export(run_dir: str, out: str, step: int | None = None, dtype: str = "float32", overwrite: bool = False) -> int:
+    """Writes the run's checkpoint (newest, or `step`) as a Hugging Face directory of `dtype`
+    tensors; returns the step. Restores onto this host's first CPU device, whatever mesh the
+    checkpoint was saved from. A non-empty `out` is refused unless `overwrite`."""
+    if dtype not in EXPORT_DTYPES:
+        raise ConfigError(f"--dtype: {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+        raise ConfigError(f"--out: {out} is not empty; give --overwrite to replace what export writes there")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"--out: {out} is a file, not a directory")
+
+    try:
+        device = jax.devices("cpu")[0]
+    except RuntimeError:  # JAX_PLATFORMS names no cpu backend
+        device = jax.devices()[0]
+    cfg, step, params = restore_params(run_dir, step, device=device)
+    imported = bool(cfg.init.from_hf) and os.path.exists(os.path.join(cfg.init.from_hf, "config.json"))
+    if imported:
+        source = read_hf_config(cfg.init.from_hf, "init.from_hf")
+    else:  # the byte tokenizer ends documents with 256 (data/tokenizer.py)
+        source = {"eos_token_id": 256} if cfg.data.tokenizer == "byte" else {}
+    os.makedirs(out, exist_ok=True)
+    write_safetensors(to_hf_tensors(params, cfg.model), os.path.join(out, "model.safetensors"), dtype)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(hf_config(cfg.model, source, dtype), f, indent=2)
+    for name in TOKENIZER_FILES if imported else ():
+        src = os.path.join(cfg.init.from_hf, name)
+        if os.path.exists(src):
+            with open(src, "rb") as fin, open(os.path.join(out, name), "wb") as fout:
+                fout.write(fin.read())
+    return step
+
+
+def import_config(hf_dir: str, run_dir: str, preset: str | None, overrides: list[str]) -> Any:
+    """The fine-tuning config: the preset, then the model keys (and tokenizer.json, if the
+    directory has one) of the checkpoint, then the user's overrides."""
+    hf_dir = os.path.abspath(hf_dir)
+    keys = model_keys(read_hf_config(hf_dir, "--hf-dir"), "--hf-dir")
+    derived = [f"model.{k}={v}" for k, v in keys.items()] + [f"init.from_hf={hf_dir}", f"run.dir={run_dir}"]
+    if os.path.exists(os.path.join(hf_dir, "tokenizer.json")):
+        derived.append(f"data.tokenizer={os.path.join(hf_dir, 'tokenizer.json')}")
+    return load_config(preset, derived + list(overrides))
+
+
+def import_(
+    hf_dir: str, run_dir: str, preset: str | None, overrides: list[str], log: Callable[[str], None] = print
+) -> None:
+    """Writes run_dir/config.yaml and a step-0 checkpoint holding the Hugging Face weights (and a
+    fresh optimizer state and data position), so `train.py --config RUN/config.yaml` fine-tunes.
+    The state is built on one local device: for models larger than one device, train with
+    `init.from_hf` instead, which loads straight into the sharded layout."""
+    cfg = import_config(hf_dir, run_dir, preset, overrides)
+    if has_checkpoints(cfg.run.dir):
+        raise ConfigError(f"--run-dir: {cfg.run.dir} already holds checkpoints; import into a new run directory")
+    check_compatible(cfg.model, cfg.init.from_hf, "--hf-dir")  # user overrides of model.* must still fit
+    one = dataclasses.replace(cfg, mesh=MeshConfig(pipeline=1, data=1, fsdp=1, tensor=1), pipeline=PipelineConfig())
+    built = build(prepare(one, 1), jax.devices()[:1])
+    built.ckpt.save(0, built.state, built.iterator)
+    built.ckpt.wait()
+    built.ckpt.close()
+    with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:  # the user's mesh, not the import's
+        f.write(dump_config(cfg))
+    log(f"imported {cfg.init.from_hf} into {cfg.run.dir} (step 0); fine-tune with: "
+        f"python train.py --config {os.path.join(cfg.run.dir, 'config.yaml')}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python hf.py", description="Hugging Face Llama checkpoints in/out.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="a Hugging Face Llama directory -> a run directory with a step-0 checkpoint")
+    imp.add_argument("--hf-dir", required=True, help="config.json + model.safetensors (or a sharded index)")
+    imp.add_argument("--run-dir", required=True, help="the new run directory")
+    imp.add_argument("--config", help="preset for everything but the model keys (data, optim, mesh ...)")
+    imp.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    exp = sub.add_parser("export", help="a run's checkpoint -> config.json + model.safetensors")
+    exp.add_argument("--run-dir", required=True)
+    exp.add_argument("--out", required=True, help="the directory to write")
+    exp.add_argument("--step", type=int, help="the checkpoint step (default: the newest)")
+    exp.add_argument("--dtype", default="float32", help="float32 (exact), bfloat16 or float16 (half the size)")
+    exp.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "import":
+            import_(args.hf_dir, args.run_dir, args.config, args.overrides)
+        else:
+            step = export(args.run_dir, args.out, args.step, args.dtype, args.overwrite)
+            print(f"exported step {step} of {args.run_dir} to {args.out} ({args.dtype})")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
