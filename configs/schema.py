@@ -27,6 +27,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 DATA_SOURCES = ("text", "prepared", "synthetic")
 PACKINGS = ("concat", "document")
 SCHEDULES = ("cosine", "linear", "constant")
+OPTIMIZERS = ("adamw", "muon", "adafactor", "lion")  # all from optax (trainer/optimizer.py)
 MESH_AXES = ("pipeline", "data", "fsdp", "tensor")  # outermost first
 # The logical dim names the model gives its parameters and activations (model/layers.py,
 # model/transformer.py, the pipeline runner): the only keys a rules table may have, since a rule
@@ -146,7 +147,9 @@ class EvalConfig:
 
 @dataclass(kw_only=True)
 class OptimConfig:
-    lr: float = 3e-3
+    name: str = "adamw"
+    lr: float = 3e-3  # under muon: the AdamW rate of the embedding, output head and norms
+    muon_lr: float = 0.02  # under muon: the rate of the block matrices (Muon's own scale)
     warmup_steps: int = 30
     schedule: str = "cosine"
     # The schedule's horizon: the step the decay ends at. 0: train.steps at the run's start, then
@@ -344,6 +347,7 @@ def validate_static(cfg: Config) -> None:
     _one_of(m.attention, "model.attention", ATTENTION_IMPLS)
     _check_data(cfg)
     _one_of(o.schedule, "optim.schedule", SCHEDULES)
+    _one_of(o.name, "optim.name", OPTIMIZERS)
     _require(t.step_timeout_s >= 0, "train.step_timeout_s", f"must be >= 0 (0: off), got {t.step_timeout_s}")
     _require(t.max_bad_steps > 0, "train.max_bad_steps", f"must be > 0, got {t.max_bad_steps}")
     _require(0 <= t.preempt_exit_code < 256, "train.preempt_exit_code", f"must be in [0, 256), got {t.preempt_exit_code}")
@@ -364,6 +368,7 @@ def validate_static(cfg: Config) -> None:
     nan_steps(cfg)
     _check_profile(cfg)
     _require(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
+    _require(o.muon_lr > 0, "optim.muon_lr", f"must be > 0, got {o.muon_lr}")
     _require(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
     _require(o.decay_steps >= 0, "optim.decay_steps", f"must be >= 0 (0: train.steps at the run's start), got {o.decay_steps}")
     _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")

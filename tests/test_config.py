@@ -121,6 +121,7 @@ EXPLICIT: dict[str, tuple[Any, list[str]]] = {
     "data.mixture": ("/a:0.5,/b:0.5", ["data.source=prepared"]),
     "data.packing": ("document", []),
     "optim.schedule": ("linear", []),
+    "optim.name": ("muon", []),
     "dist.coordinator": ("10.0.0.1:1234", []),
     "debug.nan_steps": ("3,7", []),
     "profile.steps": ([1, 2], []),

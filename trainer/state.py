@@ -34,10 +34,24 @@ def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, dict, dict]:
 
 
 def state_shardings(tx: optax.GradientTransformation, shapes: dict, param_sh: dict, mesh: Mesh) -> TrainState:
-    """Optimizer moments shard like their parameters; counters are replicated."""
+    """Optimizer moments shard like their parameters; counters, and statistics not shaped like
+    their parameter (adafactor's row and column second moments), are replicated. A moment is
+    found by its key path: optax keeps each moment tree shaped like the parameters' dict, so the
+    path's trailing dict keys name the parameter (optax.tree_map_params cannot be used: Muon's
+    parameter labels need the real tree)."""
     replicated = NamedSharding(mesh, PartitionSpec())
-    opt_shapes = jax.eval_shape(tx.init, shapes)
-    opt_sh = optax.tree_map_params(tx, lambda _, s: s, opt_shapes, param_sh, transform_non_params=lambda _: replicated)
+    params = {path: (leaf, sh) for (path, leaf), sh in zip(jax.tree_util.tree_flatten_with_path(shapes)[0],
+                                                           jax.tree.leaves(param_sh))}
+
+    def sharding(path: tuple, moment: jax.ShapeDtypeStruct) -> NamedSharding:
+        for start in range(len(path)):
+            found = params.get(path[start:])
+            if found is not None and all(isinstance(k, jax.tree_util.DictKey) for k in path[start:]):
+                leaf, sh = found
+                return sh if moment.shape == leaf.shape else replicated
+        return replicated
+
+    opt_sh = jax.tree_util.tree_map_with_path(sharding, jax.eval_shape(tx.init, shapes))
     return TrainState(step=replicated, params=param_sh, opt_state=opt_sh)
 
 
