@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e '.[dev,hf,data]'
+	$(BIN)/python -m pip install -q -e '.[dev,hf,data,trackers]'
 	touch $(STAMP)
 
 # Pinned to the installed jax by `python -m sharding.targets --requirements` (about 1.1 GB).

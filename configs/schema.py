@@ -28,6 +28,7 @@ DATA_SOURCES = ("text", "prepared", "synthetic")
 PACKINGS = ("concat", "document")
 SCHEDULES = ("cosine", "linear", "constant")
 OPTIMIZERS = ("adamw", "muon", "adafactor", "lion")  # all from optax (trainer/optimizer.py)
+TRACKERS = ("tensorboard", "wandb", "mlflow")  # trainer/trackers.py
 MESH_AXES = ("pipeline", "data", "fsdp", "tensor")  # outermost first
 # The logical dim names the model gives its parameters and activations (model/layers.py,
 # model/transformer.py, the pipeline runner): the only keys a rules table may have, since a rule
@@ -55,6 +56,8 @@ class RunConfig:
     # run.dir's lock (trainer.rundir_lock): the holder refreshes it 4 times per period; a holder
     # on another host whose heartbeat stays still this long is taken to be gone.
     lock_timeout_s: float = 30.0
+    # Where process 0 sends every metric, the config and the summary (trainer/trackers.py).
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
 
 
 @dataclass(kw_only=True)
@@ -348,6 +351,9 @@ def validate_static(cfg: Config) -> None:
     _check_data(cfg)
     _one_of(o.schedule, "optim.schedule", SCHEDULES)
     _one_of(o.name, "optim.name", OPTIMIZERS)
+    for name in cfg.run.trackers:
+        _one_of(name, "run.trackers", TRACKERS)
+    _require(len(set(cfg.run.trackers)) == len(cfg.run.trackers), "run.trackers", f"names a tracker twice: {cfg.run.trackers}")
     _require(t.step_timeout_s >= 0, "train.step_timeout_s", f"must be >= 0 (0: off), got {t.step_timeout_s}")
     _require(t.max_bad_steps > 0, "train.max_bad_steps", f"must be > 0, got {t.max_bad_steps}")
     _require(0 <= t.preempt_exit_code < 256, "train.preempt_exit_code", f"must be in [0, 256), got {t.preempt_exit_code}")

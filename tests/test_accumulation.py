@@ -104,7 +104,7 @@ def test_eval_loss_is_the_token_weighted_mean(short_docs, tmp_path):
     assert len(set(counts)) > 1, counts  # else a mean of batch means would pass as well
     program = abstract_program(cfg)
     state = init_state(cfg.model, program.tx, 0, program.state_sh)
-    logger = MetricsLogger(str(tmp_path), 1, 0, 0.0, jax.devices())
+    logger = MetricsLogger(cfg, 0, 0.0, jax.devices())
     _evaluator(cfg, Built(program, state, 0, None, None, rows), logger)(1, state)
     # The three batches as one batch of 96 rows, on one device: one sum over one count.
     together = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}

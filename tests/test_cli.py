@@ -51,6 +51,9 @@ BAD = {
                               "mesh.nodes=2, but the 8 devices sit in 1 processes (one per node)"),
     "vocab below tokenizer": (["model.vocab_size=128"], "model.vocab_size=128 does not match the 'byte' tokenizer's 257 tokens"),
     "vocab far above tokenizer": (["model.vocab_size=512"], "model.vocab_size=512 does not match the 'byte' tokenizer's 257 tokens"),
+    "optimizer name": (["optim.name=adam"], "optim.name"),
+    "tracker name": (["run.trackers=[tensorboard,wandbb]"], "run.trackers"),
+    "tracker twice": (["run.trackers=[mlflow,mlflow]"], "run.trackers: names a tracker twice"),
 }
 
 

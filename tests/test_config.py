@@ -122,6 +122,7 @@ EXPLICIT: dict[str, tuple[Any, list[str]]] = {
     "data.packing": ("document", []),
     "optim.schedule": ("linear", []),
     "optim.name": ("muon", []),
+    "run.trackers": (["tensorboard", "mlflow"], []),
     "dist.coordinator": ("10.0.0.1:1234", []),
     "debug.nan_steps": ("3,7", []),
     "profile.steps": ([1, 2], []),

@@ -35,6 +35,13 @@ SUMMARY = "summary.json"
 BUCKETS = ("init", "compile", "checkpoint", "eval", "data_wait", "profile", "recompute")
 
 
+def invocation_outcome(error: BaseException | None) -> str:
+    """How an invocation ended: done, preempted, or stopped (with the exception's type)."""
+    if error is None:
+        return "done"
+    return "preempted" if isinstance(error, Preempted) else f"stopped: {type(error).__name__}"
+
+
 class Goodput:
     """Timers for one invocation of `trainer.run`."""
 
@@ -100,10 +107,7 @@ class Goodput:
         ran, again = end - self.start, max(0, min(self.high_water, end) - self.start)
         seconds["recompute"] = steps_s * again / ran if ran else 0.0
         seconds["productive"] = steps_s - seconds["recompute"]
-        if error is None:
-            outcome = "done"  # a run with nothing to do writes no summary (trainer.loop)
-        else:
-            outcome = "preempted" if isinstance(error, Preempted) else f"stopped: {type(error).__name__}"
+        outcome = invocation_outcome(error)  # a run with nothing to do writes no summary (trainer.loop)
         tokens = ran * logger.tokens_per_step
         tokens_per_s = tokens / steps_s if steps_s > 0 else None
         return {

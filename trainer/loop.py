@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import sys
 import time
 from typing import Any, Iterator
 
@@ -27,7 +28,7 @@ from sharding.mesh import check_nodes
 from trainer import rundir_lock
 from trainer.checkpoint import Checkpointer, check_resumable, checkpoint_dir, has_checkpoints, saved_config
 from trainer.faults import Preempted, StopSignal, TooManyBadSteps, Watchdog, fingerprint
-from trainer.goodput import Goodput
+from trainer.goodput import Goodput, invocation_outcome
 from trainer.metrics import MetricsLogger, log
 from trainer.observe import instrument
 from trainer.program import Prepared, Program, make_program, prepare
@@ -190,14 +191,13 @@ def _run_holding_the_lock(
 
 
 def _train(cfg: Config, b: Built, devices: list, goodput: Goodput) -> list[dict[str, Any]]:
-    logger = MetricsLogger(
-        cfg.run.dir, cfg.train.steps, cfg.train.global_batch * cfg.model.seq_len, flops_per_token(cfg.model), devices
-    )
+    logger = MetricsLogger(cfg, cfg.train.global_batch * cfg.model.seq_len, flops_per_token(cfg.model), devices)
     if b.start >= cfg.train.steps:
         log(f"nothing to do: the checkpoint at step {b.start} has reached train.steps={cfg.train.steps}; "
             f"{cfg.run.dir} is left as it was")
         return logger.history
     goodput.begin(cfg.run.dir, b.start)
+    logger.trackers.open(b.start)
     step_fn, seconds = b.program.compile(b.state)
     log(f"compiled the train step in {seconds:.1f} s")
     evaluate = _evaluator(cfg, b, logger)
@@ -210,7 +210,8 @@ def _train(cfg: Config, b: Built, devices: list, goodput: Goodput) -> list[dict[
         watchdog.close()
         stop.restore()
         b.ckpt.close()
-        goodput.finish(cfg, logger)  # summary.json and its lines, also when preempted or stopped
+        summary = goodput.finish(cfg, logger)  # summary.json and its lines, also when preempted or stopped
+        logger.trackers.finish(summary, invocation_outcome(sys.exc_info()[1]))
     return logger.history
 
 

@@ -1,5 +1,5 @@
-"""Metrics out of the loop: `metrics.jsonl` (appended, never truncated), the same scalars as
-TensorBoard events in `run.dir/tb/`, a console line, MFU.
+"""Metrics out of the loop: `metrics.jsonl` (appended, never truncated), the same scalars to the
+trackers of `run.trackers` (TensorBoard events in `run.dir/tb/` by default), a console line, MFU.
 
 Only process 0 writes. Throughput is measured between two logged steps (the loop fetches
 metrics one step late, so the time covers finished device work, not dispatch).
@@ -20,8 +20,9 @@ from typing import Any
 
 import jax
 
+from configs import Config
 from sharding.hardware import peak_flops_of_kind
-from trainer.observe import TensorBoard
+from trainer.trackers import Trackers
 
 def peak_flops(device: Any) -> float | None:
     """Dense bf16 peak FLOP/s of `device` from the one hardware table (sharding.hardware)."""
@@ -48,8 +49,9 @@ def _duration(seconds: float) -> str:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str, total_steps: int, tokens_per_step: int, flops_per_token: float, devices: list):
-        self.path = os.path.join(run_dir, "metrics.jsonl")
+    def __init__(self, cfg: Config, tokens_per_step: int, flops_per_token: float, devices: list):
+        self.path = os.path.join(cfg.run.dir, "metrics.jsonl")
+        total_steps = cfg.train.steps
         self.total_steps = total_steps
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
@@ -60,7 +62,7 @@ class MetricsLogger:
         self._mark: tuple[int, float] | None = None
         self._waited = 0.0  # seconds the loop waited for data since the last record
         self.data_wait_total = 0.0  # ... and in all of this invocation (for the goodput summary)
-        self.tb = TensorBoard(run_dir)
+        self.trackers = Trackers(cfg, self.is_main)  # run.trackers: TensorBoard by default
 
     def waited(self, seconds: float) -> None:
         """Adds time the loop spent waiting for the next batch."""
@@ -102,7 +104,7 @@ class MetricsLogger:
             strict = {k: _strict(v) for k, v in record.items()}
             with open(self.path, "a") as f:
                 f.write(json.dumps(strict, allow_nan=False) + "\n")
-            self.tb.write(strict)  # the same values: a null is no scalar there either
+            self.trackers.scalars(strict)  # the same values: a null is no scalar there either
 
     def _print(self, r: dict[str, Any]) -> None:
         width = len(str(self.total_steps))

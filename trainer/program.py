@@ -39,6 +39,7 @@ from trainer.layout import Layout, layer_runner, plan_layout
 from trainer.optimizer import make_optimizer
 from trainer.state import TrainState, abstract_model, abstract_state, state_shardings
 from trainer.step import make_loss_fn, make_train_step
+from trainer.trackers import check_trackers
 
 
 @dataclasses.dataclass
@@ -65,6 +66,7 @@ def prepare(cfg: Config, num_devices: int, with_data: bool = True) -> Prepared:
     if not with_data:
         return Prepared(cfg, layout, graphdef, shapes, axes, None)
     check_resumable(cfg)
+    check_trackers(cfg)
     if cfg.init.from_hf and not has_checkpoints(cfg.run.dir):  # once the run has checkpoints it resumes from them
         hf.check_compatible(cfg.model, cfg.init.from_hf)
     return Prepared(cfg, layout, graphdef, shapes, axes, open_source(cfg))
