@@ -17,7 +17,8 @@ from conftest import ROOT
 from data import open_source
 from data.pipeline import eval_batches, process_dataset
 from sharding import activation_rules
-from trainer.loop import Built, _evaluator
+from trainer.goodput import Goodput
+from trainer.hooks import EvalHook
 from trainer.metrics import MetricsLogger
 from trainer.program import abstract_program
 from trainer.state import init_state
@@ -105,7 +106,7 @@ def test_eval_loss_is_the_token_weighted_mean(short_docs, tmp_path):
     program = abstract_program(cfg)
     state = init_state(cfg.model, program.tx, 0, program.state_sh)
     logger = MetricsLogger(cfg, 0, 0.0, jax.devices())
-    _evaluator(cfg, Built(program, state, 0, None, None, rows), logger)(1, state)
+    EvalHook(cfg, program, rows, logger, Goodput()).run(1, state, stopping=False)
     # The three batches as one batch of 96 rows, on one device: one sum over one count.
     together = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
     total, count = jax.jit(make_loss_fn(program.graphdef))(jax.device_get(state.params), together)

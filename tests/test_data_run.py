@@ -111,6 +111,7 @@ def test_no_held_out_document_reaches_a_training_batch(tiny, tmp_path, monkeypat
     import re
 
     import trainer.loop as loop
+    from data import to_global
 
     docs = 30
     for i in range(docs):
@@ -121,7 +122,7 @@ def test_no_held_out_document_reaches_a_training_batch(tiny, tmp_path, monkeypat
     def recorded_batches(local: Iterator[dict], sharding: Any, global_batch: int) -> Iterator[dict]:
         for rows in local:
             fed.append(rows["tokens"].copy())
-            yield loop.to_global(rows, sharding, global_batch)
+            yield to_global(rows, sharding, global_batch)
 
     def recorded_eval(*args: Any) -> list[dict]:
         rows = eval_batches(*args)

@@ -2,9 +2,10 @@
 
 `prepare` (trainer.program) does every check that bad input can fail before anything is
 compiled or written; `run` then takes run.dir's lock (trainer.rundir_lock: one writer per run
-directory), restores or creates the state, compiles the step once ahead of time, and drives
-it. Logging and checkpointing are hooks outside `jit`; metrics are read one step late so the
-device never waits on the host.
+directory), builds the `Session` (the state restored or created, the data iterator, the
+checkpointer), compiles the step once ahead of time, and drives it. What happens between steps
+(metrics and bad-step bookkeeping, checkpoints, eval) are hooks outside `jit`, each owning its
+interval (trainer.hooks); metrics are read one step late so the device never waits on the host.
 """
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ import numpy as np
 
 from configs import Config, ConfigError, dump_config
 from configs.schema import nan_steps
-from data import describe, eval_batches, global_batches, make_iterator, to_global
+from data import describe, eval_batches, global_batches, make_iterator
 from model import flops_per_token, hf
 from sharding import distributed, resolve_mesh_shape
 from sharding.mesh import check_nodes
 from trainer import rundir_lock
 from trainer.checkpoint import Checkpointer, check_resumable, checkpoint_dir, has_checkpoints, saved_config
-from trainer.faults import Preempted, StopSignal, TooManyBadSteps, Watchdog, fingerprint
+from trainer.faults import Preempted, StopSignal, Watchdog, fingerprint
 from trainer.goodput import Goodput, invocation_outcome
+from trainer.hooks import Hook, StepLog, make_hooks
 from trainer.metrics import MetricsLogger, log
 from trainer.observe import instrument
 from trainer.program import Prepared, Program, make_program, prepare
@@ -53,8 +55,10 @@ def _write_config(run_dir: str, cfg: Config, resume_step: int | None) -> None:
 
 
 @dataclasses.dataclass
-class Built:
-    """Everything the loop drives, on the real mesh."""
+class Session:
+    """What the loop drives, on the real mesh: the compiled-to-be program, the state it starts
+    from (restored or new), that step, this process's data iterator, the checkpointer and the
+    held-out rows."""
 
     program: Program
     state: TrainState
@@ -91,7 +95,7 @@ def resolve_schedule(cfg: Config) -> tuple[Config, str]:
     return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, decay_steps=horizon)), note
 
 
-def build(p: Prepared, devices: list, schedule_note: str = "") -> Built:
+def build(p: Prepared, devices: list, schedule_note: str = "") -> Session:
     """Restores the newest readable checkpoint or creates the state, sharded; then writes the
     resolved config into run.dir."""
     cfg, layout = p.cfg, p.layout
@@ -135,7 +139,7 @@ def build(p: Prepared, devices: list, schedule_note: str = "") -> Built:
     except BaseException:
         ckpt.close()  # its library log too: the console gets its printers back for the error
         raise
-    return Built(program, state, start, iterator, ckpt, eval_rows)
+    return Session(program, state, start, iterator, ckpt, eval_rows)
 
 
 def _poisoned(batches: Iterator[dict[str, np.ndarray]], steps: set[int], start: int, vocab: int) -> Iterator:
@@ -183,52 +187,38 @@ def _check_device_count(cfg: Config, devices: list, why_not: str) -> None:
 def _run_holding_the_lock(
     cfg: Config, p: Prepared, devices: list, goodput: Goodput, schedule_note: str
 ) -> list[dict[str, Any]]:
-    b = build(p, devices, schedule_note)
+    session = build(p, devices, schedule_note)
     try:
-        return _train(cfg, b, devices, goodput)
+        return _train(cfg, session, devices, goodput)
     finally:
-        b.ckpt.close()  # also when compiling fails: it gives the console its printers back (LibraryLog)
+        session.ckpt.close()  # also when compiling fails: it gives the console its printers back (LibraryLog)
 
 
-def _train(cfg: Config, b: Built, devices: list, goodput: Goodput) -> list[dict[str, Any]]:
+def _train(cfg: Config, session: Session, devices: list, goodput: Goodput) -> list[dict[str, Any]]:
     logger = MetricsLogger(cfg, cfg.train.global_batch * cfg.model.seq_len, flops_per_token(cfg.model), devices)
-    if b.start >= cfg.train.steps:
-        log(f"nothing to do: the checkpoint at step {b.start} has reached train.steps={cfg.train.steps}; "
+    if session.start >= cfg.train.steps:
+        log(f"nothing to do: the checkpoint at step {session.start} has reached train.steps={cfg.train.steps}; "
             f"{cfg.run.dir} is left as it was")
         return logger.history
-    goodput.begin(cfg.run.dir, b.start)
-    logger.trackers.open(b.start)
-    step_fn, seconds = b.program.compile(b.state)
+    goodput.begin(cfg.run.dir, session.start)
+    logger.trackers.open(session.start)
+    step_fn, seconds = session.program.compile(session.state)
     log(f"compiled the train step in {seconds:.1f} s")
-    evaluate = _evaluator(cfg, b, logger)
+    saved = session.start if session.start in session.ckpt.all_steps() else None
+    book = StepLog(cfg, session.start, logger, saved, goodput)
+    hooks = make_hooks(cfg, session.program, session.ckpt, session.iterator, session.eval_rows, book, logger, goodput)
     goodput.lap("compile")
-    step_fn = instrument(step_fn, cfg, b.start, goodput)  # step count for goodput; profile.steps trace
+    step_fn = instrument(step_fn, cfg, session.start, goodput)  # step count for goodput; profile.steps trace
     stop, watchdog = StopSignal(), Watchdog(cfg.train.step_timeout_s)
     try:
-        _loop(cfg, b, step_fn, logger, stop, watchdog, evaluate, goodput)
+        _loop(cfg, session, step_fn, book, hooks, logger, stop, watchdog, goodput)
     finally:
         watchdog.close()
         stop.restore()
-        b.ckpt.close()
+        session.ckpt.close()
         summary = goodput.finish(cfg, logger)  # summary.json and its lines, also when preempted or stopped
         logger.trackers.finish(summary, invocation_outcome(sys.exc_info()[1]))
     return logger.history
-
-
-def _evaluator(cfg: Config, b: Built, logger: MetricsLogger) -> Any:
-    """evaluate(step, state): the per-token mean loss over all the held-out batches (their loss
-    sums over their token counts, not a mean of batch means), logged. None if eval is off."""
-    if not b.eval_rows:
-        return None
-    loss_fn = b.program.compile_eval()
-    batches = [to_global(rows, b.program.batch_sh, cfg.train.global_batch) for rows in b.eval_rows]
-
-    def evaluate(step: int, state: TrainState) -> None:
-        sums = np.array(jax.device_get([loss_fn(state.params, batch) for batch in batches]), np.float64)
-        total, count = sums.sum(axis=0)
-        logger.write_eval(step, float(total / max(count, 1.0)))
-
-    return evaluate
 
 
 def _timed(batches: Iterator, logger: MetricsLogger) -> Iterator:
@@ -242,36 +232,31 @@ def _timed(batches: Iterator, logger: MetricsLogger) -> Iterator:
         yield batch
 
 
-def _loop(
-    cfg: Config, b: Built, step_fn: Any, logger: MetricsLogger, stop: StopSignal, watchdog: Watchdog, evaluate: Any,
-    goodput: Goodput,
-) -> None:
-    state, ckpt, last = b.state, b.ckpt, cfg.train.steps
-    local = _poisoned(b.iterator, nan_steps(cfg), b.start, cfg.model.vocab_size) if cfg.debug.nan_steps else b.iterator
-    batches = _timed(global_batches(local, b.program.batch_sh, cfg.train.global_batch), logger)
-    logger.start(b.start)
-    watchdog.beat(b.start)
-    books = _Books(cfg, b.start, logger, b.start if b.start in ckpt.all_steps() else None, goodput)
+def _loop(cfg: Config, session: Session, step_fn: Any, book: StepLog, hooks: list[Hook], logger: MetricsLogger,
+          stop: StopSignal, watchdog: Watchdog, goodput: Goodput) -> None:
+    """Runs the steps; after each, the previous step's metrics are settled (one step late) and
+    the hooks that are due act, in order, on the step just dispatched."""
+    state, last, ckpt = session.state, cfg.train.steps, session.ckpt
+    local = session.iterator
+    if cfg.debug.nan_steps:
+        local = _poisoned(local, nan_steps(cfg), session.start, cfg.model.vocab_size)
+    batches = _timed(global_batches(local, session.program.batch_sh, cfg.train.global_batch), logger)
+    logger.start(session.start)
+    watchdog.beat(session.start)
     previous: tuple[int, dict] | None = None  # the step before, whose flag we read one step late
-    for done in range(b.start + 1, last + 1):
+    for done in range(session.start + 1, last + 1):
         state, metrics = step_fn(state, next(batches))
         if previous is not None:
-            books.settle(*previous)
+            book.settle(*previous)
             watchdog.beat(previous[0])
         previous = (done, metrics)
         stopping = stop.requested(done)
-        saving = stopping or done == last or ckpt.due(done)
-        evaluating = evaluate is not None and not stopping and (done % cfg.eval.every == 0 or done == last)
-        if saving or evaluating:
-            books.settle(done, metrics, force_log=stopping)
+        due = [hook for hook in hooks if hook.due(done, stopping)]
+        if due:
+            book.settle(done, metrics, force_log=stopping)  # a hook acts on a settled step
             previous = None
-            if saving and (books.streak == 0 or stopping):  # never save a state reached only through bad steps
-                with goodput.phase("checkpoint"):
-                    ckpt.save(done, state, b.iterator)
-                books.saved = done
-            if evaluating:
-                with goodput.phase("eval"):
-                    evaluate(done, state)
+            for hook in due:
+                hook.run(done, state, stopping)
             logger.start(done)  # the save's blocking part and eval are not step time
             watchdog.beat(done)
         if stopping:
@@ -283,41 +268,8 @@ def _loop(
                 "run the same command to resume")
             raise Preempted(cfg.train.preempt_exit_code)
     if previous is not None:
-        books.settle(*previous)
+        book.settle(*previous)
     watchdog.pause()
     with goodput.phase("checkpoint"):
         ckpt.wait()
     log(f"done: step {last}, checkpoints at {ckpt.directory} (steps {ckpt.all_steps()})")
-
-
-class _Books:
-    """Per-step bookkeeping outside jit: reads each step's `finite` flag (which waits for that
-    step), counts bad steps, and logs the steps that are due."""
-
-    def __init__(self, cfg: Config, start: int, logger: MetricsLogger, saved: int | None, goodput: Goodput):
-        self.cfg, self.start, self.logger, self.goodput = cfg, start, logger, goodput
-        self.streak = self.skipped = 0
-        self.saved = saved  # the newest checkpointed step; None: there is none
-
-    def settle(self, step: int, metrics: dict, force_log: bool = False) -> None:
-        cfg = self.cfg
-        if bool(jax.device_get(metrics["finite"])):
-            self.streak = 0
-        else:
-            self.streak, self.skipped = self.streak + 1, self.skipped + 1
-            loss = float(jax.device_get(metrics["loss"]))
-            log(f"warning: step {step} has a non-finite loss ({loss}) or gradient norm; update skipped "
-                f"({self.streak} in a row)")
-        stopping = self.streak >= cfg.train.max_bad_steps
-        if stopping or force_log or step % cfg.train.log_every == 0 or step in (self.start + 1, cfg.train.steps):
-            self.logger.write(step, {**metrics, "skipped_steps": self.skipped})
-        if stopping:
-            # The step after this one has been dispatched, but the run ends here: the summary
-            # counts up to this step, as the error does.
-            self.goodput.last_step = step
-            last = ("there is no checkpoint (rerunning starts over)" if self.saved is None
-                    else f"the last good checkpoint is step {self.saved}")
-            raise TooManyBadSteps(
-                f"{self.streak} non-finite steps in a row (train.max_bad_steps={cfg.train.max_bad_steps}), the "
-                f"last at step {step}; {last}"
-            )

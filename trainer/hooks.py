@@ -1,0 +1,118 @@
+"""What the training loop does between steps, outside jit: one hook per concern, each owning its
+interval (DESIGN.md "Data flow", 5).
+
+- `StepLog` reads each step's `finite` flag one step late (so the device never waits on the
+  host), counts non-finite steps and stops after `train.max_bad_steps` in a row, and writes the
+  metrics of the steps due (`train.log_every`, the first and last, and any step another hook acts on).
+- `CheckpointHook` saves at `checkpoint.every`, at the last step and on a stop signal, never a
+  state reached only through bad steps.
+- `EvalHook` runs the held-out loss at `eval.every` and the last step.
+Profiling wraps the step itself (`trainer.observe.instrument`): a trace spans steps, not the
+gaps between them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import grain
+import jax
+import numpy as np
+
+from configs import Config
+from data import to_global
+from trainer.checkpoint import Checkpointer
+from trainer.faults import TooManyBadSteps
+from trainer.goodput import Goodput
+from trainer.metrics import MetricsLogger, log
+from trainer.program import Program
+from trainer.state import TrainState
+
+
+class Hook(Protocol):
+    """An action between steps. `due` is asked after every step; `run` only when it is due,
+    after the step's metrics are settled."""
+
+    def due(self, step: int, stopping: bool) -> bool: ...
+    def run(self, step: int, state: TrainState, stopping: bool) -> None: ...
+
+
+class StepLog:
+    """Per-step bookkeeping: reads each step's `finite` flag (which waits for that step), counts
+    bad steps, and logs the steps that are due."""
+
+    def __init__(self, cfg: Config, start: int, logger: MetricsLogger, saved: int | None, goodput: Goodput):
+        self.cfg, self.start, self.logger, self.goodput = cfg, start, logger, goodput
+        self.streak = self.skipped = 0
+        self.saved = saved  # the newest checkpointed step; None: there is none
+
+    def settle(self, step: int, metrics: dict, force_log: bool = False) -> None:
+        cfg = self.cfg
+        if bool(jax.device_get(metrics["finite"])):
+            self.streak = 0
+        else:
+            self.streak, self.skipped = self.streak + 1, self.skipped + 1
+            loss = float(jax.device_get(metrics["loss"]))
+            log(f"warning: step {step} has a non-finite loss ({loss}) or gradient norm; update skipped "
+                f"({self.streak} in a row)")
+        stopping = self.streak >= cfg.train.max_bad_steps
+        if stopping or force_log or step % cfg.train.log_every == 0 or step in (self.start + 1, cfg.train.steps):
+            self.logger.write(step, {**metrics, "skipped_steps": self.skipped})
+        if stopping:
+            # The step after this one has been dispatched, but the run ends here: the summary
+            # counts up to this step, as the error does.
+            self.goodput.last_step = step
+            last = ("there is no checkpoint (rerunning starts over)" if self.saved is None
+                    else f"the last good checkpoint is step {self.saved}")
+            raise TooManyBadSteps(
+                f"{self.streak} non-finite steps in a row (train.max_bad_steps={cfg.train.max_bad_steps}), the "
+                f"last at step {step}; {last}"
+            )
+
+
+class CheckpointHook:
+    def __init__(self, cfg: Config, ckpt: Checkpointer, iterator: grain.DatasetIterator, book: StepLog,
+                 goodput: Goodput):
+        self.last, self.ckpt, self.iterator, self.book, self.goodput = cfg.train.steps, ckpt, iterator, book, goodput
+
+    def due(self, step: int, stopping: bool) -> bool:
+        return stopping or step == self.last or self.ckpt.due(step)
+
+    def run(self, step: int, state: TrainState, stopping: bool) -> None:
+        if self.book.streak and not stopping:  # never save a state reached only through bad steps
+            return
+        with self.goodput.phase("checkpoint"):
+            self.ckpt.save(step, state, self.iterator)
+        self.book.saved = step
+
+
+class EvalHook:
+    """The per-token mean loss over all the held-out batches (their loss sums over their token
+    counts, not a mean of batch means), logged."""
+
+    def __init__(self, cfg: Config, program: Program, eval_rows: list[dict[str, np.ndarray]], logger: MetricsLogger,
+                 goodput: Goodput):
+        self.every, self.last, self.logger, self.goodput = cfg.eval.every, cfg.train.steps, logger, goodput
+        self.loss_fn = program.compile_eval()
+        self.batches = [to_global(rows, program.batch_sh, cfg.train.global_batch) for rows in eval_rows]
+
+    def due(self, step: int, stopping: bool) -> bool:
+        return not stopping and (step % self.every == 0 or step == self.last)
+
+    def run(self, step: int, state: TrainState, stopping: bool) -> None:
+        with self.goodput.phase("eval"):
+            self.logger.write_eval(step, self.loss(state))
+
+    def loss(self, state: TrainState) -> float:
+        sums = np.array(jax.device_get([self.loss_fn(state.params, batch) for batch in self.batches]), np.float64)
+        total, count = sums.sum(axis=0)
+        return float(total / max(count, 1.0))
+
+
+def make_hooks(cfg: Config, program: Program, ckpt: Checkpointer, iterator: Any, eval_rows: list, book: StepLog,
+               logger: MetricsLogger, goodput: Goodput) -> list[Hook]:
+    """The hooks of this run, in the order they act on a step they share: save, then evaluate."""
+    hooks: list[Hook] = [CheckpointHook(cfg, ckpt, iterator, book, goodput)]
+    if eval_rows:
+        hooks.append(EvalHook(cfg, program, eval_rows, logger, goodput))
+    return hooks
