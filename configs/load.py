@@ -1,116 +1,94 @@
-"""Builds a Config from a YAML preset plus dotted `key=value` overrides, with typed checks.
+"""Builds a Config from a YAML preset plus dotted `key=value` overrides, typed by pydantic.
 
-Every error is a ConfigError whose message is one line naming the key or file; a misspelt key
-gets the closest valid one suggested.
+The schema stays plain dataclasses (configs/schema.py); pydantic's `TypeAdapter` validates the
+nested mapping the file and the overrides make into one (types, coercion of the command line's
+strings, nested sections), and its errors become our one-line messages. What is ours: the dotted
+keys (a YAML section and `a.b=c` address the same field), the closest valid key for a typo, and
+the cross-key checks of `validate_static`.
+
+Why pydantic (compared with draccus and tyro, which also type dataclasses): both of those own
+the command line (`--model.d_model 3`), so the `key=value` contract, presets by name and our
+error lines would be rebuilt around them; pydantic only validates, over the schema we have.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import typing
 from typing import Any
 
+import pydantic
 import yaml
 
 from configs.schema import Config, ConfigError, closest, validate_static
 
 PRESET_DIR = os.path.dirname(os.path.abspath(__file__))
+RULE_TABLES = ("sharding.params", "sharding.activations")  # dict fields: one key each, entries below
 
 
-def _field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
-    """Every settable dotted key of the schema (dict-valued fields count as one key)."""
-    keys = []
-    for name, tp in _field_types(cls).items():
+def _annotations(cls: type = Config, prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> annotated type, for every settable key (a dict field is one key)."""
+    out = {}
+    for name, tp in typing.get_type_hints(cls).items():
         if dataclasses.is_dataclass(tp):
-            keys += all_keys(tp, f"{prefix}{name}.")
+            out.update(_annotations(tp, f"{prefix}{name}."))
         else:
-            keys.append(f"{prefix}{name}")
-    return keys
+            out[f"{prefix}{name}"] = tp
+    return out
 
 
-def _unknown(key: str) -> ConfigError:
-    guess = closest(key, all_keys())
-    hint = f" (did you mean {guess}?)" if guess else ""
-    return ConfigError(f"unknown config key {key!r}{hint}")
+def all_keys() -> list[str]:
+    """Every settable dotted key of the schema (dict-valued fields count as one key)."""
+    return list(_annotations())
 
 
-def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
-    """Checks `value` against the annotated type `tp`; CLI values arrive as strings."""
-    tname = getattr(tp, "__name__", str(tp))
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if from_cli and str(value).lower() in ("true", "false", "1", "0", "yes", "no"):
-            return str(value).lower() in ("true", "1", "yes")
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if from_cli:
-            try:
-                return int(value)
-            except ValueError:
-                pass
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML reads 1e-3 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-        if from_cli:
-            return str(value)
-    elif typing.get_origin(tp) is dict:
-        if from_cli and isinstance(value, str):
-            value = yaml.safe_load(value)
-        if isinstance(value, dict):
-            return dict(value)
-        tname = "mapping"
-    elif typing.get_origin(tp) is list:
-        if from_cli and isinstance(value, str):  # `[3,5]` (YAML flow) or `3,5`; empty: []
-            value = yaml.safe_load(value) if value.strip() else []
-            value = [v.strip() for v in value.split(",")] if isinstance(value, str) else value
-        (item_tp,) = typing.get_args(tp)
-        if isinstance(value, list):
-            try:
-                return [_coerce(key, item_tp, v, from_cli) for v in value]
-            except ConfigError:
-                pass
-        tname = f"a list of {item_tp.__name__}"
-    raise ConfigError(f"{key}: expected {tname}, got {value!r}")
+@functools.cache
+def _adapter() -> pydantic.TypeAdapter:
+    return pydantic.TypeAdapter(Config)
 
 
-def _set(cfg: Config, key: str, value: Any, from_cli: bool) -> None:
-    parts = key.split(".")
-    node: Any = cfg
-    for i, part in enumerate(parts):
-        if isinstance(node, dict):  # a rules table: sharding.params.embed=fsdp
-            rest = ".".join(parts[i:])
-            node[rest] = yaml.safe_load(value) if from_cli and isinstance(value, str) else value
-            return
-        types = _field_types(type(node))
-        if part not in types:
-            raise _unknown(key)
-        tp = types[part]
-        if i == len(parts) - 1:
-            if dataclasses.is_dataclass(tp):
-                if not isinstance(value, dict):
-                    raise ConfigError(f"{key}: expected a mapping of keys, got {value!r}")
-                for sub, v in value.items():
-                    _set(cfg, f"{key}.{sub}", v, from_cli)
-                return
-            setattr(node, part, _coerce(key, tp, value, from_cli))
-            return
-        node = getattr(node, part)
-    raise _unknown(key)
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is list:
+        return f"a list of {typing.get_args(tp)[0].__name__}"
+    return "mapping" if origin is dict else getattr(tp, "__name__", str(tp))
+
+
+def _cli_value(tp: Any, text: str) -> Any:
+    """A command-line value: a list (`[3,5]`, `3,5`, empty: []) or mapping as YAML; else the
+    string, which validation coerces (a string field keeps `007` as it is)."""
+    if typing.get_origin(tp) is list:
+        value = yaml.safe_load(text) if text.strip() else []
+        return [v.strip() for v in value.split(",")] if isinstance(value, str) else value
+    if typing.get_origin(tp) is dict:
+        return yaml.safe_load(text)
+    return text
+
+
+def _put(tree: dict[str, Any], key: str, value: Any) -> None:
+    """Sets dotted `key` in the nested mapping; `table.entry` sets one entry of a rules table
+    (starting from the file's table, or the default one)."""
+    types = _annotations()
+    table = next((t for t in RULE_TABLES if key.startswith(t + ".")), None)
+    if table:
+        section, field = table.split(".")
+        node = tree.setdefault(section, {})
+        if field not in node:
+            node[field] = dict(getattr(getattr(Config(), section), field))
+        node[field][key[len(table) + 1:]] = value
+        return
+    if key not in types:
+        guess = closest(key, types)
+        raise ConfigError(f"unknown config key {key!r}" + (f" (did you mean {guess}?)" if guess else ""))
+    if isinstance(value, bool) and types[key] in (int, float):  # pydantic would take yes as 1
+        raise ConfigError(f"{key}: expected {_type_name(types[key])}, got {value!r}")
+    *sections, field = key.split(".")
+    node = tree
+    for section in sections:
+        node = node.setdefault(section, {})
+    node[field] = value
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
@@ -118,7 +96,7 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     out = []
     for k, v in tree.items():
         key = f"{prefix}{k}"
-        if isinstance(v, dict) and key not in ("sharding.params", "sharding.activations"):
+        if isinstance(v, dict) and key not in RULE_TABLES:
             out += _flatten(v, key + ".")
         else:
             out.append((key, v))
@@ -137,23 +115,33 @@ def resolve_preset(path: str) -> str:
 
 def load_config(config_file: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Defaults <- YAML file <- `key=value` overrides, then the static checks."""
-    cfg = Config()
+    tree: dict[str, Any] = {}
     if config_file:
         path = resolve_preset(config_file)
         try:
             with open(path) as f:
-                tree = yaml.safe_load(f) or {}
+                loaded = yaml.safe_load(f) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
-        if not isinstance(tree, dict):
+        if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: expected a mapping of config keys at the top level")
-        for key, value in _flatten(tree):
-            _set(cfg, key, value, from_cli=False)
+        for key, value in _flatten(loaded):
+            _put(tree, key, value)
+    types = _annotations()
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key=value")
-        key, value = item.split("=", 1)
-        _set(cfg, key.strip(), value.strip(), from_cli=True)
+        key, text = (part.strip() for part in item.split("=", 1))
+        if any(key.startswith(t + ".") for t in RULE_TABLES):
+            _put(tree, key, yaml.safe_load(text))
+        else:
+            _put(tree, key, _cli_value(types.get(key), text) if key in types else text)
+    try:
+        cfg = _adapter().validate_python(tree)
+    except pydantic.ValidationError as e:
+        error = e.errors()[0]
+        key = ".".join(str(part) for part in error["loc"] if not isinstance(part, int))
+        raise ConfigError(f"{key}: expected {_type_name(types.get(key, str))}, got {error['input']!r}") from None
     validate_static(cfg)
     return cfg
 
