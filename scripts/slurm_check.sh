@@ -22,6 +22,7 @@ WORK=$(mktemp -d /tmp/meshlm-slurm.XXXXXX)
 chmod 755 "$WORK"  # munged wants its socket's directory searchable by every user
 export SLURM_CONF=$WORK/slurm.conf
 DAEMON_PIDS=()
+DAEMON_NAMES=()
 
 say() { echo "slurm check: $*"; }
 
@@ -104,21 +105,24 @@ EOF
 say "starting munged, slurmctld and slurmd in $WORK (node $NODE: $CPUS CPUs, $MEM_MB MB)"
 munged --foreground --force --key-file="$WORK/munge.key" --socket="$WORK/munge.socket" \
     --pid-file="$WORK/munged.pid" --seed-file="$WORK/munged.seed" 2>"$WORK/munged.log" &
-DAEMON_PIDS+=($!)
+DAEMON_PIDS+=($!) DAEMON_NAMES+=(munged)
 slurmctld -D -i -f "$SLURM_CONF" >"$WORK/slurmctld.log" 2>&1 &
-DAEMON_PIDS+=($!)
+DAEMON_PIDS+=($!) DAEMON_NAMES+=(slurmctld)
 slurmd -D -f "$SLURM_CONF" >"$WORK/slurmd.log" 2>&1 &
-DAEMON_PIDS+=($!)
+DAEMON_PIDS+=($!) DAEMON_NAMES+=(slurmd)
 
 state=""
-for _ in $(seq 60); do
-    state=$(sinfo -h -n "$NODE" -o %t 2>/dev/null || true)
+started=$SECONDS
+while ((SECONDS - started < 60)); do
+    state=$(timeout 5 sinfo -h -n "$NODE" -o %t 2>/dev/null || true)
     [[ $state == idle ]] && break
-    for pid in "${DAEMON_PIDS[@]}"; do kill -0 "$pid" 2>/dev/null || fail "a daemon (pid $pid) exited while starting"; done
+    for i in "${!DAEMON_PIDS[@]}"; do
+        kill -0 "${DAEMON_PIDS[i]}" 2>/dev/null || fail "${DAEMON_NAMES[i]} exited while starting (its log below)"
+    done
     sleep 1
 done
 [[ $state == idle ]] || fail "node $NODE is not idle after 60 s (sinfo says '${state:-nothing}')"
-say "node $NODE idle"
+say "node $NODE idle $((SECONDS - started)) s after the daemons started"
 
 # ---- 2. a sweep's array job
 unset XLA_FLAGS  # train.py sets the device count itself, per process
@@ -163,7 +167,7 @@ say "srun --ntasks=2 train.py (2 processes x 4 CPU devices) and the same run in 
 srun --ntasks=2 --cpus-per-task=1 --time=10 --kill-on-bad-exit=1 --label \
     "$PYTHON" train.py "${LAYOUT[@]}" "run.dir=$WORK/two" >"$WORK/two.out" 2>&1 \
     || fail "srun --ntasks=2 train.py failed; its output ends: $(tail -n 20 "$WORK/two.out")"
-"$PYTHON" train.py "${LAYOUT[@]}" "run.dir=$WORK/one" >"$WORK/one.out" 2>&1 \
+timeout 600 "$PYTHON" train.py "${LAYOUT[@]}" "run.dir=$WORK/one" >"$WORK/one.out" 2>&1 \
     || fail "the 1 x 8 run failed; its output ends: $(tail -n 20 "$WORK/one.out")"
 "$PYTHON" - "$WORK" "$STEPS" <<'EOF' || fail "the 2-process run does not train like 1 x 8"
 import json, os, sys
