@@ -12,7 +12,7 @@ ARGS   ?=
 # several GB of CUDA packages). Override with TORCH=torch on a GPU box, or TORCH= to skip.
 TORCH  ?= torch==2.13.0
 
-.PHONY: train test venv compilers clean
+.PHONY: train test test-slurm venv compilers clean
 
 venv: $(STAMP)
 
@@ -41,6 +41,23 @@ train: $(STAMP)
 # compiled once).
 test: $(STAMP) $(COMPILERS_STAMP)
 	MESHLM_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q -n auto --dist loadfile tests
+
+# A real one-node SLURM runs a sweep's array job and a 2-process srun (scripts/slurm_check.sh).
+# Debian's packages are installed only where a command is missing (CI starts from a clean
+# machine), quietly: apt's output goes to a log shown only if the install fails.
+SLURM_PACKAGES := slurmctld slurmd slurm-client munge
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+
+test-slurm: $(STAMP)
+	@for cmd in munged slurmctld slurmd sbatch srun; do command -v $$cmd >/dev/null || missing=1; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing $(SLURM_PACKAGES) with apt-get"; \
+	  log=$$(mktemp); \
+	  { $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends $(SLURM_PACKAGES); } >$$log 2>&1 || { cat $$log; rm -f $$log; exit 1; }; \
+	  rm -f $$log; \
+	fi
+	PYTHON=$(BIN)/python scripts/slurm_check.sh
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

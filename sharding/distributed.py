@@ -33,6 +33,20 @@ def detect_cluster() -> str | None:
     return None
 
 
+def process_layout(cfg: DistConfig, env: dict[str, str] | None = None) -> tuple[int, int]:
+    """(processes in the job, this process's index), known before JAX starts: the config's, else
+    what `srun` or `mpirun` put in the environment (the same variables `jax.distributed.initialize()`
+    reads), else (1, 0). A CPU-only process needs it to ask for its share of the mesh's devices."""
+    env = os.environ if env is None else env
+    if cfg.num_processes > 0:
+        return cfg.num_processes, max(cfg.process_id, 0)
+    if int(env.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_JOB_ID" in env:
+        return int(env["SLURM_NTASKS"]), int(env.get("SLURM_PROCID", "0") or 0)
+    if int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1:
+        return int(env["OMPI_COMM_WORLD_SIZE"]), int(env.get("OMPI_COMM_WORLD_RANK", "0") or 0)
+    return 1, 0
+
+
 def initialize(cfg: DistConfig) -> bool:
     """Starts jax.distributed when the config or the environment asks for several processes.
     Returns whether it did. Must run before anything else touches the devices."""

@@ -182,6 +182,28 @@ def test_device_count_is_set_only_where_it_can_apply():
         "this process sees 1 gpu device(s): make the mesh sizes multiply to 1, or leave one at -1")
 
 
+def test_launched_processes_share_the_mesh_devices():
+    """Under `srun --ntasks=2` or `mpirun -n 2` (no dist.* keys) each CPU-only process asks for
+    its half of the mesh's devices, and only the first says so. The real `srun` run that trains
+    2 x 4 like 1 x 8 is `make test-slurm` (scripts/slurm_check.sh)."""
+    code = ("import os; from configs import load_config; from trainer.xla_env import set_cpu_device_count; "
+            f"set_cpu_device_count(load_config({TINY!r}, ['mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2'])); "
+            "print(os.environ['XLA_FLAGS'])")
+    launchers = {
+        "srun": lambda i: {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": str(i)},
+        "mpirun": lambda i: {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": str(i)},
+    }
+    for name, launcher in launchers.items():
+        for i in (0, 1):
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                                 cwd=ROOT, env={**_env_without_device_count(), **launcher(i)})
+            assert out.returncode == 0, out.stderr
+            said = ["the mesh names 8 devices: running 4 CPU devices per process on this CPU-only machine "
+                    "(XLA_FLAGS --xla_force_host_platform_device_count=4, set by train.py)"] if i == 0 else []
+            *lines, flags = out.stdout.splitlines()
+            assert lines == said and "--xla_force_host_platform_device_count=4" in flags.split(), (name, i, out.stdout)
+
+
 def test_compile_cache_serves_a_second_run(tmp_path):
     """run.compile_cache: the first run fills the directory; an identical second run (a fresh
     run.dir, as after a lost disk) finds every program there and adds nothing."""

@@ -21,6 +21,7 @@ import sys
 
 from configs import Config
 from configs.schema import MESH_AXES
+from sharding.distributed import process_layout
 
 FORCE_COUNT = "--xla_force_host_platform_device_count"
 
@@ -69,11 +70,12 @@ def _backend_started() -> bool:
 
 def set_cpu_device_count(cfg: Config, env: dict[str, str] | None = None) -> str:
     """On a CPU-only machine, asks XLA for as many CPU devices as the mesh names (per process), if
-    JAX has not started yet and the user's XLA_FLAGS name no count; prints one line saying so.
+    JAX has not started yet and the user's XLA_FLAGS name no count (the processes, set in `dist.*`
+    or by `srun`/`mpirun`, share the mesh); prints one line saying so.
     Returns "" when the count is set or not needed, else why it could not be set (for the hint
     of `device_count_hint`)."""
     env = os.environ if env is None else env
-    processes = max(cfg.dist.num_processes, 1)
+    processes, index = process_layout(cfg.dist, env)
     wanted = mesh_device_count(cfg)
     if wanted <= processes or wanted % processes:
         return ""
@@ -89,7 +91,7 @@ def set_cpu_device_count(cfg: Config, env: dict[str, str] | None = None) -> str:
     if _backend_started():
         return "JAX had already started in this process"
     env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), f"{FORCE_COUNT}={local}"]).strip()
-    if cfg.dist.process_id <= 0:
+    if index == 0:
         each = " per process" if processes > 1 else ""
         print(f"the mesh names {wanted} devices: running {local} CPU devices{each} on this CPU-only machine "
               f"(XLA_FLAGS {FORCE_COUNT}={local}, set by train.py)", flush=True)
@@ -104,7 +106,7 @@ def device_count_hint(cfg: Config, platform: str, available: int, why_not: str) 
         return ""
     wanted = mesh_device_count(cfg)
     if platform == "cpu" and wanted > available:
-        local = wanted // max(cfg.dist.num_processes, 1)
+        local = wanted // process_layout(cfg.dist)[0]
         return (f"for {wanted} CPU devices start the process with XLA_FLAGS={FORCE_COUNT}={local}"
                 + (f" (train.py sets it itself on a CPU-only machine, but here {why_not})" if why_not else ""))
     return (f"this process sees {available} {platform} device(s): make the mesh sizes multiply to "
