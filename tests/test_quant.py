@@ -1,0 +1,112 @@
+"""`model.quant`: the FP8 and int8 matmuls compute what they claim, each mode trains the tiny
+model, resumes bitwise, and gives one device's losses on a sharded layout within its rounding."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import trainer
+from configs import ConfigError
+from model.quant import E4M3, E5M2, fp8_einsum, int8_einsum
+
+SPEC = "bld,dhk->blhk"  # a q/k/v projection: the weight keeps two output dims
+STEPS = 4
+# Loss gaps allowed between a sharded layout and one device in each mode. float32 layouts agree
+# to 2e-5 (test_train.py); a reduction order that moves one value across a rounding boundary
+# moves it one step of the format: 2^-3 relative for e4m3, 2^-7 for int8 near its channel max.
+LAYOUT_RTOL = {"fp8": 1e-3, "int8": 1e-4}
+
+
+def operands() -> tuple[jax.Array, jax.Array]:
+    kx, kw = jax.random.split(jax.random.key(0))
+    return jax.random.normal(kx, (2, 3, 16)), 0.02 * jax.random.normal(kw, (16, 4, 8))
+
+
+def fp8_round(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """x rounded onto the per-tensor scaled grid of `dtype`, back in float32."""
+    scale = jnp.max(jnp.abs(x)) / float(jnp.finfo(dtype).max)
+    return (x / scale).astype(dtype).astype(jnp.float32) * scale
+
+
+def test_fp8_einsum_is_the_einsum_of_fp8_operands_and_gradients():
+    x, w = operands()
+    out, vjp = jax.vjp(lambda a, b: fp8_einsum(SPEC, a, b), x, w)
+    exact = jnp.einsum(SPEC, x, w)
+    assert not np.array_equal(out, exact), "fp8 must round something"
+    np.testing.assert_allclose(out, jnp.einsum(SPEC, fp8_round(x, E4M3), fp8_round(w, E4M3)), rtol=1e-5, atol=1e-7)
+    g = jax.random.normal(jax.random.key(1), out.shape)
+    dx, dw = vjp(g)
+    gq = fp8_round(g, E5M2)
+    np.testing.assert_allclose(dx, jnp.einsum("blhk,dhk->bld", gq, fp8_round(w, E4M3)), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(dw, jnp.einsum("bld,blhk->dhk", fp8_round(x, E4M3), gq), rtol=1e-5, atol=1e-6)
+
+
+def test_int8_einsum_scales_per_row_and_per_output_channel():
+    x, w = operands()
+    w = w * jnp.arange(1, 33, dtype=jnp.float32).reshape(1, 4, 8)  # channels of very different ranges
+    out = int8_einsum(SPEC, x, w)
+    sx = jnp.max(jnp.abs(x), axis=2, keepdims=True) / 127
+    sw = jnp.max(jnp.abs(w), axis=0, keepdims=True) / 127
+    want = jnp.einsum(SPEC, jnp.round(x / sx) * sx, jnp.round(w / sw) * sw)
+    assert not np.array_equal(out, jnp.einsum(SPEC, x, w)), "int8 must round something"
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    # Straight-through: the gradients are those of the unquantized einsum.
+    g = jnp.ones(out.shape)
+    got = jax.grad(lambda a, b: jnp.sum(int8_einsum(SPEC, a, b) * g), argnums=(0, 1))(x, w)
+    ref = jax.grad(lambda a, b: jnp.sum(jnp.einsum(SPEC, a, b) * g), argnums=(0, 1))(x, w)
+    for a, b in zip(got, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def losses(history: list[dict]) -> np.ndarray:
+    return np.array([r["loss"] for r in history])
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    """Per mode: the tiny run's losses on one device."""
+    import os
+
+    from configs import load_config
+    from conftest import ROOT, stdlib_glob
+
+    out = {}
+    for quant in ("none", "fp8", "int8"):
+        cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
+            f"run.dir={tmp_path_factory.mktemp(quant)}", f"data.path={stdlib_glob('json')}", "train.log_every=1",
+            f"train.steps={STEPS}", "mesh.data=1", f"model.quant={quant}",
+        ])
+        out[quant] = losses(trainer.run(cfg, devices=jax.devices()[:1]))
+    return out
+
+
+@pytest.mark.parametrize("quant", ["fp8", "int8"])
+def test_each_mode_learns_and_differs_from_full_precision(one_device, quant):
+    got = one_device[quant]
+    assert got[-1] < got[0] - 0.1, f"{quant}: the loss did not fall: {got}"
+    assert not np.array_equal(got, one_device["none"]), f"{quant} ran the full-precision matmuls"
+    np.testing.assert_allclose(got, one_device["none"], rtol=2e-3)
+
+
+@pytest.mark.parametrize("quant", ["fp8", "int8"])
+def test_sharded_layout_matches_one_device(tiny, one_device, quant):
+    history = trainer.run(tiny(f"train.steps={STEPS}", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", f"model.quant={quant}"))
+    np.testing.assert_allclose(losses(history), one_device[quant], rtol=LAYOUT_RTOL[quant])
+
+
+def test_fp8_resume_is_bitwise_exact(tiny, tmp_path, capsys):
+    common = ["model.quant=fp8", "optim.schedule=constant", "optim.warmup_steps=0", "checkpoint.every=2",
+              "mesh.data=2", "mesh.fsdp=4"]
+    straight = trainer.run(tiny("train.steps=4", *common, f"run.dir={tmp_path / 'straight'}"))
+    first = trainer.run(tiny("train.steps=2", *common, f"run.dir={tmp_path / 'resumed'}"))
+    second = trainer.run(tiny("train.steps=4", *common, f"run.dir={tmp_path / 'resumed'}"))
+    assert "resumed from step 2" in capsys.readouterr().out
+    np.testing.assert_array_equal(losses(first + second), losses(straight))
+
+
+def test_unknown_mode_is_refused(tiny):
+    with pytest.raises(ConfigError, match=r"^model\.quant: 'fp4' is not one of none, fp8, int8$"):
+        tiny("model.quant=fp4")
