@@ -110,3 +110,16 @@ def test_fp8_resume_is_bitwise_exact(tiny, tmp_path, capsys):
 def test_unknown_mode_is_refused(tiny):
     with pytest.raises(ConfigError, match=r"^model\.quant: 'fp4' is not one of none, fp8, int8$"):
         tiny("model.quant=fp4")
+
+
+def test_precision_bench_refuses_an_unknown_mode_before_any_run():
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    done = subprocess.run([sys.executable, "-m", "bench.precision", "--config", "tiny", "--quant", "fp8,fp4"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == "error: model.quant: 'fp4' is not one of none, fp8, int8"
+    assert "step" not in done.stdout
