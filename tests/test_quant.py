@@ -123,3 +123,27 @@ def test_precision_bench_refuses_an_unknown_mode_before_any_run():
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1] == "error: model.quant: 'fp4' is not one of none, fp8, int8"
     assert "step" not in done.stdout
+
+
+@pytest.mark.parametrize("hardware, quant, has", [("tpu-v5e", "fp8", "int8"), ("tpu-v6e", "fp8", "int8"),
+                                                  ("a100", "fp8", "int8")])
+def test_a_mode_the_target_has_no_unit_for_exits_2_before_compiling(hardware: str, quant: str, has: str, capsys):
+    from sharding.plan import main
+
+    assert main(["--config", "tiny", "--devices", "4", "--hardware", hardware, f"model.quant={quant}"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: model.quant: {quant} has no matmul unit on {hardware} (its low-precision matmuls: {has})\n"
+
+
+def test_training_refuses_a_mode_the_devices_lack(tiny, tmp_path):
+    """On a real device the check reads its `device_kind` (a CPU emulates every mode)."""
+    from types import SimpleNamespace
+
+    from trainer.loop import _check_quant
+
+    cfg = tiny("model.quant=fp8")
+    with pytest.raises(ConfigError, match=r"^model\.quant: fp8 has no matmul unit on tpu-v5e"):
+        _check_quant(cfg, [SimpleNamespace(device_kind="TPU v5 lite")])
+    _check_quant(cfg, [SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3")])
+    _check_quant(cfg, jax.devices())
+    assert not (tmp_path / "run").exists()

@@ -23,6 +23,7 @@ from configs.schema import nan_steps
 from data import describe, eval_batches, global_batches, make_iterator, to_global
 from model import flops_per_token, hf
 from sharding import distributed, resolve_mesh_shape
+from sharding.hardware import check_quant, hardware_of_kind
 from sharding.mesh import check_nodes
 from trainer import rundir_lock
 from trainer.checkpoint import Checkpointer, check_resumable, checkpoint_dir, has_checkpoints, saved_config
@@ -159,6 +160,7 @@ def run(cfg: Config, devices: list | None = None) -> list[dict[str, Any]]:
     distributed.check_same_everywhere(fingerprint(cfg), cfg.dist.init_timeout_s)
     devices = jax.devices() if devices is None else devices
     _check_device_count(cfg, devices, why_not)
+    _check_quant(cfg, devices)
     p = prepare(cfg, len(devices))
     check_nodes(devices, cfg.mesh.nodes)
     # Bad input has been refused with run.dir untouched; from here on this run writes there, alone.
@@ -177,6 +179,14 @@ def _check_device_count(cfg: Config, devices: list, why_not: str) -> None:
     except ConfigError as e:
         hint = device_count_hint(cfg, devices[0].platform, len(devices), why_not)
         raise ConfigError(f"{e}; {hint}" if hint else str(e)) from None
+
+
+def _check_quant(cfg: Config, devices: list) -> None:
+    """Refuses a `model.quant` the devices have no matmul unit for (a CPU emulates every mode)."""
+    hw = hardware_of_kind(getattr(devices[0], "device_kind", ""))
+    why = check_quant(cfg.model.quant, hw) if hw else None
+    if why:
+        raise ConfigError(f"model.quant: {why}")
 
 
 def _run_holding_the_lock(
