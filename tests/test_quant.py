@@ -147,3 +147,36 @@ def test_training_refuses_a_mode_the_devices_lack(tiny, tmp_path):
     _check_quant(cfg, [SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3")])
     _check_quant(cfg, jax.devices())
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("fixture, hardware, precision, operand", [
+    ("h100_tiny_fp8.hlo", "h100", "fp8", r"f8e4m3fn\["),
+    ("v5e_tiny_int8_fsdp4.hlo", "tpu-v5e", "int8", r"s8\["),
+])
+def test_real_compiles_hold_the_low_precision_matmuls(fixture: str, hardware: str, precision: str, operand: str):
+    """The tiny step in bf16 with `model.quant` compiled by the real compilers (tests/fixtures/
+    make_hlo.sh): its matmuls read FP8 (H100) or int8 (v5e) operands, the roofline finds them and
+    times them at the device's low-precision rate."""
+    import os
+    import re
+
+    from conftest import ROOT
+    from sharding.hardware import HARDWARE, kernel_seconds
+    from sharding.roofline import compute_seconds, kernels
+
+    with open(os.path.join(ROOT, "tests", "fixtures", fixture)) as f:
+        text = f.read()
+    matmuls = re.findall(r"^\s*(?:ROOT )?%\S+ = \S+ (?:dot|convolution)\((.*)$", text, re.M)
+    assert matmuls
+    found = kernels(text)
+    low = sum(k.flops * k.count for k in found if k.precision == precision)
+    total = sum(k.flops * k.count for k in found)
+    # The forward block matmuls at least: a quarter of all the work of this tiny model (whose
+    # attention and output head stay bf16), three quarters with FP8 gradients as well.
+    assert low >= 0.25 * total, (low, total)
+    assert re.search(operand, text)
+    hw = HARDWARE[hardware]
+    # Matmul time alone (this tiny model's kernels are bound by memory, where rates do not show).
+    fast = compute_seconds(found, lambda f, b, p: kernel_seconds(f, 0.0, hw, p))["seconds"]
+    slow = compute_seconds(found, lambda f, b, p: kernel_seconds(f, 0.0, hw))["seconds"]
+    assert fast == pytest.approx(slow - low / hw.matmul_efficiency * (1 / hw.peak_flops - 1 / hw.peak_for(precision)))
