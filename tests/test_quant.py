@@ -102,6 +102,7 @@ def test_fp8_resume_is_bitwise_exact(tiny, tmp_path, capsys):
               "mesh.data=2", "mesh.fsdp=4"]
     straight = trainer.run(tiny("train.steps=4", *common, f"run.dir={tmp_path / 'straight'}"))
     first = trainer.run(tiny("train.steps=2", *common, f"run.dir={tmp_path / 'resumed'}"))
+    assert "model.quant=fp8: the block matmuls run in 8 bits (emulated on this device)" in capsys.readouterr().out
     second = trainer.run(tiny("train.steps=4", *common, f"run.dir={tmp_path / 'resumed'}"))
     assert "resumed from step 2" in capsys.readouterr().out
     np.testing.assert_array_equal(losses(first + second), losses(straight))

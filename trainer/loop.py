@@ -23,7 +23,7 @@ from configs.schema import nan_steps
 from data import describe, eval_batches, global_batches, make_iterator, to_global
 from model import flops_per_token, hf
 from sharding import distributed, resolve_mesh_shape
-from sharding.hardware import check_quant, hardware_of_kind
+from sharding.hardware import check_quant, hardware_of_kind, peak_flops_of_kind
 from sharding.mesh import check_nodes
 from trainer import rundir_lock
 from trainer.checkpoint import Checkpointer, check_resumable, checkpoint_dir, has_checkpoints, saved_config
@@ -111,6 +111,10 @@ def build(p: Prepared, devices: list, schedule_note: str = "") -> Built:
         f"{devices[0].platform} devices, {jax.process_count()} process(es); "
         f"{param_count(p.shapes) / 1e6:.2f}M parameters"
     )
+    if cfg.model.quant != "none":
+        log(f"model.quant={cfg.model.quant}: the block matmuls run in 8 bits"
+            + ("; MFU is against the bf16 peak" if peak_flops_of_kind(getattr(devices[0], "device_kind", "")) else
+               " (emulated on this device)"))
     try:
         restored = ckpt.restore_latest(program.abstract_state(), iterator, warn=log)
         if restored is None and from_hf:
