@@ -181,3 +181,25 @@ def test_real_compiles_hold_the_low_precision_matmuls(fixture: str, hardware: st
     fast = compute_seconds(found, lambda f, b, p: kernel_seconds(f, 0.0, hw, p))["seconds"]
     slow = compute_seconds(found, lambda f, b, p: kernel_seconds(f, 0.0, hw))["seconds"]
     assert fast == pytest.approx(slow - low / hw.matmul_efficiency * (1 / hw.peak_flops - 1 / hw.peak_for(precision)))
+
+
+@pytest.mark.parametrize("quant", ["none", "fp8", "int8"])
+def test_grad_reduce_rounds_only_the_weight_gradient(quant: str):
+    """`model.grad_reduce=bfloat16` in a float32 run: the forward and the activation gradient are
+    untouched, the weight gradient comes out of its matmul in bfloat16 (what its reduction moves)."""
+    from model.quant import qeinsum
+
+    x, w = operands()
+    g = jax.random.normal(jax.random.key(2), (2, 3, 4, 8))
+
+    def grads(reduce: str) -> tuple[jax.Array, ...]:
+        out, vjp = jax.vjp(lambda a, b: qeinsum(SPEC, a, b, quant, reduce), x, w)
+        return (out, *vjp(g))
+
+    out32, dx32, dw32 = grads("compute")
+    out16, dx16, dw16 = grads("bfloat16")
+    np.testing.assert_array_equal(out16, out32)
+    np.testing.assert_array_equal(dx16, dx32)
+    assert dw16.dtype == jnp.float32 and not np.array_equal(dw16, dw32)
+    np.testing.assert_array_equal(dw16, dw16.astype(jnp.bfloat16).astype(jnp.float32))  # on the bf16 grid
+    np.testing.assert_allclose(dw16, dw32, rtol=2**-7, atol=1e-6)
