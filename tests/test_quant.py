@@ -203,3 +203,30 @@ def test_grad_reduce_rounds_only_the_weight_gradient(quant: str):
     assert dw16.dtype == jnp.float32 and not np.array_equal(dw16, dw32)
     np.testing.assert_array_equal(dw16, dw16.astype(jnp.bfloat16).astype(jnp.float32))  # on the bf16 grid
     np.testing.assert_allclose(dw16, dw32, rtol=2**-7, atol=1e-6)
+
+
+def test_bf16_gradient_reduction_halves_the_block_weights_reduce_bytes():
+    """The float32 tiny step, data=8, compiled for 8 H100s (tests/fixtures/make_hlo.sh) with
+    `model.grad_reduce=compute` and `=bfloat16`: the block weights' all-reduces move bf16, half
+    their float32 bytes; the embedding and norm scales still reduce in float32."""
+    import os
+
+    from conftest import ROOT
+    from sharding.hlo import collectives
+
+    def reduced(name: str) -> dict[str, int]:
+        with open(os.path.join(ROOT, "tests", "fixtures", name)) as f:
+            ops, unknown = collectives(f.read(), {"pipeline": 1, "data": 8, "fsdp": 1, "tensor": 1}, 8)
+        assert unknown == 0
+        out: dict[str, int] = {}
+        for c in ops:
+            assert c.kind == "all-reduce" and c.axes == ("data",), c
+            for dtype, size in c.by_dtype:
+                out[dtype] = out.get(dtype, 0) + size * c.count
+        return out
+
+    f32, bf16 = reduced("h100_tiny_data8_f32.hlo"), reduced("h100_tiny_data8_f32_reduce_bf16.hlo")
+    assert set(f32) == {"f32"} and set(bf16) == {"f32", "bf16"}
+    blocks = f32["f32"] - bf16["f32"]  # what moved to bf16
+    assert blocks > 0.8 * f32["f32"]  # the block weights are most of the model
+    assert bf16["bf16"] * 2 == blocks
