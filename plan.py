@@ -49,7 +49,7 @@ from jax.sharding import AbstractMesh
 from configs import Config, ConfigError, load_config
 from configs.schema import MESH_AXES, REMAT_POLICIES
 from sharding import shardings
-from sharding.hardware import HARDWARE, Hardware, kernel_seconds
+from sharding.hardware import HARDWARE, Hardware, check_quant, kernel_seconds
 from sharding.hlo import collectives
 from sharding.minimum import minimum
 from sharding.report import evaluate, print_plan, print_search
@@ -165,13 +165,18 @@ def measure(cfg: Config, hw: Hardware, target: Hardware | None, n: int, topology
     if unknown:
         notes.append(f"{unknown} loop(s) of unknown trip count: their collectives and kernels are counted once")
     batch = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(program.abstract_batch())) // n
+    roofline = compute_seconds(kernels(text), lambda f, b, prec: kernel_seconds(f, b, hw, prec))
+    if cfg.model.quant != "none":
+        low = roofline[f"{cfg.model.quant}_flops"] / max(roofline["flops"], 1.0)
+        notes.append(f"model.quant={cfg.model.quant}: {low:.0%} of the compiled FLOPs are {cfg.model.quant} matmuls, "
+                     f"timed at {hw.peak_for(cfg.model.quant) / 1e12:,.0f} TFLOP/s; MFU stays against the bf16 peak")
     return {
         **compiled_stats(compiled),
         "compiler": compiler_name(target),
         "compile_s": seconds,
         "batch_bytes": batch,
         "collectives": [{**dataclasses.asdict(c), "wire_bytes": c.wire_bytes} for c in ops],
-        "roofline": compute_seconds(kernels(text), lambda f, b: kernel_seconds(f, b, hw)),
+        "roofline": roofline,
         "bubble": program.layout.bubble if program.layout.pipelined else 0.0,
         "notes": notes,
     }
@@ -226,7 +231,10 @@ def main(argv: list[str] | None = None) -> int:
         for r in remats:
             if r not in REMAT_POLICIES:
                 raise ConfigError(f"--remat: {r!r} is not one of {', '.join(REMAT_POLICIES)}")
-        load_config(args.config, args.overrides)  # a bad key fails here, whatever the layout
+        base = load_config(args.config, args.overrides)  # a bad key fails here, whatever the layout
+        why = check_quant(base.model.quant, hw)
+        if why:
+            raise ConfigError(f"model.quant: {why}")
         rows = []
         for overrides in candidates(args.overrides, args.devices, args.search, remats):
             try:

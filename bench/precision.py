@@ -1,16 +1,22 @@
-"""Does bfloat16 compute track float32? The same run twice, `model.dtype=float32` and
-`model.dtype=bfloat16` (float32 master weights both times), on the same real text, step by step.
+"""Does bfloat16 compute track float32, and do the low-precision matmuls track bfloat16? The
+same run with `model.dtype=float32` and `model.dtype=bfloat16` (float32 master weights both
+times), or with `--quant fp8,int8` the bfloat16 run against bfloat16 runs with `model.quant=fp8`
+and `=int8` (no float32 run then), on the same real text, step by step.
 
     python -m bench.precision                                   # the default model, 50 steps, CPU is fine
     python -m bench.precision --config configs/llama3-1b.yaml data.source=text model.seq_len=1024 \
         train.global_batch=8 model.vocab_size=384 model.attention=xla   # the 1B body on one GPU, byte text
                                                                  # (cuDNN attention has no float32 path)
 
+    python -m bench.precision --steps 200 --quant fp8,int8      # issue 21: each mode against bf16
+
 Prints both losses at a few steps, the largest per-step relative gap, and the largest gap between
 their 10-step means; exits 1 if the windowed gap exceeds `--tolerance` (default 2%). Why windows:
 both runs see the same batches, but once rounding has moved the weights their single-step losses
 wander apart and back (measured: 2.2% at one step, 0.02% at the last); a precision bug, such as a
 softmax or loss in bf16, shows as a sustained offset instead, which the windowed gap keeps.
+Each `--quant` mode is judged against the bfloat16 run with the same tolerance; on CPU its FP8
+and int8 matmuls are emulated (the same rounding, float32 arithmetic).
 """
 
 from __future__ import annotations
@@ -28,11 +34,11 @@ from configs import ConfigError, load_config
 WINDOW = 10
 
 
-def losses(config: str | None, overrides: list[str], dtype: str, steps: int, root: str) -> np.ndarray:
-    """Per-step training losses of a fresh run with compute dtype `dtype`."""
+def losses(config: str | None, overrides: list[str], dtype: str, steps: int, root: str, quant: str = "none") -> np.ndarray:
+    """Per-step training losses of a fresh run with compute dtype `dtype` and `model.quant`."""
     cfg = load_config(config, [
-        *overrides, f"model.dtype={dtype}", f"train.steps={steps}", "train.log_every=1", "eval.every=0",
-        f"checkpoint.every={steps}", f"run.dir={os.path.join(root, dtype)}",
+        *overrides, f"model.dtype={dtype}", f"model.quant={quant}", f"train.steps={steps}", "train.log_every=1",
+        "eval.every=0", f"checkpoint.every={steps}", f"run.dir={os.path.join(root, f'{dtype}-{quant}')}",
     ])
     return np.array([r["loss"] for r in trainer.run(cfg)])
 
@@ -42,25 +48,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=None, help="preset (default: the built-in default run)")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--tolerance", type=float, default=0.02, help=f"largest allowed gap between {WINDOW}-step mean losses, relative")
+    parser.add_argument("--quant", default="", help="comma-separated model.quant modes to compare against bfloat16 (fp8, int8)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
+    modes = [q.strip() for q in args.quant.split(",") if q.strip()]
     root = tempfile.mkdtemp(prefix="bench-precision-")
     try:
-        f32 = losses(args.config, args.overrides, "float32", args.steps, root)
+        for q in modes:  # a bad mode fails before any run
+            load_config(args.config, [*args.overrides, f"model.quant={q}"])
+        f32 = None if modes else losses(args.config, args.overrides, "float32", args.steps, root)
         bf16 = losses(args.config, args.overrides, "bfloat16", args.steps, root)
+        quantized = {q: losses(args.config, args.overrides, "bfloat16", args.steps, root, q) for q in modes}
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    lines, ok = compare(f32, bf16, args.tolerance)
+    lines, ok = ([], True) if f32 is None else compare(f32, bf16, args.tolerance)
+    for q, got in quantized.items():
+        more, good = compare(bf16, got, args.tolerance, ("bfloat16", f"bfloat16 {q}"))
+        lines += ["", *more]
+        ok = ok and good
     print("\n".join(lines))
     return 0 if ok else 1
 
 
-def compare(f32: np.ndarray, bf16: np.ndarray, tolerance: float) -> tuple[list[str], bool]:
-    """(the report's lines, whether the gap between WINDOW-step means stays within tolerance)."""
+def compare(f32: np.ndarray, bf16: np.ndarray, tolerance: float,
+            names: tuple[str, str] = ("float32", "bfloat16")) -> tuple[list[str], bool]:
+    """(the report's lines, whether the gap between WINDOW-step means stays within tolerance):
+    `bf16` judged against the reference `f32`, the columns titled by `names`."""
     gap = np.abs(bf16 - f32) / np.abs(f32)
     steps = len(f32)
-    lines = ["| step | float32 loss | bfloat16 loss | relative gap |", "| --- | --- | --- | --- |"]
+    lines = [f"| step | {names[0]} loss | {names[1]} loss | relative gap |", "| --- | --- | --- | --- |"]
     for s in sorted({1, *range(10, steps + 1, 10), steps, int(np.argmax(gap)) + 1}):
         lines.append(f"| {s} | {f32[s - 1]:.4f} | {bf16[s - 1]:.4f} | {gap[s - 1]:.2%} |")
     worst = int(np.argmax(gap))

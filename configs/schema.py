@@ -23,6 +23,8 @@ REMAT_SAVES: dict[str, str | None] = {
 }
 REMAT_POLICIES = tuple(REMAT_SAVES)
 ATTENTION_IMPLS = ("xla", "dot_product", "cudnn")
+QUANT_MODES = ("none", "fp8", "int8")  # model.quant: the block matmuls' operand precision (model/quant.py)
+GRAD_REDUCE_DTYPES = ("compute", "float32", "bfloat16")  # model.grad_reduce
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SOURCES = ("text", "prepared", "synthetic")
 PACKINGS = ("concat", "document")
@@ -123,6 +125,10 @@ class ModelConfig:
     remat: str = "none"
     attention: str = "xla"
     loss_chunk: int = 0  # > 0: output head + loss this many positions at a time (no full f32 logits)
+    quant: str = "none"  # none | fp8 | int8: the blocks' matmuls (model/quant.py)
+    # The dtype block weight gradients leave their matmuls in, so the dtype their reductions over
+    # the batch shards move ("compute": the compute dtype).
+    grad_reduce: str = "compute"
 
     @property
     def resolved_head_dim(self) -> int:
@@ -348,6 +354,8 @@ def validate_static(cfg: Config) -> None:
     _one_of(m.dtype, "model.dtype", DTYPES)
     _one_of(m.remat, "model.remat", REMAT_POLICIES)
     _one_of(m.attention, "model.attention", ATTENTION_IMPLS)
+    _one_of(m.quant, "model.quant", QUANT_MODES)
+    _one_of(m.grad_reduce, "model.grad_reduce", GRAD_REDUCE_DTYPES)
     _check_data(cfg)
     _one_of(o.schedule, "optim.schedule", SCHEDULES)
     _one_of(o.name, "optim.name", OPTIMIZERS)

@@ -1,5 +1,8 @@
 """Building blocks of a Llama-style decoder: RMSNorm, rotary embeddings, GQA attention, SwiGLU.
 
+The block projections run under `model.quant` and `model.grad_reduce` (model/quant.py); norms
+and the softmax do not.
+
 Every parameter carries logical axis names (`out_sharding` metadata) and every main activation
 is constrained by logical names; which mesh axes those names land on is decided by the rules in
 `sharding/`, never here. Parameters are stored in float32 and cast to the compute dtype at use.
@@ -16,6 +19,7 @@ from flax import nnx
 
 from configs.schema import ModelConfig
 from model.attention import attend
+from model.quant import qeinsum
 
 Array = jax.Array
 
@@ -75,9 +79,10 @@ class Attention(nnx.Module):
         """x [b, l, d] -> q [b, l, heads, hd], k and v [b, l, kv_heads, hd], rotary applied.
         Split from __call__ so KV-cache decoding (model/decode.py) reuses it."""
         dt = x.dtype
-        q = jnp.einsum("bld,dhk->blhk", x, self.q[...].astype(dt))
-        k = jnp.einsum("bld,dhk->blhk", x, self.k[...].astype(dt))
-        v = jnp.einsum("bld,dhk->blhk", x, self.v[...].astype(dt))
+        quant, reduce = self.cfg.quant, self.cfg.grad_reduce
+        q = qeinsum("bld,dhk->blhk", x, self.q[...].astype(dt), quant, reduce)
+        k = qeinsum("bld,dhk->blhk", x, self.k[...].astype(dt), quant, reduce)
+        v = qeinsum("bld,dhk->blhk", x, self.v[...].astype(dt), quant, reduce)
         q = constrain(rotary(q, positions, self.cfg.rope_theta), ("batch", "length", "heads", "head_dim"))
         k = constrain(rotary(k, positions, self.cfg.rope_theta), ("batch", "length", "kv_heads", "head_dim"))
         return q, k, constrain(v, ("batch", "length", "kv_heads", "head_dim"))
@@ -85,7 +90,7 @@ class Attention(nnx.Module):
     def output(self, out: Array) -> Array:
         """Attention output [b, l, heads, hd] -> [b, l, d]."""
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
-        return jnp.einsum("blhk,hkd->bld", out, self.o[...].astype(out.dtype))
+        return qeinsum("blhk,hkd->bld", out, self.o[...].astype(out.dtype), self.cfg.quant, self.cfg.grad_reduce)
 
 
 class MLP(nnx.Module):
@@ -96,13 +101,14 @@ class MLP(nnx.Module):
         self.gate = param(rngs, init, (cfg.d_model, cfg.d_ff), ("embed", "mlp"))
         self.up = param(rngs, init, (cfg.d_model, cfg.d_ff), ("embed", "mlp"))
         self.down = param(rngs, init, (cfg.d_ff, cfg.d_model), ("mlp", "embed"))
+        self.quant, self.grad_reduce = cfg.quant, cfg.grad_reduce
 
     def __call__(self, x: Array) -> Array:
         dt = x.dtype
-        gate = jnp.einsum("bld,df->blf", x, self.gate[...].astype(dt))
-        up = jnp.einsum("bld,df->blf", x, self.up[...].astype(dt))
+        gate = qeinsum("bld,df->blf", x, self.gate[...].astype(dt), self.quant, self.grad_reduce)
+        up = qeinsum("bld,df->blf", x, self.up[...].astype(dt), self.quant, self.grad_reduce)
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-        return jnp.einsum("blf,fd->bld", hidden, self.down[...].astype(dt))
+        return qeinsum("blf,fd->bld", hidden, self.down[...].astype(dt), self.quant, self.grad_reduce)
 
 
 class Block(nnx.Module):

@@ -19,6 +19,11 @@ The step-time model, per device (inputs from sharding/roofline.py and sharding/h
     step     = max(compute, overlap) / (1 - pipeline bubble) + exposed
     MFU      = model FLOPs / (step x peak)
 
+`peak` in the compute term is the rate of the kernel's matmul operands (`low_precision_flops`:
+FP8 and int8 dense peaks from the datasheets, where the device has them; every other kernel at
+the bf16 peak). MFU stays defined against the bf16 peak whatever `model.quant` is, so an FP8
+run's MFU can pass what bf16 could reach but stays comparable between runs.
+
 A collective costs ring-algorithm bytes (sharding.hlo.RING_FACTORS) over the slowest link its
 groups cross: the intra-node link (NVLink, ICI) if every group stays inside one node or slice,
 else the inter-node one (InfiniBand, data-center network).
@@ -47,6 +52,13 @@ class Hardware:
     matmul_efficiency: float = 0.70
     hbm_efficiency: float = 0.78
     memory_reserve: float = 0.0
+    # Dense peaks of the low-precision matmuls, by roofline precision ("fp8", "int8"); a
+    # `model.quant` mode missing here has no matmul unit on the device and is refused.
+    low_precision_flops: dict[str, float] = dataclasses.field(default_factory=dict, hash=False)
+
+    def peak_for(self, precision: str) -> float:
+        """FLOP/s of a matmul kernel whose operands are `precision` ("bf16": the peak_flops)."""
+        return self.low_precision_flops.get(precision, self.peak_flops)
 
     @property
     def memory_budget(self) -> float:
@@ -54,48 +66,72 @@ class Hardware:
 
 
 _GPU = dict(platform="cuda", devices_per_node=8, memory_reserve=0.1)
+# Dense datasheet peaks: H100/H200 SXM FP8 and INT8 1,979 T/s (twice bf16); A100 INT8 624 TOPS,
+# no FP8; TPU INT8 (v4 275, v5e 394, v5p 918, v6e 1,836 TOPS), no FP8 before TPU7x.
+_HOPPER_8BIT = {"fp8": 1979e12, "int8": 1979e12}
 HARDWARE = {
     # NVLink 4 (H100/H200): 900 GB/s per GPU both ways; InfiniBand NDR: 400 Gb/s per GPU.
     "h100": Hardware("h100", spec="h100_sxm.txtpb", peak_flops=989e12, hbm_bytes_per_s=3.35e12, memory_bytes=84.94e9,
-                     intra_node_bytes_per_s=450e9, inter_node_bytes_per_s=50e9, device_kinds=("H100",), **_GPU),
+                     intra_node_bytes_per_s=450e9, inter_node_bytes_per_s=50e9, device_kinds=("H100",),
+                     low_precision_flops=_HOPPER_8BIT, **_GPU),
     "h200": Hardware("h200", spec="h200.txtpb", peak_flops=989e12, hbm_bytes_per_s=4.8e12, memory_bytes=151.4e9,
-                     intra_node_bytes_per_s=450e9, inter_node_bytes_per_s=50e9, device_kinds=("H200", "GH200"), **_GPU),
+                     intra_node_bytes_per_s=450e9, inter_node_bytes_per_s=50e9, device_kinds=("H200", "GH200"),
+                     low_precision_flops=_HOPPER_8BIT, **_GPU),
     # NVLink 3 (A100): 600 GB/s per GPU both ways; InfiniBand HDR: 200 Gb/s per GPU.
     "a100": Hardware("a100", spec="a100_sxm_80.txtpb", peak_flops=312e12, hbm_bytes_per_s=2.039e12,
                      memory_bytes=85.2e9, intra_node_bytes_per_s=300e9, inter_node_bytes_per_s=25e9,
-                     device_kinds=("A100",), **_GPU),
+                     device_kinds=("A100",), low_precision_flops={"int8": 624e12}, **_GPU),
     # TPU ICI per chip: v5e 1,600 Gb/s, v5p 4,800 Gb/s, v6e 3,584 Gb/s over all links; a ring
     # along one torus axis is assumed to use two links' worth. Between slices the data-center
     # network, assumed 25 GB/s per chip. A slice is the "node": every chip of it shares ICI.
     "tpu-v4": Hardware("tpu-v4", platform="tpu", spec="v4", peak_flops=275e12, hbm_bytes_per_s=1.2e12,
                        memory_bytes=32e9, intra_node_bytes_per_s=100e9, inter_node_bytes_per_s=25e9,
-                       devices_per_node=0, device_kinds=("TPU v4",), torus_dims=3),
+                       devices_per_node=0, device_kinds=("TPU v4",), torus_dims=3, low_precision_flops={"int8": 275e12}),
     "tpu-v5e": Hardware("tpu-v5e", platform="tpu", spec="v5e", peak_flops=197e12, hbm_bytes_per_s=0.819e12,
                         memory_bytes=16e9, intra_node_bytes_per_s=50e9, inter_node_bytes_per_s=25e9,
-                        devices_per_node=0, device_kinds=("TPU v5 lite", "TPU v5e"), torus_dims=2),
+                        devices_per_node=0, device_kinds=("TPU v5 lite", "TPU v5e"), torus_dims=2,
+                        low_precision_flops={"int8": 394e12}),
     "tpu-v5p": Hardware("tpu-v5p", platform="tpu", spec="v5p", peak_flops=459e12, hbm_bytes_per_s=2.765e12,
                         memory_bytes=95e9, intra_node_bytes_per_s=200e9, inter_node_bytes_per_s=25e9,
-                        devices_per_node=0, device_kinds=("TPU v5p", "TPU v5"), torus_dims=3),
+                        devices_per_node=0, device_kinds=("TPU v5p", "TPU v5"), torus_dims=3,
+                        low_precision_flops={"int8": 918e12}),
     "tpu-v6e": Hardware("tpu-v6e", platform="tpu", spec="v6e", peak_flops=918e12, hbm_bytes_per_s=1.64e12,
                         memory_bytes=32e9, intra_node_bytes_per_s=112e9, inter_node_bytes_per_s=25e9,
-                        devices_per_node=0, device_kinds=("TPU v6 lite", "TPU v6e"), torus_dims=2),
+                        devices_per_node=0, device_kinds=("TPU v6 lite", "TPU v6e"), torus_dims=2,
+                        low_precision_flops={"int8": 1836e12}),
 }
 
 
-def peak_flops_of_kind(device_kind: str) -> float | None:
-    """The dense bf16 peak of a device by its jax `device_kind` (longest matching name wins);
-    None for a device not in the table (a CPU)."""
+def hardware_of_kind(device_kind: str) -> Hardware | None:
+    """The table's entry for a jax `device_kind` (longest matching name wins); None for a device
+    not in the table (a CPU)."""
     matches = [(k, hw) for hw in HARDWARE.values() for k in hw.device_kinds if k in device_kind]
-    return max(matches, key=lambda m: len(m[0]))[1].peak_flops if matches else None
+    return max(matches, key=lambda m: len(m[0]))[1] if matches else None
+
+
+def peak_flops_of_kind(device_kind: str) -> float | None:
+    """The dense bf16 peak of a device by its jax `device_kind`; None for one not in the table."""
+    hw = hardware_of_kind(device_kind)
+    return hw.peak_flops if hw else None
 
 
 def collective_seconds(wire_bytes: float, inter_node: bool, hw: Hardware) -> float:
     return wire_bytes / (hw.inter_node_bytes_per_s if inter_node else hw.intra_node_bytes_per_s)
 
 
-def kernel_seconds(flops: float, bytes_accessed: float, hw: Hardware) -> float:
-    """Roofline time of one kernel: bound by its matmul rate or by its memory traffic."""
-    return max(flops / (hw.peak_flops * hw.matmul_efficiency), bytes_accessed / (hw.hbm_bytes_per_s * hw.hbm_efficiency))
+def kernel_seconds(flops: float, bytes_accessed: float, hw: Hardware, precision: str = "bf16") -> float:
+    """Roofline time of one kernel: bound by its matmul rate (that of its operands' `precision`)
+    or by its memory traffic."""
+    return max(flops / (hw.peak_for(precision) * hw.matmul_efficiency),
+               bytes_accessed / (hw.hbm_bytes_per_s * hw.hbm_efficiency))
+
+
+def check_quant(quant: str, hw: Hardware) -> str | None:
+    """Why `model.quant=quant` cannot run on `hw` (None: it can)."""
+    if quant == "none" or quant in hw.low_precision_flops:
+        return None
+    has = ", ".join(sorted(hw.low_precision_flops)) or "none"
+    return f"{quant} has no matmul unit on {hw.name} (its low-precision matmuls: {has})"
 
 
 def predict(*, hw: Hardware, model_flops: float, compute_s: float, collectives: list[dict], bubble: float) -> dict[str, float]:

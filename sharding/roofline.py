@@ -13,6 +13,8 @@ bare op. Its executions per step are its computation's loop trip counts (shardin
 - Bytes: the kernel's operands plus its result, except that an operand a fusion only reads
   through `dynamic-slice` counts the slices (a scan reading layer i of a stacked weight), and
   a fusion whose root is `dynamic-update-slice` writes only the update (in place).
+- Precision: a kernel whose matmul reads float8 operands is "fp8", one reading int8 "int8"
+  (timed at that rate, sharding.hardware), any other "bf16" (the device's default peak).
 Collectives are left to sharding.hlo and the step-time model.
 """
 
@@ -73,6 +75,26 @@ def parse(hlo_text: str) -> dict[str, list[Instr]]:
 def _dims(type_text: str) -> list[int]:
     m = _DIMS.search(type_text)
     return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
+def _precision(ins: Instr, types: dict[str, str]) -> str | None:
+    """A matmul's operand precision ("fp8", "int8", "bf16"); None for an op that is no matmul."""
+    if ins.op not in ("dot", "convolution", "custom-call"):
+        return None
+    operands = " ".join(types.get(o, "") for o in ins.operands[:2])
+    return "fp8" if re.search(r"\bf8e", operands) else "int8" if re.search(r"\bs8\[", operands) else "bf16"
+
+
+def _fusion_precision(comp: str, comps: dict[str, list[Instr]], types: dict[str, str]) -> str:
+    """The lowest operand precision of the matmuls in a fusion (nested ones included)."""
+    found = set()
+    for ins in comps.get(comp, []):
+        if ins.op in ("dot", "convolution"):
+            found.add(_precision(ins, types))
+        elif ins.op == "fusion":
+            called = re.search(r"calls=%([\w.\-]+)", ins.attrs)
+            found.add(_fusion_precision(called.group(1), comps, types) if called else "bf16")
+    return next((p for p in ("fp8", "int8") if p in found), "bf16")
 
 
 def _dot_flops(ins: Instr, types: dict[str, str]) -> float:
@@ -193,6 +215,7 @@ class Kernel:
     flops: float  # per execution
     bytes: float  # per execution
     count: int  # executions per step
+    precision: str = "bf16"  # of its matmul operands: "fp8", "int8" or "bf16" (any other)
 
 
 def kernels(hlo_text: str) -> list[Kernel]:
@@ -214,26 +237,31 @@ def kernels(hlo_text: str) -> list[Kernel]:
             if ins.op == "fusion":
                 called = re.search(r"calls=%([\w.\-]+)", ins.attrs)
                 flops = _fusion_flops(called.group(1), comps, types) if called else 0.0
+                precision = _fusion_precision(called.group(1), comps, types) if called else "bf16"
                 size = _fusion_bytes(ins, comps, types)
             elif ins.op == "custom-call":
                 target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
                 target = target.group(1) if target else ""
                 flops = (_gemm_flops(ins, types) if "gemm" in target or "matmul" in target
                          else _attention_flops(ins, types) if "fmha" in target else 0.0)
+                precision = _precision(ins, types) if flops else "bf16"
                 size = sum(shape_bytes(types.get(o, "")) for o in ins.operands) + shape_bytes(ins.type)
             else:
                 flops = (_conv_flops(ins, types) if ins.op == "convolution"
                          else _dot_flops(ins, types) if ins.op == "dot" else 0.0)
+                precision = _precision(ins, types) or "bf16"
                 size = sum(shape_bytes(types.get(o, "")) for o in ins.operands) + shape_bytes(ins.type)
-            found.append(Kernel(ins.name, ins.op, flops, size, count))
+            found.append(Kernel(ins.name, ins.op, flops, size, count, precision))
     return found
 
 
-def compute_seconds(found: list[Kernel], seconds: Callable[[float, float], float]) -> dict[str, float]:
-    """Roofline totals per step: FLOPs, bytes, and the time `seconds(flops, bytes)` sums to."""
+def compute_seconds(found: list[Kernel], seconds: Callable[[float, float, str], float]) -> dict[str, float]:
+    """Roofline totals per step: FLOPs (all, and those of FP8 and int8 matmuls), bytes, and the
+    time `seconds(flops, bytes, precision)` sums to."""
     return {
         "flops": sum(k.flops * k.count for k in found),
+        **{f"{p}_flops": sum(k.flops * k.count for k in found if k.precision == p) for p in ("fp8", "int8")},
         "bytes": sum(k.bytes * k.count for k in found),
-        "seconds": sum(seconds(k.flops, k.bytes) * k.count for k in found),
+        "seconds": sum(seconds(k.flops, k.bytes, k.precision) * k.count for k in found),
         "kernels": sum(k.count for k in found),
     }

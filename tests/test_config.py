@@ -117,6 +117,8 @@ EXPLICIT: dict[str, tuple[Any, list[str]]] = {
     "model.dtype": ("bfloat16", []),
     "model.remat": ("save_dots", []),
     "model.attention": ("dot_product", []),
+    "model.quant": ("fp8", []),
+    "model.grad_reduce": ("bfloat16", []),
     "data.source": ("synthetic", []),
     "data.mixture": ("/a:0.5,/b:0.5", ["data.source=prepared"]),
     "data.packing": ("document", []),

@@ -25,6 +25,7 @@ from configs.schema import nan_steps
 from data import describe, eval_batches, global_batches, make_iterator
 from model import flops_per_token, hf
 from sharding import distributed, resolve_mesh_shape
+from sharding.hardware import check_quant, hardware_of_kind, peak_flops_of_kind
 from sharding.mesh import check_nodes
 from trainer import rundir_lock
 from trainer.checkpoint import Checkpointer, check_resumable, checkpoint_dir, has_checkpoints, saved_config
@@ -115,6 +116,10 @@ def build(p: Prepared, devices: list, schedule_note: str = "") -> Session:
         f"{devices[0].platform} devices, {jax.process_count()} process(es); "
         f"{param_count(p.shapes) / 1e6:.2f}M parameters"
     )
+    if cfg.model.quant != "none":
+        log(f"model.quant={cfg.model.quant}: the block matmuls run in 8 bits"
+            + ("; MFU is against the bf16 peak" if peak_flops_of_kind(getattr(devices[0], "device_kind", "")) else
+               " (emulated on this device)"))
     try:
         restored = ckpt.restore_latest(program.abstract_state(), iterator, warn=log)
         if restored is None and from_hf:
@@ -164,6 +169,7 @@ def run(cfg: Config, devices: list | None = None) -> list[dict[str, Any]]:
     distributed.check_same_everywhere(fingerprint(cfg), cfg.dist.init_timeout_s)
     devices = jax.devices() if devices is None else devices
     _check_device_count(cfg, devices, why_not)
+    _check_quant(cfg, devices)
     p = prepare(cfg, len(devices))
     check_nodes(devices, cfg.mesh.nodes)
     # Bad input has been refused with run.dir untouched; from here on this run writes there, alone.
@@ -182,6 +188,14 @@ def _check_device_count(cfg: Config, devices: list, why_not: str) -> None:
     except ConfigError as e:
         hint = device_count_hint(cfg, devices[0].platform, len(devices), why_not)
         raise ConfigError(f"{e}; {hint}" if hint else str(e)) from None
+
+
+def _check_quant(cfg: Config, devices: list) -> None:
+    """Refuses a `model.quant` the devices have no matmul unit for (a CPU emulates every mode)."""
+    hw = hardware_of_kind(getattr(devices[0], "device_kind", ""))
+    why = check_quant(cfg.model.quant, hw) if hw else None
+    if why:
+        raise ConfigError(f"model.quant: {why}")
 
 
 def _run_holding_the_lock(

@@ -1,0 +1,163 @@
+"""Low-precision matmuls for the blocks (`model.quant`): `none`, `fp8`, `int8`.
+
+Every projection of a block (q, k, v, o, gate, up, down) goes through `qeinsum`; the embedding,
+output head, norms and the attention softmax keep their precision.
+
+- `fp8`: both operands of the forward matmul in float8_e4m3fn, the incoming gradient in
+  float8_e5m2 for both backward matmuls (its wider range, as the FP8 recipes of Transformer
+  Engine and torchtitan), one scale per tensor, accumulation in float32. Scaling is *current*:
+  each scale is the tensor's own absolute maximum of this step (a max-reduction the
+  partitioner runs over the shards), not a history of past maxima. Delayed scaling would save
+  that reduction but needs an amax history per matmul per layer in the train state, threaded
+  through the layer scan and the pipeline stages; current scaling has no state, so a resume is
+  exact with nothing to checkpoint, and a step's scale can never lag a jump in magnitude.
+- `int8`: symmetric, per channel: one scale per output channel of the weight and one per row
+  (token) of the activation, each over the contracted dims, products accumulated in int32. The
+  gradient matmuls run in the compute dtype on the unquantized operands (straight-through):
+  per-channel int8 gradients would need scales along the forward's contracted dims, and a
+  gradient's range is what 8 bits hold worst.
+
+`model.grad_reduce` picks the dtype each block weight's gradient leaves its matmul in
+(`compute`: the compute dtype, as autodiff gives it). The partitioner reduces a weight gradient
+over the batch shards (data-parallel all-reduce, FSDP reduce-scatter) right where its matmul
+produces the partial sums, in that matmul's output dtype: `bfloat16` halves the bytes of a
+float32 run's gradient reductions, `float32` doubles a bfloat16 run's for an exact sum.
+
+Why written here and not through a library: both are `jnp.einsum` on low-precision operand
+types with `preferred_element_type` (what XLA's GPU compiler turns into cuBLASLt FP8 GEMMs and
+the TPU compiler into int8 MXU passes) inside one `jax.custom_vjp` each, about a hundred
+lines. qwix 0.1.8 (MaxText's choice) imports with jax 0.10.2 and flax 0.12.8, but it quantizes
+by intercepting the calls of NNX modules picked by path rules on a model it rewrites; this
+model is re-merged from its state inside the layer scan and the pipeline runners on every
+step, and the scaling would be hidden in its providers. AQT is superseded by qwix.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+_TINY = 1e-12  # an all-zero tensor gets this amax, not a division by zero
+
+
+def _split(spec: str) -> tuple[str, str, str]:
+    inputs, out = spec.split("->")
+    a, b = inputs.split(",")
+    return a, b, out
+
+
+def _to_fp8(x: Array, dtype: jnp.dtype) -> tuple[Array, Array]:
+    """(x / scale in `dtype`, scale), scale = amax(|x|) / the format's largest finite value."""
+    x32 = x.astype(jnp.float32)
+    scale = jnp.maximum(jnp.max(jnp.abs(x32)), _TINY) / float(jnp.finfo(dtype).max)
+    return (x32 / scale).astype(dtype), scale
+
+
+def _fp8_dot(spec: str, a: Array, b: Array, sa: Array, sb: Array, dtype: jnp.dtype) -> Array:
+    # The matmul itself outputs `dtype` and the scales apply after: a weight gradient's partial
+    # sums are reduced over the batch shards in the matmul's output dtype (model.grad_reduce).
+    out = jnp.einsum(spec, a, b, preferred_element_type=dtype)
+    return (out.astype(jnp.float32) * (sa * sb)).astype(dtype)
+
+
+def _grad_dtype(grad_reduce: str, w_dtype: jnp.dtype) -> jnp.dtype:
+    return w_dtype if grad_reduce == "compute" else jnp.dtype(grad_reduce)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def fp8_einsum(spec: str, x: Array, w: Array, grad_reduce: str = "compute") -> Array:
+    """`jnp.einsum(spec, x, w)` with FP8 operands (e4m3 forward, e5m2 gradients); output in x's
+    dtype, the weight gradient out of its matmul in `grad_reduce` ('compute': w's dtype)."""
+    return _fp8_fwd(spec, x, w, grad_reduce)[0]
+
+
+def _fp8_fwd(spec: str, x: Array, w: Array, grad_reduce: str) -> tuple[Array, tuple]:
+    xq, sx = _to_fp8(x, E4M3)
+    wq, sw = _to_fp8(w, E4M3)
+    # The FP8 copies are the residuals: a quarter of a float32 activation's bytes. Residuals
+    # must be arrays, so w's dtype travels as an empty array of it (dx takes g's dtype, x's).
+    return _fp8_dot(spec, xq, wq, sx, sw, x.dtype), (xq, wq, sx, sw, jnp.zeros((0,), w.dtype))
+
+
+def _fp8_bwd(spec: str, grad_reduce: str, res: tuple, g: Array) -> tuple[Array, Array]:
+    xq, wq, sx, sw, w_like = res
+    a, b, out = _split(spec)
+    gq, sg = _to_fp8(g, E5M2)
+    dx = _fp8_dot(f"{out},{b}->{a}", gq, wq, sg, sw, g.dtype)
+    dw = _fp8_dot(f"{a},{out}->{b}", xq, gq, sx, sg, _grad_dtype(grad_reduce, w_like.dtype))
+    return dx, dw.astype(w_like.dtype)
+
+
+fp8_einsum.defvjp(_fp8_fwd, _fp8_bwd)
+
+
+def _to_int8(x: Array, keep: str, dims: str) -> tuple[Array, Array]:
+    """(round(x / scale) in int8, scale), one scale per index of the dims in `keep`; the others
+    (the contracted ones) stay in the scale's shape with size 1."""
+    x32 = x.astype(jnp.float32)
+    reduce = tuple(i for i, d in enumerate(dims) if d not in keep)
+    scale = jnp.maximum(jnp.max(jnp.abs(x32), axis=reduce, keepdims=True), _TINY) / 127.0
+    return jnp.clip(jnp.round(x32 / scale), -127, 127).astype(jnp.int8), scale
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def int8_einsum(spec: str, x: Array, w: Array, grad_reduce: str = "compute") -> Array:
+    """`jnp.einsum(spec, x, w)` with per-channel int8 operands in the forward pass; output in x's dtype."""
+    a, b, out = _split(spec)
+    xq, sx = _to_int8(x, out, a)
+    wq, sw = _to_int8(w, out, b)
+    acc = jnp.einsum(spec, xq, wq, preferred_element_type=jnp.int32)
+    # The scales keep the contracted dims at size 1, so the same einsum multiplies them out
+    # into the output's shape: row scale times channel scale.
+    return (acc.astype(jnp.float32) * jnp.einsum(spec, sx, sw)).astype(x.dtype)
+
+
+def _int8_fwd(spec: str, x: Array, w: Array, grad_reduce: str) -> tuple[Array, tuple[Array, Array]]:
+    return int8_einsum(spec, x, w, grad_reduce), (x, w)
+
+
+def _int8_bwd(spec: str, grad_reduce: str, res: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
+    x, w = res
+    a, b, out = _split(spec)
+    g = g.astype(x.dtype)
+    dw = jnp.einsum(f"{a},{out}->{b}", x, g, preferred_element_type=_grad_dtype(grad_reduce, w.dtype))
+    return jnp.einsum(f"{out},{b}->{a}", g, w.astype(x.dtype)), dw.astype(w.dtype)
+
+
+int8_einsum.defvjp(_int8_fwd, _int8_bwd)
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def reduced_einsum(spec: str, x: Array, w: Array, grad_dtype: str) -> Array:
+    """`jnp.einsum(spec, x, w)` whose weight gradient comes out of its matmul in `grad_dtype`."""
+    return jnp.einsum(spec, x, w)
+
+
+def _reduced_fwd(spec: str, x: Array, w: Array, grad_dtype: str) -> tuple[Array, tuple[Array, Array]]:
+    return jnp.einsum(spec, x, w), (x, w)
+
+
+def _reduced_bwd(spec: str, grad_dtype: str, res: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
+    x, w = res
+    a, b, out = _split(spec)
+    dw = jnp.einsum(f"{a},{out}->{b}", x, g, preferred_element_type=jnp.dtype(grad_dtype))
+    return jnp.einsum(f"{out},{b}->{a}", g, w), dw.astype(w.dtype)
+
+
+reduced_einsum.defvjp(_reduced_fwd, _reduced_bwd)
+
+_EINSUMS = {"fp8": fp8_einsum, "int8": int8_einsum}
+
+
+def qeinsum(spec: str, x: Array, w: Array, quant: str, grad_reduce: str = "compute") -> Array:
+    """A block's matmul `x` [activation] by `w` [weight, already in the compute dtype] under
+    `model.quant` ('none': the plain einsum) and `model.grad_reduce`."""
+    if quant != "none":
+        return _EINSUMS[quant](spec, x, w, grad_reduce)
+    if grad_reduce == "compute" or jnp.dtype(grad_reduce) == w.dtype:
+        return jnp.einsum(spec, x, w)
+    return reduced_einsum(spec, x, w, grad_reduce)

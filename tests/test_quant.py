@@ -1,0 +1,232 @@
+"""`model.quant`: the FP8 and int8 matmuls compute what they claim, each mode trains the tiny
+model, resumes bitwise, and gives one device's losses on a sharded layout within its rounding."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import trainer
+from configs import ConfigError
+from model.quant import E4M3, E5M2, fp8_einsum, int8_einsum
+
+SPEC = "bld,dhk->blhk"  # a q/k/v projection: the weight keeps two output dims
+STEPS = 4
+# Loss gaps allowed between a sharded layout and one device in each mode. float32 layouts agree
+# to 2e-5 (test_train.py); a reduction order that moves one value across a rounding boundary
+# moves it one step of the format: 2^-3 relative for e4m3, 2^-7 for int8 near its channel max.
+LAYOUT_RTOL = {"fp8": 1e-3, "int8": 1e-4}
+
+
+def operands() -> tuple[jax.Array, jax.Array]:
+    kx, kw = jax.random.split(jax.random.key(0))
+    return jax.random.normal(kx, (2, 3, 16)), 0.02 * jax.random.normal(kw, (16, 4, 8))
+
+
+def fp8_round(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """x rounded onto the per-tensor scaled grid of `dtype`, back in float32."""
+    scale = jnp.max(jnp.abs(x)) / float(jnp.finfo(dtype).max)
+    return (x / scale).astype(dtype).astype(jnp.float32) * scale
+
+
+def test_fp8_einsum_is_the_einsum_of_fp8_operands_and_gradients():
+    x, w = operands()
+    out, vjp = jax.vjp(lambda a, b: fp8_einsum(SPEC, a, b), x, w)
+    exact = jnp.einsum(SPEC, x, w)
+    assert not np.array_equal(out, exact), "fp8 must round something"
+    np.testing.assert_allclose(out, jnp.einsum(SPEC, fp8_round(x, E4M3), fp8_round(w, E4M3)), rtol=1e-5, atol=1e-7)
+    g = jax.random.normal(jax.random.key(1), out.shape)
+    dx, dw = vjp(g)
+    gq = fp8_round(g, E5M2)
+    np.testing.assert_allclose(dx, jnp.einsum("blhk,dhk->bld", gq, fp8_round(w, E4M3)), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(dw, jnp.einsum("bld,blhk->dhk", fp8_round(x, E4M3), gq), rtol=1e-5, atol=1e-6)
+
+
+def test_int8_einsum_scales_per_row_and_per_output_channel():
+    x, w = operands()
+    w = w * jnp.arange(1, 33, dtype=jnp.float32).reshape(1, 4, 8)  # channels of very different ranges
+    out = int8_einsum(SPEC, x, w)
+    sx = jnp.max(jnp.abs(x), axis=2, keepdims=True) / 127
+    sw = jnp.max(jnp.abs(w), axis=0, keepdims=True) / 127
+    want = jnp.einsum(SPEC, jnp.round(x / sx) * sx, jnp.round(w / sw) * sw)
+    assert not np.array_equal(out, jnp.einsum(SPEC, x, w)), "int8 must round something"
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    # Straight-through: the gradients are those of the unquantized einsum.
+    g = jnp.ones(out.shape)
+    got = jax.grad(lambda a, b: jnp.sum(int8_einsum(SPEC, a, b) * g), argnums=(0, 1))(x, w)
+    ref = jax.grad(lambda a, b: jnp.sum(jnp.einsum(SPEC, a, b) * g), argnums=(0, 1))(x, w)
+    for a, b in zip(got, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def losses(history: list[dict]) -> np.ndarray:
+    return np.array([r["loss"] for r in history])
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    """Per mode: the tiny run's losses on one device."""
+    import os
+
+    from configs import load_config
+    from conftest import ROOT, stdlib_glob
+
+    out = {}
+    for quant in ("none", "fp8", "int8"):
+        cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
+            f"run.dir={tmp_path_factory.mktemp(quant)}", f"data.path={stdlib_glob('json')}", "train.log_every=1",
+            f"train.steps={STEPS}", "mesh.data=1", f"model.quant={quant}",
+        ])
+        out[quant] = losses(trainer.run(cfg, devices=jax.devices()[:1]))
+    return out
+
+
+@pytest.mark.parametrize("quant", ["fp8", "int8"])
+def test_each_mode_learns_and_differs_from_full_precision(one_device, quant):
+    got = one_device[quant]
+    assert got[-1] < got[0] - 0.1, f"{quant}: the loss did not fall: {got}"
+    assert not np.array_equal(got, one_device["none"]), f"{quant} ran the full-precision matmuls"
+    np.testing.assert_allclose(got, one_device["none"], rtol=2e-3)
+
+
+@pytest.mark.parametrize("quant", ["fp8", "int8"])
+def test_sharded_layout_matches_one_device(tiny, one_device, quant):
+    history = trainer.run(tiny(f"train.steps={STEPS}", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", f"model.quant={quant}"))
+    np.testing.assert_allclose(losses(history), one_device[quant], rtol=LAYOUT_RTOL[quant])
+
+
+def test_fp8_resume_is_bitwise_exact(tiny, tmp_path, capsys):
+    common = ["model.quant=fp8", "optim.schedule=constant", "optim.warmup_steps=0", "checkpoint.every=2",
+              "mesh.data=2", "mesh.fsdp=4"]
+    straight = trainer.run(tiny("train.steps=4", *common, f"run.dir={tmp_path / 'straight'}"))
+    first = trainer.run(tiny("train.steps=2", *common, f"run.dir={tmp_path / 'resumed'}"))
+    assert "model.quant=fp8: the block matmuls run in 8 bits (emulated on this device)" in capsys.readouterr().out
+    second = trainer.run(tiny("train.steps=4", *common, f"run.dir={tmp_path / 'resumed'}"))
+    assert "resumed from step 2" in capsys.readouterr().out
+    np.testing.assert_array_equal(losses(first + second), losses(straight))
+
+
+def test_unknown_mode_is_refused(tiny):
+    with pytest.raises(ConfigError, match=r"^model\.quant: 'fp4' is not one of none, fp8, int8$"):
+        tiny("model.quant=fp4")
+
+
+def test_precision_bench_refuses_an_unknown_mode_before_any_run():
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    done = subprocess.run([sys.executable, "-m", "bench.precision", "--config", "tiny", "--quant", "fp8,fp4"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == "error: model.quant: 'fp4' is not one of none, fp8, int8"
+    assert "step" not in done.stdout
+
+
+@pytest.mark.parametrize("hardware, quant, has", [("tpu-v5e", "fp8", "int8"), ("tpu-v6e", "fp8", "int8"),
+                                                  ("a100", "fp8", "int8")])
+def test_a_mode_the_target_has_no_unit_for_exits_2_before_compiling(hardware: str, quant: str, has: str, capsys):
+    from sharding.plan import main
+
+    assert main(["--config", "tiny", "--devices", "4", "--hardware", hardware, f"model.quant={quant}"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: model.quant: {quant} has no matmul unit on {hardware} (its low-precision matmuls: {has})\n"
+
+
+def test_training_refuses_a_mode_the_devices_lack(tiny, tmp_path):
+    """On a real device the check reads its `device_kind` (a CPU emulates every mode)."""
+    from types import SimpleNamespace
+
+    from trainer.loop import _check_quant
+
+    cfg = tiny("model.quant=fp8")
+    with pytest.raises(ConfigError, match=r"^model\.quant: fp8 has no matmul unit on tpu-v5e"):
+        _check_quant(cfg, [SimpleNamespace(device_kind="TPU v5 lite")])
+    _check_quant(cfg, [SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3")])
+    _check_quant(cfg, jax.devices())
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("fixture, hardware, precision, operand", [
+    ("h100_tiny_fp8.hlo", "h100", "fp8", r"f8e4m3fn\["),
+    ("v5e_tiny_int8_fsdp4.hlo", "tpu-v5e", "int8", r"s8\["),
+])
+def test_real_compiles_hold_the_low_precision_matmuls(fixture: str, hardware: str, precision: str, operand: str):
+    """The tiny step in bf16 with `model.quant` compiled by the real compilers (tests/fixtures/
+    make_hlo.sh): its matmuls read FP8 (H100) or int8 (v5e) operands, the roofline finds them and
+    times them at the device's low-precision rate."""
+    import os
+    import re
+
+    from conftest import ROOT
+    from sharding.hardware import HARDWARE, kernel_seconds
+    from sharding.roofline import compute_seconds, kernels
+
+    with open(os.path.join(ROOT, "tests", "fixtures", fixture)) as f:
+        text = f.read()
+    matmuls = re.findall(r"^\s*(?:ROOT )?%\S+ = \S+ (?:dot|convolution)\((.*)$", text, re.M)
+    assert matmuls
+    found = kernels(text)
+    low = sum(k.flops * k.count for k in found if k.precision == precision)
+    total = sum(k.flops * k.count for k in found)
+    # The forward block matmuls at least: a quarter of all the work of this tiny model (whose
+    # attention and output head stay bf16), three quarters with FP8 gradients as well.
+    assert low >= 0.25 * total, (low, total)
+    assert re.search(operand, text)
+    hw = HARDWARE[hardware]
+    # Matmul time alone (this tiny model's kernels are bound by memory, where rates do not show).
+    fast = compute_seconds(found, lambda f, b, p: kernel_seconds(f, 0.0, hw, p))["seconds"]
+    slow = compute_seconds(found, lambda f, b, p: kernel_seconds(f, 0.0, hw))["seconds"]
+    assert fast == pytest.approx(slow - low / hw.matmul_efficiency * (1 / hw.peak_flops - 1 / hw.peak_for(precision)))
+
+
+@pytest.mark.parametrize("quant", ["none", "fp8", "int8"])
+def test_grad_reduce_rounds_only_the_weight_gradient(quant: str):
+    """`model.grad_reduce=bfloat16` in a float32 run: the forward and the activation gradient are
+    untouched, the weight gradient comes out of its matmul in bfloat16 (what its reduction moves)."""
+    from model.quant import qeinsum
+
+    x, w = operands()
+    g = jax.random.normal(jax.random.key(2), (2, 3, 4, 8))
+
+    def grads(reduce: str) -> tuple[jax.Array, ...]:
+        out, vjp = jax.vjp(lambda a, b: qeinsum(SPEC, a, b, quant, reduce), x, w)
+        return (out, *vjp(g))
+
+    out32, dx32, dw32 = grads("compute")
+    out16, dx16, dw16 = grads("bfloat16")
+    np.testing.assert_array_equal(out16, out32)
+    np.testing.assert_array_equal(dx16, dx32)
+    assert dw16.dtype == jnp.float32 and not np.array_equal(dw16, dw32)
+    np.testing.assert_array_equal(dw16, dw16.astype(jnp.bfloat16).astype(jnp.float32))  # on the bf16 grid
+    np.testing.assert_allclose(dw16, dw32, rtol=2**-7, atol=1e-6)
+
+
+def test_bf16_gradient_reduction_halves_the_block_weights_reduce_bytes():
+    """The float32 tiny step, data=8, compiled for 8 H100s (tests/fixtures/make_hlo.sh) with
+    `model.grad_reduce=compute` and `=bfloat16`: the block weights' all-reduces move bf16, half
+    their float32 bytes; the embedding and norm scales still reduce in float32."""
+    import os
+
+    from conftest import ROOT
+    from sharding.hlo import collectives
+
+    def reduced(name: str) -> dict[str, int]:
+        with open(os.path.join(ROOT, "tests", "fixtures", name)) as f:
+            ops, unknown = collectives(f.read(), {"pipeline": 1, "data": 8, "fsdp": 1, "tensor": 1}, 8)
+        assert unknown == 0
+        out: dict[str, int] = {}
+        for c in ops:
+            assert c.kind == "all-reduce" and c.axes == ("data",), c
+            for dtype, size in c.by_dtype:
+                out[dtype] = out.get(dtype, 0) + size * c.count
+        return out
+
+    f32, bf16 = reduced("h100_tiny_data8_f32.hlo"), reduced("h100_tiny_data8_f32_reduce_bf16.hlo")
+    assert set(f32) == {"f32"} and set(bf16) == {"f32", "bf16"}
+    blocks = f32["f32"] - bf16["f32"]  # what moved to bf16
+    assert blocks > 0.8 * f32["f32"]  # the block weights are most of the model
+    assert bf16["bf16"] * 2 == blocks
