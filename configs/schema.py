@@ -22,12 +22,12 @@ REMAT_SAVES: dict[str, str | None] = {
     "save_dots_no_batch": "dots_with_no_batch_dims_saveable",
 }
 REMAT_POLICIES = tuple(REMAT_SAVES)
-ATTENTION_IMPLS = ("xla", "dot_product", "cudnn")
+ATTENTION_IMPLS = ("xla", "dot_product", "cudnn", "splash")
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SOURCES = ("text", "prepared", "synthetic")
 PACKINGS = ("concat", "document")
 SCHEDULES = ("cosine", "linear", "constant")
-MESH_AXES = ("pipeline", "data", "fsdp", "tensor")  # outermost first
+MESH_AXES = ("pipeline", "data", "fsdp", "context", "tensor")  # outermost first
 # The logical dim names the model gives its parameters and activations (model/layers.py,
 # model/transformer.py, the pipeline runner): the only keys a rules table may have, since a rule
 # for any other name matches nothing. tests/test_config.py checks the model uses exactly these.
@@ -86,6 +86,7 @@ class MeshConfig:
     pipeline: int = 1
     data: int = -1
     fsdp: int = 1
+    context: int = 1  # splits activations' `length` dim (the sequence); see ContextConfig
     tensor: int = 1
     # A hybrid mesh: the job spans `nodes` GPU hosts or TPU slices (> 1), and only the axis
     # `across` crosses them (InfiniBand / DCN); the other axes stay inside a node (NVLink / ICI).
@@ -99,6 +100,21 @@ class PipelineConfig:
 
     microbatches: int = 0  # 0: as many as stages
     repeats: int = 1  # > 1: circular schedule, each stage holds `repeats` non-adjacent layer groups
+
+
+CONTEXT_STRATEGIES = ("allgather", "ring")
+
+
+@dataclass(kw_only=True)
+class ContextConfig:
+    """Attention under a sequence split (mesh.context > 1)."""
+
+    # allgather: keys and values gathered over `context`, queries stay local.
+    # ring: key/value blocks passed round the `context` ring, online softmax (no whole-sequence keys).
+    strategy: str = "allgather"
+    # Each device holds chunks i and 2C-1-i of the sequence (2C chunks), so causal attention gives
+    # every device the same work; needs model.seq_len divisible by 2 x mesh.context.
+    load_balance: bool = True
 
 
 @dataclass(kw_only=True)
@@ -208,6 +224,7 @@ def _default_activation_rules() -> dict[str, Any]:
         "mlp": "tensor",
         "vocab": "tensor",
         "layers": "pipeline",
+        "length": "context",
     }
 
 
@@ -225,6 +242,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    context: ContextConfig = field(default_factory=ContextConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -342,6 +360,7 @@ def validate_static(cfg: Config) -> None:
     _one_of(m.dtype, "model.dtype", DTYPES)
     _one_of(m.remat, "model.remat", REMAT_POLICIES)
     _one_of(m.attention, "model.attention", ATTENTION_IMPLS)
+    _one_of(cfg.context.strategy, "context.strategy", CONTEXT_STRATEGIES)
     _check_data(cfg)
     _one_of(o.schedule, "optim.schedule", SCHEDULES)
     _require(t.step_timeout_s >= 0, "train.step_timeout_s", f"must be >= 0 (0: off), got {t.step_timeout_s}")

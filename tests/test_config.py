@@ -117,6 +117,7 @@ EXPLICIT: dict[str, tuple[Any, list[str]]] = {
     "model.dtype": ("bfloat16", []),
     "model.remat": ("save_dots", []),
     "model.attention": ("dot_product", []),
+    "context.strategy": ("ring", []),
     "data.source": ("synthetic", []),
     "data.mixture": ("/a:0.5,/b:0.5", ["data.source=prepared"]),
     "data.packing": ("document", []),
