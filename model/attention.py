@@ -93,14 +93,14 @@ def fused_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, imp
 
 def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, interpret: bool | None = None) -> Array:
     """The Pallas splash kernel over q [b, t, h, d], k, v [b, t, kv, d]: causal in array order,
-    within documents by segment ids. Needs every row in sequence order (no load balancing);
-    tiles of up to 512 positions, so the length must be a multiple of min(length, 512)."""
+    within documents by segment ids. Needs every row in sequence order (no load balancing) and
+    a length that is a multiple of 128 (its tiles: 512 positions where they divide it, else 128)."""
     # Imported here: loading Pallas and its TPU kernels costs every other run start-up time.
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
     b, t, h, d = q.shape
-    block = min(t, 512)
+    block = 512 if t % 512 == 0 else 128
     sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                           block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
     if interpret is None:

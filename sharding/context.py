@@ -61,9 +61,8 @@ def balanced_order(length: int, shards: int) -> np.ndarray:
 def check_context(cfg: Config, sizes: dict[str, int], act_rules: Rules) -> None:
     """Raises ConfigError naming the key when the sequence split cannot run as configured."""
     c, m = sizes["context"], cfg.model
-    if m.attention == "splash" and m.seq_len % min(m.seq_len, 512):
-        raise ConfigError(f"model.seq_len={m.seq_len}: model.attention=splash tiles the sequence by 512, "
-                          "so it must be below 512 or a multiple of it")
+    if m.attention == "splash" and m.seq_len % 128:
+        raise ConfigError(f"model.seq_len={m.seq_len} is not a multiple of 128, the tile of model.attention=splash")
     if c == 1:
         return
     if mesh_axes("length", act_rules) != ("context",):
@@ -144,7 +143,9 @@ def per_device(kernel: Callable[[Array, Array, Array, "Array | None"], Array], r
 
     def attention(q: Array, k: Array, v: Array, positions: Array, segment_ids: Array | None) -> Array:
         seg_spec = None if segment_ids is None else row_spec
-        return jax.shard_map(kernel, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec)(
-            q, k, v, segment_ids)
+        # A Pallas call cannot say how its output varies over the mesh, so the check is off;
+        # every input and the output are split the same way over the axes that split them.
+        return jax.shard_map(kernel, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,
+                             check_vma=False)(q, k, v, segment_ids)
 
     return attention
