@@ -94,15 +94,17 @@ def _check_pipeline(cfg: Config, stages: int, repeats: int, micro: int, per_repl
         )
 
 
-def sequence_split(cfg: Config, layout: Layout) -> SequenceSplit | None:
-    """The load-balanced order and the sharded attention kernel the layout needs (None: neither)."""
+def sequence_split(cfg: Config, layout: Layout, platform: str) -> SequenceSplit | None:
+    """The load-balanced order and the sharded attention kernel the layout needs (None: neither),
+    for devices of `platform` (splash runs as the TPU kernel on "tpu", interpreted elsewhere)."""
     shards = layout.sizes["context"]
     order = balanced_order(cfg.model.seq_len, shards) if shards > 1 and cfg.context.load_balance else None
     attention = None
     if shards > 1 and cfg.context.strategy == "ring":
         attention = sharded_ring(layout.stage_rules, shards, block_mask)
     elif cfg.model.attention == "splash":
-        attention = per_device(splash_attention, layout.stage_rules)
+        kernel = functools.partial(splash_attention, interpret=platform != "tpu")
+        attention = per_device(kernel, layout.stage_rules)
     return None if order is None and attention is None else SequenceSplit(order, attention)
 
 

@@ -115,7 +115,7 @@ def make_program(p: Prepared, devices: list) -> Program:
     state_sh = state_shardings(tx, p.shapes, shardings(p.axes, layout.param_rules, mesh), mesh)
     batch_sh = batch_sharding(mesh, layout.act_rules)
     runner = layer_runner(layout, cfg.model.remat)
-    split = sequence_split(cfg, layout)
+    split = sequence_split(cfg, layout, devices[0].platform)
     cast = functools.partial(cast_for_compute, axes=p.axes, dtype=cfg.model.dtype, shardings=state_sh.params)
     step = jax.jit(
         make_train_step(p.graphdef, tx, schedule, cfg.train.grad_accum, runner, cfg.model.loss_chunk, cast,
