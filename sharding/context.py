@@ -23,6 +23,7 @@ Strategies (`context.strategy`):
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import jax
@@ -78,39 +79,50 @@ def check_context(cfg: Config, sizes: dict[str, int], act_rules: Rules) -> None:
 
 
 def ring_attention(q: Array, k: Array, v: Array, positions: Array, segment_ids: Array | None, *,
-                   axis: str, shards: int, mask_fn: MaskFn) -> Array:
+                   axis: str, shards: int, mask_fn: MaskFn, piece: int = 512) -> Array:
     """Attention of the local queries over every device's keys on the `axis` ring; runs inside
-    shard_map with q [b, t, h, d], k, v [b, t, kv, d], positions and segment_ids [b, t] local."""
+    shard_map with q [b, t, h, d], k, v [b, t, kv, d], positions and segment_ids [b, t] local.
+
+    Each key/value block is taken `piece` keys at a time under remat, so a device holds scores
+    of [heads, t, piece], never [heads, t, t], and the backward pass keeps only the running
+    max, sum and output per piece (at 131,072 tokens over 16 devices t is 8,192)."""
     b, t, h, d = q.shape
     kvh = k.shape[2]
     qg = q.reshape(b, t, kvh, h // kvh, d)
     perm = [(i, (i + 1) % shards) for i in range(shards)]
+    piece = t if t <= piece else math.gcd(t, piece)
 
-    def block(m: Array | None, l: Array | None, o: Array | None, kv: tuple) -> tuple[Array, Array, Array]:
+    @jax.checkpoint
+    def add(acc: tuple[Array, Array, Array], kv: tuple) -> tuple[tuple[Array, Array, Array], None]:
+        m, l, o = acc
         kb, vb, kp, ks = kv
         s = jnp.einsum("btkgd,bskd->bkgts", qg, kb, preferred_element_type=jnp.float32) * d**-0.5
         mask = mask_fn(positions, kp, segment_ids, ks)[:, :, None]  # broadcast over each group's heads
         s = jnp.where(mask, s, jnp.finfo(jnp.float32).min)
-        m_new = s.max(-1) if m is None else jnp.maximum(m, s.max(-1))
+        m_new = jnp.maximum(m, s.max(-1))
         # Masked scores count 0 even where a whole row is masked so far (m_new is then the
         # fill value itself and exp(s - m_new) would be 1).
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
         pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
-        if m is None:
-            return m_new, p.sum(-1), pv
         scale = jnp.exp(m - m_new)
-        return m_new, l * scale + p.sum(-1), o * scale[..., None] + pv
+        return (m_new, l * scale + p.sum(-1), o * scale[..., None] + pv), None
 
-    kv = (k, v, positions, segment_ids)
-    m, l, o = block(None, None, None, kv)
+    def block(acc: tuple[Array, Array, Array], kv: tuple) -> tuple[Array, Array, Array]:
+        pieces = jax.tree.map(lambda a: a.reshape(b, t // piece, piece, *a.shape[2:]).swapaxes(0, 1), kv)
+        return jax.lax.scan(add, acc, pieces)[0]
+
+    # The running max, sum and output start from q (times 0) so that, inside shard_map, they vary
+    # over the same mesh axes as the scan carries they become.
+    zero = qg.astype(jnp.float32).transpose(0, 2, 3, 1, 4) * 0.0  # [b, kv, g, t, d]
+    start = (zero[..., 0] + jnp.finfo(jnp.float32).min, zero[..., 0], zero)
+    acc = block(start, (k, v, positions, segment_ids))
 
     def step(carry: tuple, _: None) -> tuple[tuple, None]:
-        m, l, o, kv = carry
+        acc, kv = carry
         kv = jax.tree.map(lambda a: jax.lax.ppermute(a, axis, perm), kv)
-        m, l, o = block(m, l, o, kv)
-        return (m, l, o, kv), None
+        return (block(acc, kv), kv), None
 
-    (m, l, o, _), _ = jax.lax.scan(step, (m, l, o, kv), None, length=shards - 1)
+    ((m, l, o), _), _ = jax.lax.scan(step, (acc, (k, v, positions, segment_ids)), None, length=shards - 1)
     out = (o / l[..., None]).astype(q.dtype)  # [b, kv, g, t, d]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
