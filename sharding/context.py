@@ -111,10 +111,8 @@ def ring_attention(q: Array, k: Array, v: Array, positions: Array, segment_ids: 
         pieces = jax.tree.map(lambda a: a.reshape(b, t // piece, piece, *a.shape[2:]).swapaxes(0, 1), kv)
         return jax.lax.scan(add, acc, pieces)[0]
 
-    # The running max, sum and output start from q (times 0) so that, inside shard_map, they vary
-    # over the same mesh axes as the scan carries they become.
-    zero = qg.astype(jnp.float32).transpose(0, 2, 3, 1, 4) * 0.0  # [b, kv, g, t, d]
-    start = (zero[..., 0] + jnp.finfo(jnp.float32).min, zero[..., 0], zero)
+    start = (jnp.full((b, kvh, h // kvh, t), jnp.finfo(jnp.float32).min), jnp.zeros((b, kvh, h // kvh, t)),
+             jnp.zeros((b, kvh, h // kvh, t, d)))
     acc = block(start, (k, v, positions, segment_ids))
 
     def step(carry: tuple, _: None) -> tuple[tuple, None]:
@@ -141,8 +139,11 @@ def sharded_ring(rules: Rules, shards: int, mask_fn: MaskFn) -> AttentionFn:
     def attention(q: Array, k: Array, v: Array, positions: Array, segment_ids: Array | None) -> Array:
         fn = lambda q, k, v, p, s: ring_attention(q, k, v, p, s, axis=axis, shards=shards, mask_fn=mask_fn)  # noqa: E731
         seg_spec = None if segment_ids is None else row_spec
-        return jax.shard_map(fn, in_specs=(q_spec, kv_spec, kv_spec, row_spec, seg_spec), out_specs=q_spec)(
-            q, k, v, positions, segment_ids)
+        # check_vma off: under the pipeline's vmap (spmd_axis_name) the stage axis joins some
+        # operands' varying axes and not others'; every input and the output are split the same
+        # way over the axes that split them, so nothing is reduced on the way back either.
+        return jax.shard_map(fn, in_specs=(q_spec, kv_spec, kv_spec, row_spec, seg_spec), out_specs=q_spec,
+                             check_vma=False)(q, k, v, positions, segment_ids)
 
     return attention
 
