@@ -107,6 +107,9 @@ def ring_attention(q: Array, k: Array, v: Array, positions: Array, segment_ids: 
         scale = jnp.exp(m - m_new)
         return (m_new, l * scale + p.sum(-1), o * scale[..., None] + pv), None
 
+    # Remat per ring step as well as per piece: the backward pass keeps one accumulator per
+    # ring step, and a step's per-piece accumulators only while that step is differentiated.
+    @jax.checkpoint
     def block(acc: tuple[Array, Array, Array], kv: tuple) -> tuple[Array, Array, Array]:
         pieces = jax.tree.map(lambda a: a.reshape(b, t // piece, piece, *a.shape[2:]).swapaxes(0, 1), kv)
         return jax.lax.scan(add, acc, pieces)[0]

@@ -38,9 +38,14 @@ class Layout:
 
 def _with_batch_axis(rules: Rules, axis: str) -> Rules:
     """`rules` with `axis` appended to the mesh axes of `batch`."""
+    return _with_axis(rules, "batch", axis)
+
+
+def _with_axis(rules: Rules, name: str, axis: str) -> Rules:
+    """`rules` with `axis` appended to the mesh axes of the logical `name`."""
     out = []
     for logical, entry in rules:
-        if logical == "batch":
+        if logical == name:
             entry = (entry if isinstance(entry, tuple) else (() if entry is None else (entry,))) + (axis,)
         out.append((logical, entry))
     return tuple(out)
@@ -61,6 +66,10 @@ def plan_layout(cfg: Config, num_devices: int) -> Layout:
             f"({' x '.join(f'{a}={sizes[a]}' for a in batch_axes) or '1'}) x train.grad_accum={t.grad_accum}"
         )
     check_context(cfg, sizes, act_rules)
+    if sizes["context"] > 1:
+        # A context group's devices hold different positions of the same rows: the parameters
+        # they would each hold whole are sharded over them as well, FSDP-style.
+        param_rules = _with_axis(param_rules, "embed", "context")
     stages, repeats = sizes["pipeline"], cfg.pipeline.repeats
     micro = cfg.pipeline.microbatches or stages
     stage_rules = act_rules
