@@ -123,7 +123,9 @@ def ring_attention(q: Array, k: Array, v: Array, positions: Array, segment_ids: 
         kv = jax.tree.map(lambda a: jax.lax.ppermute(a, axis, perm), kv)
         return (block(acc, kv), kv), None
 
-    ((m, l, o), _), _ = jax.lax.scan(step, (acc, (k, v, positions, segment_ids)), None, length=shards - 1)
+    if shards > 1:
+        (acc, _), _ = jax.lax.scan(step, (acc, (k, v, positions, segment_ids)), None, length=shards - 1)
+    m, l, o = acc
     out = (o / l[..., None]).astype(q.dtype)  # [b, kv, g, t, d]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
@@ -135,9 +137,10 @@ def _specs(rules: Rules) -> tuple[PartitionSpec, PartitionSpec, PartitionSpec]:
 
 def sharded_ring(rules: Rules, shards: int, mask_fn: MaskFn) -> AttentionFn:
     """Ring attention over the mesh axis of `length`, as a kernel the model can call on global
-    arrays (the mesh comes from the tracing context, jax.set_mesh)."""
+    arrays (the mesh comes from the tracing context, jax.set_mesh). With one shard it is
+    blockwise attention on each device's whole rows: no [T, T] scores."""
     q_spec, kv_spec, row_spec = _specs(rules)
-    (axis,) = mesh_axes("length", rules)
+    axis = mesh_axes("length", rules)[0] if shards > 1 else ""  # one shard: no ring, blockwise attention
 
     def attention(q: Array, k: Array, v: Array, positions: Array, segment_ids: Array | None) -> Array:
         fn = lambda q, k, v, p, s: ring_attention(q, k, v, p, s, axis=axis, shards=shards, mask_fn=mask_fn)  # noqa: E731

@@ -31,7 +31,8 @@ LAYOUTS = {
 }
 CASES = [(layout, strategy, "document") for layout in LAYOUTS for strategy in ("allgather", "ring")]
 CASES += [("context=4", "allgather", "concat"), ("context=4", "ring", "concat"),
-          ("context=4", "ring no load balancing", "concat")]
+          ("context=4", "ring no load balancing", "concat"), ("context=1: data=8", "ring", "document")]
+LAYOUTS["context=1: data=8"] = ["mesh.data=8"]  # ring on one shard: blockwise attention, no ring
 
 
 def packed_batch(seq_len: int, documents: bool) -> dict[str, np.ndarray]:

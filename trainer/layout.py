@@ -109,7 +109,7 @@ def sequence_split(cfg: Config, layout: Layout, platform: str) -> SequenceSplit 
     shards = layout.sizes["context"]
     order = balanced_order(cfg.model.seq_len, shards) if shards > 1 and cfg.context.load_balance else None
     attention = None
-    if shards > 1 and cfg.context.strategy == "ring":
+    if cfg.context.strategy == "ring" and cfg.model.attention == "xla":
         attention = sharded_ring(layout.stage_rules, shards, block_mask)
     elif cfg.model.attention == "splash":
         kernel = functools.partial(splash_attention, interpret=platform != "tpu")
