@@ -141,6 +141,11 @@ def measure(cfg: Config, hw: Hardware, target: Hardware | None, n: int, topology
         where = "the CPU" if target is None else "a TPU"
         notes.append(f"model.attention=cudnn has no kernel on {where}: planned with xla attention, whose "
                      "[batch, heads, T, T] scores flash attention would not hold (temporaries: an upper bound)")
+    if cfg.model.attention == "splash" and (target is None or target.platform != "tpu"):
+        fused = "xla" if target is None else "cudnn"
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=fused))
+        notes.append(f"model.attention=splash is a TPU kernel: planned with {fused} attention"
+                     + (" (temporaries: an upper bound)" if target is None else ""))
     if target is None and cfg.mesh.nodes > 1:
         cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, nodes=1))
         notes.append("mesh.nodes: fake CPU devices sit in one process, so the fallback lays them out as one node")

@@ -22,7 +22,7 @@ REMAT_SAVES: dict[str, str | None] = {
     "save_dots_no_batch": "dots_with_no_batch_dims_saveable",
 }
 REMAT_POLICIES = tuple(REMAT_SAVES)
-ATTENTION_IMPLS = ("xla", "dot_product", "cudnn")
+ATTENTION_IMPLS = ("xla", "dot_product", "cudnn", "splash")
 QUANT_MODES = ("none", "fp8", "int8")  # model.quant: the block matmuls' operand precision (model/quant.py)
 GRAD_REDUCE_DTYPES = ("compute", "float32", "bfloat16")  # model.grad_reduce
 DTYPES = ("float32", "bfloat16", "float16")
@@ -31,7 +31,7 @@ PACKINGS = ("concat", "document")
 SCHEDULES = ("cosine", "linear", "constant")
 OPTIMIZERS = ("adamw", "muon", "adafactor", "lion")  # all from optax (trainer/optimizer.py)
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # trainer/trackers.py
-MESH_AXES = ("pipeline", "data", "fsdp", "tensor")  # outermost first
+MESH_AXES = ("pipeline", "data", "fsdp", "context", "tensor")  # outermost first
 # The logical dim names the model gives its parameters and activations (model/layers.py,
 # model/transformer.py, the pipeline runner): the only keys a rules table may have, since a rule
 # for any other name matches nothing. tests/test_config.py checks the model uses exactly these.
@@ -92,6 +92,7 @@ class MeshConfig:
     pipeline: int = 1
     data: int = -1
     fsdp: int = 1
+    context: int = 1  # splits activations' `length` dim (the sequence); see ContextConfig
     tensor: int = 1
     # A hybrid mesh: the job spans `nodes` GPU hosts or TPU slices (> 1), and only the axis
     # `across` crosses them (InfiniBand / DCN); the other axes stay inside a node (NVLink / ICI).
@@ -105,6 +106,21 @@ class PipelineConfig:
 
     microbatches: int = 0  # 0: as many as stages
     repeats: int = 1  # > 1: circular schedule, each stage holds `repeats` non-adjacent layer groups
+
+
+CONTEXT_STRATEGIES = ("allgather", "ring")
+
+
+@dataclass(kw_only=True)
+class ContextConfig:
+    """Attention under a sequence split (mesh.context > 1)."""
+
+    # allgather: keys and values gathered over `context`, queries stay local.
+    # ring: key/value blocks passed round the `context` ring, online softmax (no whole-sequence keys).
+    strategy: str = "allgather"
+    # Each device holds chunks i and 2C-1-i of the sequence (2C chunks), so causal attention gives
+    # every device the same work; needs model.seq_len divisible by 2 x mesh.context.
+    load_balance: bool = True
 
 
 @dataclass(kw_only=True)
@@ -220,6 +236,7 @@ def _default_activation_rules() -> dict[str, Any]:
         "mlp": "tensor",
         "vocab": "tensor",
         "layers": "pipeline",
+        "length": "context",
     }
 
 
@@ -237,6 +254,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    context: ContextConfig = field(default_factory=ContextConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -356,6 +374,7 @@ def validate_static(cfg: Config) -> None:
     _one_of(m.attention, "model.attention", ATTENTION_IMPLS)
     _one_of(m.quant, "model.quant", QUANT_MODES)
     _one_of(m.grad_reduce, "model.grad_reduce", GRAD_REDUCE_DTYPES)
+    _one_of(cfg.context.strategy, "context.strategy", CONTEXT_STRATEGIES)
     _check_data(cfg)
     _one_of(o.schedule, "optim.schedule", SCHEDULES)
     _one_of(o.name, "optim.name", OPTIMIZERS)

@@ -3,35 +3,74 @@
 - `xla`: plain einsums and a softmax in float32; runs everywhere and is the reference.
 - `dot_product`: `jax.nn.dot_product_attention` with the implementation JAX picks.
 - `cudnn`: the same, forced to cuDNN's fused flash attention (GPU only).
+- `splash`: the TPU Pallas splash attention kernel that ships in JAX, with segment ids for packed
+  documents; it never forms [length, length] scores. Off TPU it runs in Pallas interpret mode
+  (slow: for checking numerics).
 
 Shapes: q [batch, length, heads, head_dim]; k, v [batch, length, kv_heads, head_dim];
-segment_ids [batch, length] or None (None: one document per row).
+positions and segment_ids [batch, length] (segment_ids None: one document per row).
+
+"Causal" is read from positions, not from array order: a query sees a key of its own document
+whose position is not later. Within a document positions count up from 0 in order, so this is
+the usual causal mask; it also stays right when the sequence is reordered (the load-balanced
+context split, sharding/context.py), where array order no longer is sequence order.
+
+Under a sequence split (`length` on a mesh axis) keys and values are constrained whole along
+`length` while queries stay split: XLA gathers them, the all-gather strategy. The trainer may
+install another sharded kernel (ring attention, splash under shard_map) with `sharded_attention`;
+the model names no mesh axis either way.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from typing import Callable, Iterator
+
 import jax
 import jax.numpy as jnp
+from flax import linen as nn
 
 Array = jax.Array
+# (q, k, v, positions, segment_ids) -> out [batch, length, heads, head_dim]
+AttentionFn = Callable[[Array, Array, Array, Array, "Array | None"], Array]
+
+_SHARDED: contextvars.ContextVar[AttentionFn | None] = contextvars.ContextVar("sharded_attention", default=None)
 
 
-def _mask(segment_ids: Array | None, length: int) -> Array:
-    """[batch or 1, 1, q_len, kv_len] boolean: causal, and within one document."""
-    causal = jnp.tril(jnp.ones((length, length), dtype=bool))[None, None]
-    if segment_ids is None:
-        return causal
-    same_doc = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
-    return causal & same_doc
+@contextlib.contextmanager
+def sharded_attention(fn: AttentionFn | None) -> Iterator[None]:
+    """While tracing under it, every attention layer calls `fn` instead of its own kernel."""
+    token = _SHARDED.set(fn)
+    try:
+        yield
+    finally:
+        _SHARDED.reset(token)
 
 
-def xla_attention(q: Array, k: Array, v: Array, segment_ids: Array | None) -> Array:
-    return masked_attention(q, k, v, _mask(segment_ids, q.shape[1]))
+def block_mask(q_pos: Array, k_pos: Array, q_seg: Array | None, k_seg: Array | None) -> Array:
+    """[batch, 1, q_len, kv_len] boolean: the key's position is not after the query's, and both
+    sit in one document. Positions [batch, q_len] and [batch, kv_len]."""
+    mask = (q_pos[:, :, None] >= k_pos[:, None, :])[:, None]
+    if q_seg is None:
+        return mask
+    return mask & (q_seg[:, :, None] == k_seg[:, None, :])[:, None]
+
+
+def _positions(positions: Array | None, q: Array) -> Array:
+    if positions is not None:
+        return positions
+    return jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), q.shape[:2])
+
+
+def xla_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, positions: Array | None = None) -> Array:
+    pos = _positions(positions, q)
+    return masked_attention(q, k, v, block_mask(pos, pos, segment_ids, segment_ids))
 
 
 def masked_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
     """q [b, t, heads, d] over k, v [b, s, kv_heads, d] where mask [b or 1, 1, t, s] is true;
-    also what KV-cache decoding (model/decode.py) attends with, s being the cache length."""
+    also what KV-cache decoding (model/decode.py) and ring attention's blocks attend with."""
     b, t, h, d = q.shape
     kv = k.shape[2]
     # Group query heads by the kv head they share instead of repeating k and v.
@@ -43,18 +82,65 @@ def masked_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
     return out.reshape(b, t, h, d)
 
 
-def fused_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, implementation: str | None) -> Array:
-    if segment_ids is None:
+def fused_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, implementation: str | None,
+                    positions: Array | None = None) -> Array:
+    if segment_ids is None and positions is None:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
-    mask = _mask(segment_ids, q.shape[1])
+    pos = _positions(positions, q)
+    mask = block_mask(pos, pos, segment_ids, segment_ids)
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
 
 
-def attend(q: Array, k: Array, v: Array, segment_ids: Array | None, *, impl: str) -> Array:
+def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, interpret: bool | None = None) -> Array:
+    """The Pallas splash kernel over q [b, t, h, d], k, v [b, t, kv, d]: causal in array order,
+    within documents by segment ids. Needs every row in sequence order (no load balancing) and
+    a length that is a multiple of 128 (its tiles: 512 positions where they divide it, else 128)."""
+    # Imported here: loading Pallas and its TPU kernels costs every other run start-up time.
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    b, t, h, d = q.shape
+    block = 512 if t % 512 == 0 else 128
+    sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                          block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
+    kernel = sk.make_splash_mha(sm.MultiHeadMask([sm.CausalMask((t, t))] * h), block_sizes=sizes,
+                                head_shards=1, q_seq_shards=1, interpret=interpret)
+    seg = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    heads_first = lambda a: a.swapaxes(1, 2)  # noqa: E731  the kernel takes [heads, length, head_dim]
+    # The kernel does not scale the scores; the reference does, by head_dim ** -0.5.
+    scaled = (q.astype(jnp.float32) * d**-0.5).astype(q.dtype)
+    out = jax.vmap(lambda qq, kk, vv, s: kernel(qq, kk, vv, segment_ids=sk.SegmentIds(q=s, kv=s)))(
+        heads_first(scaled), heads_first(k), heads_first(v), seg)
+    return heads_first(out)
+
+
+def local_attention(q: Array, k: Array, v: Array, positions: Array, segment_ids: Array | None, *, impl: str) -> Array:
+    """The kernel `impl` on arrays that hold whole sequences (or, under GSPMD, look as if)."""
     if impl == "xla":
-        return xla_attention(q, k, v, segment_ids)
+        return xla_attention(q, k, v, segment_ids, positions)
     if impl == "dot_product":
-        return fused_attention(q, k, v, segment_ids, implementation=None)
+        return fused_attention(q, k, v, segment_ids, None, positions)
     if impl == "cudnn":
-        return fused_attention(q, k, v, segment_ids, implementation="cudnn")
+        return fused_attention(q, k, v, segment_ids, "cudnn", positions)
+    if impl == "splash":
+        return splash_attention(q, k, v, segment_ids)
     raise ValueError(f"unknown attention implementation {impl!r}")
+
+
+def attend(q: Array, k: Array, v: Array, positions: Array, segment_ids: Array | None, *, impl: str) -> Array:
+    sharded = _SHARDED.get()
+    if sharded is not None:
+        return sharded(q, k, v, positions, segment_ids)
+    if impl == "xla":
+        # Keys, values and what masks them whole along `length`, queries as they come: under a
+        # sequence split XLA gathers the keys and values over it (the all-gather strategy) and
+        # each device scores only its own queries; without one this changes nothing.
+        whole = lambda a, axes: nn.with_logical_constraint(a, axes)  # noqa: E731
+        k = whole(k, ("batch", None, "kv_heads", "head_dim"))
+        v = whole(v, ("batch", None, "kv_heads", "head_dim"))
+        k_pos = whole(positions, ("batch", None))
+        k_seg = None if segment_ids is None else whole(segment_ids, ("batch", None))
+        return masked_attention(q, k, v, block_mask(positions, k_pos, segment_ids, k_seg))
+    return local_attention(q, k, v, positions, segment_ids, impl=impl)

@@ -15,7 +15,7 @@ from conftest import ROOT, stdlib_glob
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 
 BAD = {
-    "mesh product": (["mesh.data=3"], "mesh: pipeline=1 x data=3 x fsdp=1 x tensor=1 = 3 devices, but 8 are available; "
+    "mesh product": (["mesh.data=3"], "mesh: pipeline=1 x data=3 x fsdp=1 x context=1 x tensor=1 = 3 devices, but 8 are available; "
                      "this process sees 8 cpu device(s): make the mesh sizes multiply to 8, or leave one at -1"),
     # The conftest's XLA_FLAGS name 8 devices (and JAX has started): the user's flag wins, and the line says what to do.
     "mesh beyond the devices": (["mesh.data=16"], "= 16 devices, but 8 are available; for 16 CPU devices start the "
@@ -49,6 +49,14 @@ BAD = {
     "crossing axis name": (["mesh.nodes=2", "mesh.across=dta"], "mesh.across"),
     "nodes this host lacks": (["mesh.data=2", "mesh.fsdp=4", "mesh.nodes=2"],
                               "mesh.nodes=2, but the 8 devices sit in 1 processes (one per node)"),
+    "context vs load balancing": (["mesh.data=1", "mesh.context=8", "model.seq_len=40"],
+                                  "model.seq_len=40 is not divisible by 2 x mesh.context=8 (context.load_balance=true)"),
+    "context without load balancing": (["mesh.data=1", "mesh.context=8", "model.seq_len=36", "context.load_balance=false"],
+                                       "model.seq_len=36 is not divisible by mesh.context=8"),
+    "context with a kernel that cannot split": (["mesh.data=4", "mesh.context=2", "model.attention=splash", "model.seq_len=128"],
+                                                "model.attention=splash: the kernel cannot take a sequence split"),
+    "splash tile": (["model.attention=splash"], "model.seq_len=32 is not a multiple of 128, the tile of model.attention=splash"),
+    "context strategy name": (["context.strategy=rnig"], "context.strategy: 'rnig' is not one of allgather, ring"),
     "vocab below tokenizer": (["model.vocab_size=128"], "model.vocab_size=128 does not match the 'byte' tokenizer's 257 tokens"),
     "vocab far above tokenizer": (["model.vocab_size=512"], "model.vocab_size=512 does not match the 'byte' tokenizer's 257 tokens"),
     "optimizer name": (["optim.name=adam"], "optim.name"),
@@ -118,7 +126,7 @@ def _cli(*args: str, timeout: int = 120, env: dict[str, str] | None = None) -> s
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("mesh.data=3", "mesh: pipeline=1 x data=3 x fsdp=1 x tensor=1 = 3 devices, but 8 are available; "
+        ("mesh.data=3", "mesh: pipeline=1 x data=3 x fsdp=1 x context=1 x tensor=1 = 3 devices, but 8 are available; "
                         "this process sees 8 cpu device(s): make the mesh sizes multiply to 8, or leave one at -1"),
         # FSDP is the rule `embed -> fsdp`: a misspelt name would leave every parameter whole.
         ("sharding.params.embd=fsdp", "sharding.params.embd: unknown logical name; did you mean 'embed'?"),
@@ -156,7 +164,7 @@ def test_a_user_device_count_that_is_too_small_says_what_to_do(tmp_path):
     out = _cli("--config", TINY, f"run.dir={tmp_path / 'r'}", "mesh.data=2", "mesh.fsdp=2", env=env)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "error: mesh: pipeline=1 x data=2 x fsdp=2 x tensor=1 = 4 devices, but 2 are available; for 4 CPU devices "
+        "error: mesh: pipeline=1 x data=2 x fsdp=2 x context=1 x tensor=1 = 4 devices, but 2 are available; for 4 CPU devices "
         "start the process with XLA_FLAGS=--xla_force_host_platform_device_count=4 (train.py sets it itself on a "
         "CPU-only machine, but here XLA_FLAGS already sets --xla_force_host_platform_device_count, and the user's "
         "flag wins)"]

@@ -119,6 +119,7 @@ EXPLICIT: dict[str, tuple[Any, list[str]]] = {
     "model.attention": ("dot_product", []),
     "model.quant": ("fp8", []),
     "model.grad_reduce": ("bfloat16", []),
+    "context.strategy": ("ring", []),
     "data.source": ("synthetic", []),
     "data.mixture": ("/a:0.5,/b:0.5", ["data.source=prepared"]),
     "data.packing": ("document", []),

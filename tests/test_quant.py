@@ -129,7 +129,7 @@ def test_precision_bench_refuses_an_unknown_mode_before_any_run():
 @pytest.mark.parametrize("hardware, quant, has", [("tpu-v5e", "fp8", "int8"), ("tpu-v6e", "fp8", "int8"),
                                                   ("a100", "fp8", "int8")])
 def test_a_mode_the_target_has_no_unit_for_exits_2_before_compiling(hardware: str, quant: str, has: str, capsys):
-    from sharding.plan import main
+    from plan import main
 
     assert main(["--config", "tiny", "--devices", "4", "--hardware", hardware, f"model.quant={quant}"]) == 2
     err = capsys.readouterr().err

@@ -27,13 +27,13 @@ def mesh_cfg(**sizes):
 
 
 def test_minus_one_fills_the_rest():
-    assert resolve_mesh_shape(mesh_cfg(data=-1, tensor=2).mesh, 8) == dict(pipeline=1, data=4, fsdp=1, tensor=2)
+    assert resolve_mesh_shape(mesh_cfg(data=-1, tensor=2).mesh, 8) == dict(pipeline=1, data=4, fsdp=1, context=1, tensor=2)
 
 
 @pytest.mark.parametrize(
     "sizes, message",
     [
-        (dict(data=3), "mesh: pipeline=1 x data=3 x fsdp=1 x tensor=1 = 3 devices, but 8 are available"),
+        (dict(data=3), "mesh: pipeline=1 x data=3 x fsdp=1 x context=1 x tensor=1 = 3 devices, but 8 are available"),
         (dict(data=-1, fsdp=3), "mesh.data=-1: the other axes' product 3 does not divide the 8 devices"),
         (dict(data=-1, fsdp=-1), "only one axis may be -1"),
         (dict(data=0), "mesh.data: must be a positive size or -1"),

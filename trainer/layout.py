@@ -11,7 +11,9 @@ import functools
 
 from configs import Config, ConfigError
 from model import LayerRunner, scan_layers
+from model.attention import block_mask, splash_attention
 from sharding import Rules, axes_size, mesh_axes, resolve_mesh_shape, to_rules
+from sharding.context import SequenceSplit, balanced_order, check_context, per_device, sharded_ring
 from sharding.pipeline import bubble_fraction, pipeline_runner
 
 
@@ -36,9 +38,14 @@ class Layout:
 
 def _with_batch_axis(rules: Rules, axis: str) -> Rules:
     """`rules` with `axis` appended to the mesh axes of `batch`."""
+    return _with_axis(rules, "batch", axis)
+
+
+def _with_axis(rules: Rules, name: str, axis: str) -> Rules:
+    """`rules` with `axis` appended to the mesh axes of the logical `name`."""
     out = []
     for logical, entry in rules:
-        if logical == "batch":
+        if logical == name:
             entry = (entry if isinstance(entry, tuple) else (() if entry is None else (entry,))) + (axis,)
         out.append((logical, entry))
     return tuple(out)
@@ -58,6 +65,11 @@ def plan_layout(cfg: Config, num_devices: int) -> Layout:
             f"train.global_batch={t.global_batch} is not divisible by {need} = batch shards "
             f"({' x '.join(f'{a}={sizes[a]}' for a in batch_axes) or '1'}) x train.grad_accum={t.grad_accum}"
         )
+    check_context(cfg, sizes, act_rules)
+    if sizes["context"] > 1:
+        # A context group's devices hold different positions of the same rows: the parameters
+        # they would each hold whole are sharded over them as well, FSDP-style.
+        param_rules = _with_axis(param_rules, "embed", "context")
     stages, repeats = sizes["pipeline"], cfg.pipeline.repeats
     micro = cfg.pipeline.microbatches or stages
     stage_rules = act_rules
@@ -89,6 +101,20 @@ def _check_pipeline(cfg: Config, stages: int, repeats: int, micro: int, per_repl
             f"(train.global_batch={cfg.train.global_batch} / {shards} batch shards / "
             f"train.grad_accum={cfg.train.grad_accum})"
         )
+
+
+def sequence_split(cfg: Config, layout: Layout, platform: str) -> SequenceSplit | None:
+    """The load-balanced order and the sharded attention kernel the layout needs (None: neither),
+    for devices of `platform` (splash runs as the TPU kernel on "tpu", interpreted elsewhere)."""
+    shards = layout.sizes["context"]
+    order = balanced_order(cfg.model.seq_len, shards) if shards > 1 and cfg.context.load_balance else None
+    attention = None
+    if cfg.context.strategy == "ring" and cfg.model.attention == "xla":
+        attention = sharded_ring(layout.stage_rules, shards, block_mask)
+    elif cfg.model.attention == "splash":
+        kernel = functools.partial(splash_attention, interpret=platform != "tpu")
+        attention = per_device(kernel, layout.stage_rules)
+    return None if order is None and attention is None else SequenceSplit(order, attention)
 
 
 def layer_runner(layout: Layout, remat_policy: str) -> LayerRunner | None:

@@ -10,6 +10,8 @@ import optax
 from flax import nnx
 
 from model import LayerRunner
+from model.attention import sharded_attention
+from sharding.context import SequenceSplit
 from sharding.pipeline import to_microbatches
 from trainer.optimizer import schedule_count
 from trainer.state import TrainState
@@ -50,6 +52,7 @@ def make_loss_fn(
     runner: LayerRunner | None = None,
     loss_chunk: int = 0,
     cast: Callable[[dict], dict] | None = None,
+    split: SequenceSplit | None = None,
 ) -> LossFn:
     """loss(params, batch) -> (sum of the per-token losses, number of target tokens), both
     float32 scalars: the mean is their ratio, and the sums of several batches divided once give
@@ -60,18 +63,30 @@ def make_loss_fn(
     padding (segment 0) and targets across a document boundary carry no loss.
     `loss_chunk` > 0 computes the output head and loss that many positions at a time. `cast`
     maps the float32 parameters to their compute-dtype view (sharding.cast) inside the
-    differentiated function, so gathers and gradient reductions move the compute dtype."""
+    differentiated function, so gathers and gradient reductions move the compute dtype.
+    `split` (a sequence split over `context`) reorders the positions for load balancing and
+    hands the model a sharded attention kernel."""
 
     def loss_fn(params: dict, batch: dict[str, Array]) -> tuple[Array, Array]:
         model = nnx.merge(graphdef, params if cast is None else cast(params))
         tokens, segments = batch["tokens"], batch.get("segment_ids")
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         if segments is None:
-            x = model.features(inputs, runner=runner)
+            positions, seg_in = None, None
             weights = jnp.ones(targets.shape, jnp.float32)
         else:
-            x = model.features(inputs, batch["positions"][:, :-1], segments[:, :-1], runner=runner)
+            positions, seg_in = batch["positions"][:, :-1], segments[:, :-1]
             weights = ((segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] != 0)).astype(jnp.float32)
+        attention = None if split is None else split.attention
+        if split is not None and split.order is not None:
+            if positions is None:
+                positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
+            # The loss is a sum over tokens and the model masks by position, so the rows may be
+            # permuted as a whole: inputs, targets, weights, positions and segments alike.
+            inputs, targets, weights, positions = (a[:, split.order] for a in (inputs, targets, weights, positions))
+            seg_in = None if seg_in is None else seg_in[:, split.order]
+        with sharded_attention(attention):
+            x = model.features(inputs, positions, seg_in, runner=runner)
         if loss_chunk:
             total = chunked_cross_entropy_sum(model, x, targets, weights, loss_chunk)
         else:
@@ -113,8 +128,9 @@ def make_train_step(
     runner: LayerRunner | None = None,
     loss_chunk: int = 0,
     cast: Callable[[dict], dict] | None = None,
+    split: SequenceSplit | None = None,
 ) -> Callable[[TrainState, dict[str, Array]], tuple[TrainState, dict[str, Array]]]:
-    loss_fn = make_loss_fn(graphdef, runner, loss_chunk, cast)
+    loss_fn = make_loss_fn(graphdef, runner, loss_chunk, cast, split)
 
     def train_step(state: TrainState, batch: dict[str, Array]) -> tuple[TrainState, dict[str, Array]]:
         loss, grads = accumulate(loss_fn, state.params, batch, grad_accum)

@@ -1,0 +1,179 @@
+"""The sequence split on 8 fake devices: every `context` layout and strategy gives the loss and
+gradients of `context=1`, with concatenated rows and with packed documents; the compiled step
+really splits the sequence (per-device activations T / C long, the strategy's collective on the
+`context` axis); load balancing gives every device the same causal work; splash matches the
+reference kernel."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bench.procs import TINY
+from configs import load_config
+from model.attention import splash_attention, xla_attention
+from sharding import activation_rules
+from sharding.context import balanced_order
+from sharding.hlo import collectives
+from trainer import abstract_program
+from trainer.state import init_state
+from trainer.step import accumulate, make_loss_fn
+
+LAYOUTS = {
+    "context=2": ["mesh.data=4", "mesh.context=2"],
+    "context=4": ["mesh.data=2", "mesh.context=4"],
+    "context=2 x fsdp=2 x tensor=2": ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "mesh.context=2"],
+    "context=2 x pipeline=2 x data=2": ["mesh.pipeline=2", "mesh.data=2", "mesh.context=2", "pipeline.microbatches=4"],
+}
+CASES = [(layout, strategy, "document") for layout in LAYOUTS for strategy in ("allgather", "ring")]
+CASES += [("context=4", "allgather", "concat"), ("context=4", "ring", "concat"),
+          ("context=4", "ring no load balancing", "concat"), ("context=1: data=8", "ring", "document")]
+LAYOUTS["context=1: data=8"] = ["mesh.data=8"]  # ring on one shard: blockwise attention, no ring
+
+
+def packed_batch(seq_len: int, documents: bool) -> dict[str, np.ndarray]:
+    """16 random rows; with `documents`, each row packs documents of random lengths (segment ids
+    from 1, positions restarting at 0) and ends in a little padding (segment 0)."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 257, (16, seq_len + 1)).astype(np.int32)
+    if not documents:
+        return {"tokens": tokens}
+    seg, pos = np.zeros_like(tokens), np.zeros_like(tokens)
+    for row in range(16):
+        at, doc, end = 0, 1, seq_len + 1 - int(rng.integers(0, 5))
+        while at < end:
+            n = min(int(rng.integers(1, seq_len // 2)), end - at)
+            seg[row, at : at + n], pos[row, at : at + n] = doc, np.arange(n)
+            at, doc = at + n, doc + 1
+    return {"tokens": tokens, "segment_ids": seg, "positions": pos}
+
+
+def loss_and_grads(overrides: list[str], devices: list, documents: bool) -> tuple[float, dict]:
+    cfg = load_config(TINY, ["data.source=synthetic", *overrides])
+    program = abstract_program(cfg, devices)
+    state = init_state(cfg.model, program.tx, 0, program.state_sh)
+    batch = {k: jax.device_put(v, program.batch_sh) for k, v in packed_batch(cfg.model.seq_len, documents).items()}
+    loss_fn = make_loss_fn(program.graphdef, program.runner, split=program.split)
+    with activation_rules(program.mesh, program.layout.act_rules):
+        loss, grads = jax.jit(lambda p, b: accumulate(loss_fn, p, b, 1))(state.params, batch)
+    return float(loss), jax.tree.map(np.asarray, grads)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, tuple[float, dict]]:
+    return {packing: loss_and_grads(["mesh.data=1"], jax.devices()[:1], packing == "document")
+            for packing in ("concat", "document")}
+
+
+def strategy_overrides(strategy: str) -> list[str]:
+    if strategy == "ring no load balancing":
+        return ["context.strategy=ring", "context.load_balance=false"]
+    return [f"context.strategy={strategy}"]
+
+
+def test_packed_documents_really_change_the_loss(reference):
+    # Otherwise the document cases below would test nothing the concat ones do not.
+    assert abs(reference["concat"][0] - reference["document"][0]) > 1e-3
+
+
+@pytest.mark.parametrize("layout, strategy, packing", CASES)
+def test_context_split_gives_the_loss_and_gradients_of_context_1(reference, layout, strategy, packing):
+    loss, grads = loss_and_grads(LAYOUTS[layout] + strategy_overrides(strategy), jax.devices(), packing == "document")
+    ref_loss, ref_grads = reference[packing]
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for (path, r), g in zip(jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_load_balancing_gives_each_device_chunks_i_and_2c_minus_1_minus_i():
+    order = balanced_order(16, 4)  # 8 chunks of 2
+    assert order.tolist() == [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9]
+    # Causal work (query-key pairs a device scores) per device, for 8 devices over 1024 positions:
+    # equal with load balancing; the last device does 15 times the first's without it.
+    work = lambda blocks: [int((b[:, None] >= np.arange(1024)[None]).sum()) for b in blocks]  # noqa: E731
+    balanced = work(balanced_order(1024, 8).reshape(8, -1))
+    plain = work(np.arange(1024).reshape(8, -1))
+    assert len(set(balanced)) == 1 and plain[-1] > 10 * plain[0]
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, tuple[str, list]]:
+    """strategy -> (compiled HLO, its collectives) of the context=4 x data=2 train step."""
+    out = {}
+    for strategy in ("allgather", "ring"):
+        cfg = load_config(TINY, ["data.source=synthetic", *LAYOUTS["context=4"], f"context.strategy={strategy}"])
+        program = abstract_program(cfg)
+        text = program.compile()[0].as_text()
+        out[strategy] = text, collectives(text, program.layout.sizes, 8)[0]
+    return out
+
+
+@pytest.mark.parametrize("strategy, kind", [("allgather", "all-gather"), ("ring", "collective-permute")])
+def test_the_compiled_step_splits_the_sequence(compiled, strategy, kind):
+    text, found = compiled[strategy]
+    # Per device: batch 16 / data=2 = 8 rows of seq_len 32 / context=4 = 8 positions, d_model 64;
+    # the whole-length [8,32,64] activation never appears.
+    assert re.search(r"f32\[8,8,64\]", text) and not re.search(r"f32\[8,32,64\]", text)
+    on_context = {c.kind for c in found if c.axes == ("context",)}
+    assert kind in on_context, found
+    # Keys of the whole sequence ([8 rows, 32 positions, 8 kv heads, 8]) exist only where they
+    # are gathered; the ring never holds more than one device's block.
+    assert bool(re.search(r"f32\[8,32,8,8\]", text)) == (strategy == "allgather")
+
+
+@pytest.mark.parametrize("segments", [False, True])
+def test_splash_matches_the_reference_kernel(segments):
+    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    b, t, h, g, d = 2, 128, 4, 2, 16
+    q = jax.random.normal(kq, (b, t, h, d))
+    k = jax.random.normal(kk, (b, t, h // g, d))
+    v = jax.random.normal(kv, (b, t, h // g, d))
+    seg = jnp.array([[1] * 50 + [2] * 70 + [0] * 8, [1] * 128]) if segments else None
+    pos = None if seg is None else jnp.array([list(range(50)) + list(range(70)) + [0] * 8, list(range(128))])
+    ours = jax.jit(splash_attention)(q, k, v, seg)
+    ref = jax.jit(xla_attention)(q, k, v, seg, pos)
+    real = slice(None, 120)  # padding (segment 0) attends by array order in splash, by position in the reference
+    np.testing.assert_allclose(np.asarray(ours)[:, real], np.asarray(ref)[:, real], rtol=2e-5, atol=2e-5)
+    grad = lambda f, *a: jax.grad(lambda q: (f(q, k, v, *a)[:, real] ** 2).sum())(q)  # noqa: E731
+    np.testing.assert_allclose(grad(splash_attention, seg), grad(xla_attention, seg, pos), rtol=2e-4, atol=2e-5)
+
+
+def test_splash_train_step_on_a_mesh_matches_xla():
+    """The splash kernel under shard_map (data=2 x tensor=2 x fsdp=2), in the train step, with
+    packed documents; its tile needs 128 positions."""
+    ref_loss, ref_grads = loss_and_grads(["mesh.data=1", "model.seq_len=128"], jax.devices()[:1], documents=True)
+    loss, grads = loss_and_grads(["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "model.attention=splash",
+                                  "model.seq_len=128"], jax.devices(), documents=True)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for r, g in zip(jax.tree.leaves(ref_grads), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6)
+
+
+def test_ring_attention_in_pieces_matches_the_reference():
+    """Four devices on the ring, 32 local positions taken 8 keys at a time (the tiny model's
+    blocks are one piece each), load-balanced order, packed documents."""
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from model.attention import block_mask
+    from sharding.context import ring_attention
+
+    kq, kk, kv = jax.random.split(jax.random.key(1), 3)
+    b, t, h, g, d = 2, 128, 4, 2, 8
+    q = jax.random.normal(kq, (b, t, h, d))
+    k = jax.random.normal(kk, (b, t, h // g, d))
+    v = jax.random.normal(kv, (b, t, h // g, d))
+    seg = np.stack([np.repeat([1, 2, 3], [40, 60, 28]), np.ones(t, int)])
+    pos = np.stack([np.concatenate([np.arange(40), np.arange(60), np.arange(28)]), np.arange(t)])
+    order = balanced_order(t, 4)
+    args = [jnp.asarray(a[:, order]) for a in (q, k, v, pos, seg)]
+    mesh = Mesh(np.array(jax.devices()[:4]), ("context",))
+    row, qkv = P(None, "context"), P(None, "context", None, None)
+    ring = lambda *a: ring_attention(*a, axis="context", shards=4, mask_fn=block_mask, piece=8)  # noqa: E731
+    ours = jax.jit(jax.shard_map(ring, mesh=mesh, in_specs=(qkv, qkv, qkv, row, row), out_specs=qkv,
+                                 check_vma=False))(*args)  # as sharded_ring calls it
+    ref = xla_attention(q, k, v, jnp.asarray(seg), jnp.asarray(pos))
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(ref)[:, order], rtol=2e-5, atol=2e-5)
