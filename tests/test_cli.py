@@ -154,7 +154,7 @@ def test_real_process_trains_a_sharded_run(tmp_path):
     assert out.stdout.splitlines()[0] == (
         "the mesh names 8 devices: running 8 CPU devices on this CPU-only machine "
         "(XLA_FLAGS --xla_force_host_platform_device_count=8, set by train.py)")
-    assert "mesh pipeline=1 x data=2 x fsdp=2 x tensor=2 on 8 cpu devices" in out.stdout
+    assert "mesh pipeline=1 x data=2 x fsdp=2 x context=1 x tensor=2 on 8 cpu devices" in out.stdout
     assert "compiled the train step" in out.stdout and "step 3/3" in out.stdout
     assert sorted(os.listdir(tmp_path / "a")) == ["checkpoints", "config.yaml", "metrics.jsonl", "summary.json", "tb"]
 
