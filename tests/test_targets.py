@@ -19,6 +19,8 @@ from conftest import ROOT
 from sharding.hardware import HARDWARE
 from sharding.targets import has_compiler, tpu_slice_shape
 
+pytestmark = pytest.mark.real_target  # make test runs and times these apart
+
 GIB = 2**30
 
 
