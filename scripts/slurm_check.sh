@@ -23,8 +23,20 @@ chmod 755 "$WORK"  # munged wants its socket's directory searchable by every use
 export SLURM_CONF=$WORK/slurm.conf
 DAEMON_PIDS=()
 DAEMON_NAMES=()
+CHILD=""
 
 say() { echo "slurm check: $*"; }
+
+# Runs a command in the background and waits for it: bash runs a trap only once the foreground
+# command returns, so a SIGTERM (a CI timeout) would otherwise wait for the whole job.
+run() {
+    "$@" &
+    CHILD=$!
+    local code=0
+    wait "$CHILD" || code=$?
+    CHILD=""
+    return "$code"
+}
 
 tails() {
     for log in "$WORK"/munged.log "$WORK"/slurmctld.log "$WORK"/slurmd.log; do
@@ -41,10 +53,15 @@ fail() {
 
 stop() {
     local code=$?
-    # Jobs first (their slurmstepd processes outlive slurmd), then the daemons, newest first.
-    if [[ ${#DAEMON_PIDS[@]} -ge 2 ]] && [[ -n $(squeue -h -o %i 2>/dev/null) ]]; then
-        scancel --full --partition=check 2>/dev/null || true
-        for _ in $(seq 30); do [[ -z $(squeue -h -o %i 2>/dev/null) ]] && break; sleep 1; done
+    # The command being waited for, then the jobs (their slurmstepd processes outlive slurmd),
+    # then the daemons, newest first.
+    if [[ -n $CHILD ]]; then
+        kill "$CHILD" 2>/dev/null || true
+        wait "$CHILD" 2>/dev/null || true
+    fi
+    if [[ ${#DAEMON_PIDS[@]} -ge 2 ]] && [[ -n $(timeout 5 squeue -h -o %i 2>/dev/null) ]]; then
+        timeout 5 scancel --full --partition=check 2>/dev/null || true
+        for _ in $(seq 30); do [[ -z $(timeout 5 squeue -h -o %i 2>/dev/null) ]] && break; sleep 1; done
     fi
     for ((i = ${#DAEMON_PIDS[@]} - 1; i >= 0; i--)); do kill "${DAEMON_PIDS[i]}" 2>/dev/null || true; done
     for pid in "${DAEMON_PIDS[@]}"; do
@@ -55,7 +72,8 @@ stop() {
     exit "$code"
 }
 trap stop EXIT
-trap 'exit 130' INT TERM
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
 for tool in munged slurmctld slurmd sinfo sbatch srun squeue scancel; do
     command -v "$tool" >/dev/null || fail "$tool is not installed (make test-slurm installs Debian's slurmctld, slurmd and munge)"
@@ -143,7 +161,7 @@ slurm: ["--time=10", "--cpus-per-task=1"]
 EOF
 "$PYTHON" train.py --sweep "$WORK/sweep.yaml" --emit slurm >/dev/null
 say "sbatch --wait $SWEEP/sweep.sbatch (2 points x $STEPS steps)"
-sbatch --wait --quiet "$SWEEP/sweep.sbatch" || fail "the sweep's array job failed (exit $?): $(tail -n 5 "$SWEEP"/slurm-*.out)"
+run sbatch --wait --quiet "$SWEEP/sweep.sbatch" || fail "the sweep's array job failed (exit $?): $(tail -n 5 "$SWEEP"/slurm-*.out)"
 "$PYTHON" - "$WORK/jobcomp.log" "$SWEEP" "$STEPS" <<'EOF' || fail "the sweep's points did not all finish"
 import json, os, re, sys
 jobcomp, sweep, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -164,10 +182,10 @@ EOF
 LAYOUT=(--config configs/tiny.yaml mesh.data=2 mesh.fsdp=2 mesh.tensor=2 "train.steps=$STEPS"
         train.log_every=1 "checkpoint.every=$STEPS" "data.path=$DATA")
 say "srun --ntasks=2 train.py (2 processes x 4 CPU devices) and the same run in 1 process x 8"
-srun --ntasks=2 --cpus-per-task=1 --time=10 --kill-on-bad-exit=1 --label \
+run srun --ntasks=2 --cpus-per-task=1 --time=10 --kill-on-bad-exit=1 --label \
     "$PYTHON" train.py "${LAYOUT[@]}" "run.dir=$WORK/two" >"$WORK/two.out" 2>&1 \
     || fail "srun --ntasks=2 train.py failed; its output ends: $(tail -n 20 "$WORK/two.out")"
-timeout 600 "$PYTHON" train.py "${LAYOUT[@]}" "run.dir=$WORK/one" >"$WORK/one.out" 2>&1 \
+run timeout 600 "$PYTHON" train.py "${LAYOUT[@]}" "run.dir=$WORK/one" >"$WORK/one.out" 2>&1 \
     || fail "the 1 x 8 run failed; its output ends: $(tail -n 20 "$WORK/one.out")"
 "$PYTHON" - "$WORK" "$STEPS" <<'EOF' || fail "the 2-process run does not train like 1 x 8"
 import json, os, sys

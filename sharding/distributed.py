@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -17,12 +18,19 @@ import jax
 from configs.schema import ConfigError, DistConfig
 
 _KEY = "meshlm/fingerprint"
+# The variables jax.distributed's SLURM detection reads. All are set only inside an `srun` step:
+# a batch script's own process lacks SLURM_STEP_NODELIST and is one process whatever --ntasks says.
+_SLURM_STEP = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+
+
+def _slurm_tasks(env: Mapping[str, str]) -> int:
+    return int(env["SLURM_NTASKS"] or 1) if all(k in env for k in _SLURM_STEP) else 1
 
 
 def detect_cluster() -> str | None:
     """The launcher that `jax.distributed.initialize()` can read the process layout from."""
     env = os.environ
-    if int(env.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_JOB_ID" in env:
+    if _slurm_tasks(env) > 1:
         return "SLURM"
     if int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1:
         return "Open MPI"
@@ -33,15 +41,15 @@ def detect_cluster() -> str | None:
     return None
 
 
-def process_layout(cfg: DistConfig, env: dict[str, str] | None = None) -> tuple[int, int]:
+def process_layout(cfg: DistConfig, env: Mapping[str, str] | None = None) -> tuple[int, int]:
     """(processes in the job, this process's index), known before JAX starts: the config's, else
     what `srun` or `mpirun` put in the environment (the same variables `jax.distributed.initialize()`
     reads), else (1, 0). A CPU-only process needs it to ask for its share of the mesh's devices."""
     env = os.environ if env is None else env
     if cfg.num_processes > 0:
         return cfg.num_processes, max(cfg.process_id, 0)
-    if int(env.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_JOB_ID" in env:
-        return int(env["SLURM_NTASKS"]), int(env.get("SLURM_PROCID", "0") or 0)
+    if _slurm_tasks(env) > 1:
+        return _slurm_tasks(env), int(env["SLURM_PROCID"] or 0)
     if int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1:
         return int(env["OMPI_COMM_WORLD_SIZE"]), int(env.get("OMPI_COMM_WORLD_RANK", "0") or 0)
     return 1, 0

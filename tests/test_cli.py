@@ -192,24 +192,31 @@ def test_device_count_is_set_only_where_it_can_apply():
 
 def test_launched_processes_share_the_mesh_devices():
     """Under `srun --ntasks=2` or `mpirun -n 2` (no dist.* keys) each CPU-only process asks for
-    its half of the mesh's devices, and only the first says so. The real `srun` run that trains
-    2 x 4 like 1 x 8 is `make test-slurm` (scripts/slurm_check.sh)."""
+    its half of the mesh's devices, and only the first says so; a batch script's own process
+    (`sbatch --ntasks=2` without `srun`: no SLURM_STEP_NODELIST, as seen on a real SLURM) is one
+    process with all of them. The real `srun` run that trains 2 x 4 like 1 x 8 is
+    `make test-slurm` (scripts/slurm_check.sh)."""
     code = ("import os; from configs import load_config; from trainer.xla_env import set_cpu_device_count; "
             f"set_cpu_device_count(load_config({TINY!r}, ['mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2'])); "
             "print(os.environ['XLA_FLAGS'])")
-    launchers = {
-        "srun": lambda i: {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": str(i)},
-        "mpirun": lambda i: {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": str(i)},
+    srun = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}
+    cases = {  # name: (environment, devices per process, whether this process says so)
+        "srun task 0": ({**srun, "SLURM_PROCID": "0"}, 4, True),
+        "srun task 1": ({**srun, "SLURM_PROCID": "1", "SLURM_LOCALID": "1"}, 4, False),
+        "mpirun rank 0": ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"}, 4, True),
+        "mpirun rank 1": ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1"}, 4, False),
+        "sbatch --ntasks=2, no srun": ({k: v for k, v in srun.items() if k != "SLURM_STEP_NODELIST"}
+                                       | {"SLURM_PROCID": "0"}, 8, True),
     }
-    for name, launcher in launchers.items():
-        for i in (0, 1):
-            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                                 cwd=ROOT, env={**_env_without_device_count(), **launcher(i)})
-            assert out.returncode == 0, out.stderr
-            said = ["the mesh names 8 devices: running 4 CPU devices per process on this CPU-only machine "
-                    "(XLA_FLAGS --xla_force_host_platform_device_count=4, set by train.py)"] if i == 0 else []
-            *lines, flags = out.stdout.splitlines()
-            assert lines == said and "--xla_force_host_platform_device_count=4" in flags.split(), (name, i, out.stdout)
+    for name, (launcher, local, says) in cases.items():
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             cwd=ROOT, env={**_env_without_device_count(), **launcher})
+        assert out.returncode == 0, out.stderr
+        each = " per process" if local == 4 else ""
+        said = [f"the mesh names 8 devices: running {local} CPU devices{each} on this CPU-only machine "
+                f"(XLA_FLAGS --xla_force_host_platform_device_count={local}, set by train.py)"] if says else []
+        *lines, flags = out.stdout.splitlines()
+        assert lines == said and f"--xla_force_host_platform_device_count={local}" in flags.split(), (name, out.stdout)
 
 
 def test_compile_cache_serves_a_second_run(tmp_path):
