@@ -6,8 +6,9 @@ output head, norms and the attention softmax keep their precision.
 - `fp8`: both operands of the forward matmul in float8_e4m3fn, the incoming gradient in
   float8_e5m2 for both backward matmuls (its wider range, as the FP8 recipes of Transformer
   Engine and torchtitan), one scale per tensor, each matmul's output in the compute dtype and
-  scaled after (the hardware accumulates in float32). Scaling is *current*: each scale is the tensor's own absolute maximum of this step (a max-reduction the
-  partitioner runs over the shards), not a history of past maxima. Delayed scaling would save
+  scaled after (the hardware accumulates in float32). Scaling is *current*: each scale is the
+  tensor's own absolute maximum of this step (a max-reduction the partitioner runs over the
+  shards), not a history of past maxima. Delayed scaling would save
   that reduction but needs an amax history per matmul per layer in the train state, threaded
   through the layer scan and the pipeline stages; current scaling has no state, so a resume is
   exact with nothing to checkpoint, and a step's scale can never lag a jump in magnitude.
