@@ -5,9 +5,10 @@ output head, norms and the attention softmax keep their precision.
 
 - `fp8`: both operands of the forward matmul in float8_e4m3fn, the incoming gradient in
   float8_e5m2 for both backward matmuls (its wider range, as the FP8 recipes of Transformer
-  Engine and torchtitan), one scale per tensor, accumulation in float32. Scaling is *current*:
-  each scale is the tensor's own absolute maximum of this step (a max-reduction the
-  partitioner runs over the shards), not a history of past maxima. Delayed scaling would save
+  Engine and torchtitan), one scale per tensor, each matmul's output in the compute dtype and
+  scaled after (the hardware accumulates in float32). Scaling is *current*: each scale is the
+  tensor's own absolute maximum of this step (a max-reduction the partitioner runs over the
+  shards), not a history of past maxima. Delayed scaling would save
   that reduction but needs an amax history per matmul per layer in the train state, threaded
   through the layer scan and the pipeline stages; current scaling has no state, so a resume is
   exact with nothing to checkpoint, and a step's scale can never lag a jump in magnitude.
@@ -24,12 +25,12 @@ produces the partial sums, in that matmul's output dtype: `bfloat16` halves the 
 float32 run's gradient reductions, `float32` doubles a bfloat16 run's for an exact sum.
 
 Why written here and not through a library: both are `jnp.einsum` on low-precision operand
-types with `preferred_element_type` (what XLA's GPU compiler turns into cuBLASLt FP8 GEMMs and
-the TPU compiler into int8 MXU passes) inside one `jax.custom_vjp` each, about a hundred
-lines. qwix 0.1.8 (MaxText's choice) imports with jax 0.10.2 and flax 0.12.8, but it quantizes
-by intercepting the calls of NNX modules picked by path rules on a model it rewrites; this
+types with `preferred_element_type` inside one `jax.custom_vjp` each, about a hundred lines
+(compiled for an H100, GEMM fusions on f8e4m3fn operands; by libtpu for a v5e, convolutions on
+s8 operands with s32 results: tests/test_quant.py). qwix 0.1.8 (MaxText's choice) imports with
+jax 0.10.2 and flax 0.12.8, but it quantizes by intercepting the calls of NNX modules picked by path rules on a model it rewrites; this
 model is re-merged from its state inside the layer scan and the pipeline runners on every
-step, and the scaling would be hidden in its providers. AQT is superseded by qwix.
+step, and the scaling would be hidden in its providers.
 """
 
 from __future__ import annotations
