@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
+
+from flax import nnx
 
 from configs import Config, ConfigError
 from model import LayerRunner, scan_layers
 from sharding import Rules, axes_size, mesh_axes, resolve_mesh_shape, to_rules
 from sharding.pipeline import bubble_fraction, pipeline_runner
+from trainer.pipeline_grads import make_scheduled_grad_fn
+from trainer.step import GradFn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +29,7 @@ class Layout:
     stages: int
     repeats: int
     microbatches: int
+    schedule: str = "gpipe"
 
     @property
     def pipelined(self) -> bool:
@@ -69,7 +75,9 @@ def plan_layout(cfg: Config, num_devices: int) -> Layout:
             act_rules = _with_batch_axis(act_rules, "pipeline")
     elif repeats > 1:
         raise ConfigError(f"pipeline.repeats={repeats} needs mesh.pipeline > 1")
-    return Layout(sizes, param_rules, act_rules, stage_rules, stages, repeats, micro)
+    elif cfg.pipeline.schedule != "gpipe":
+        raise ConfigError(f"pipeline.schedule={cfg.pipeline.schedule} needs mesh.pipeline > 1")
+    return Layout(sizes, param_rules, act_rules, stage_rules, stages, repeats, micro, cfg.pipeline.schedule)
 
 
 def _check_pipeline(cfg: Config, stages: int, repeats: int, micro: int, per_replica: int, shards: int) -> None:
@@ -77,6 +85,11 @@ def _check_pipeline(cfg: Config, stages: int, repeats: int, micro: int, per_repl
     if layers % (stages * repeats):
         raise ConfigError(
             f"model.num_layers={layers} is not divisible by mesh.pipeline={stages} x pipeline.repeats={repeats}"
+        )
+    if cfg.pipeline.schedule == "1f1b" and repeats > 1:
+        raise ConfigError(
+            f"pipeline.schedule=1f1b runs each stage's layers once: pipeline.repeats={repeats} needs "
+            "pipeline.schedule=gpipe"
         )
     if micro < stages:
         raise ConfigError(
@@ -89,6 +102,17 @@ def _check_pipeline(cfg: Config, stages: int, repeats: int, micro: int, per_repl
             f"(train.global_batch={cfg.train.global_batch} / {shards} batch shards / "
             f"train.grad_accum={cfg.train.grad_accum})"
         )
+
+
+def scheduled_grads(
+    layout: Layout, graphdef: nnx.GraphDef, remat_policy: str, loss_chunk: int, cast: Callable[[dict], dict]
+) -> GradFn | None:
+    """None (autodiff through the layer runner: GPipe) unless the schedule computes the gradients."""
+    if not layout.pipelined or layout.schedule == "gpipe":
+        return None
+    return make_scheduled_grad_fn(
+        graphdef, layout.stages, layout.microbatches, remat_policy, layout.stage_rules, loss_chunk, cast
+    )
 
 
 def layer_runner(layout: Layout, remat_policy: str) -> LayerRunner | None:

@@ -35,7 +35,7 @@ from sharding.cast import cast_for_compute
 from sharding.hlo import COLLECTIVES, static_counts  # noqa: F401  (COLLECTIVES: re-exported)
 from model import hf
 from trainer.checkpoint import check_resumable, has_checkpoints
-from trainer.layout import Layout, layer_runner, plan_layout
+from trainer.layout import Layout, layer_runner, plan_layout, scheduled_grads
 from trainer.optimizer import make_optimizer
 from trainer.state import TrainState, abstract_model, abstract_state, state_shardings
 from trainer.step import make_loss_fn, make_train_step
@@ -83,6 +83,7 @@ class Program:
     runner: Callable | None  # the layer runner (None: the model's scan)
     step: Callable  # jitted, state donated
     eval_loss: Callable  # jitted (params, batch) -> (loss sum, target tokens), no update
+    grad_fn: Callable | None = None  # the pipeline schedule's (loss, gradients) (None: autodiff)
 
     def abstract_state(self) -> TrainState:
         return abstract_state(self.tx, self.shapes, self.state_sh)
@@ -114,14 +115,15 @@ def make_program(p: Prepared, devices: list) -> Program:
     batch_sh = batch_sharding(mesh, layout.act_rules)
     runner = layer_runner(layout, cfg.model.remat)
     cast = functools.partial(cast_for_compute, axes=p.axes, dtype=cfg.model.dtype, shardings=state_sh.params)
+    grad_fn = scheduled_grads(layout, p.graphdef, cfg.model.remat, cfg.model.loss_chunk, cast)
     step = jax.jit(
-        make_train_step(p.graphdef, tx, schedule, cfg.train.grad_accum, runner, cfg.model.loss_chunk, cast),
+        make_train_step(p.graphdef, tx, schedule, cfg.train.grad_accum, runner, cfg.model.loss_chunk, cast, grad_fn),
         in_shardings=(state_sh, batch_sh),
         out_shardings=(state_sh, None),
         donate_argnums=(0,),
     )
     eval_loss = jax.jit(make_loss_fn(p.graphdef, runner, cfg.model.loss_chunk, cast), in_shardings=(state_sh.params, batch_sh))
-    return Program(cfg, layout, mesh, tx, state_sh, batch_sh, p.shapes, p.graphdef, runner, step, eval_loss)
+    return Program(cfg, layout, mesh, tx, state_sh, batch_sh, p.shapes, p.graphdef, runner, step, eval_loss, grad_fn)
 
 
 def abstract_program(cfg: Config, devices: list | None = None) -> Program:
