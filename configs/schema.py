@@ -32,6 +32,7 @@ SCHEDULES = ("cosine", "linear", "constant")
 OPTIMIZERS = ("adamw", "muon", "adafactor", "lion")  # all from optax (trainer/optimizer.py)
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # trainer/trackers.py
 MESH_AXES = ("pipeline", "data", "fsdp", "context", "tensor")  # outermost first
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 # The logical dim names the model gives its parameters and activations (model/layers.py,
 # model/transformer.py, the pipeline runner): the only keys a rules table may have, since a rule
 # for any other name matches nothing. tests/test_config.py checks the model uses exactly these.
@@ -106,6 +107,9 @@ class PipelineConfig:
 
     microbatches: int = 0  # 0: as many as stages
     repeats: int = 1  # > 1: circular schedule, each stage holds `repeats` non-adjacent layer groups
+    # gpipe: all forwards, then all backwards (activations of every microbatch live at once);
+    # 1f1b: one forward and one backward per tick (activations of at most 2S - 1 microbatches).
+    schedule: str = "gpipe"
 
 
 CONTEXT_STRATEGIES = ("allgather", "ring")
@@ -371,6 +375,7 @@ def validate_static(cfg: Config) -> None:
     _one_of(cfg.mesh.across, "mesh.across", MESH_AXES)
     _one_of(m.dtype, "model.dtype", DTYPES)
     _one_of(m.remat, "model.remat", REMAT_POLICIES)
+    _one_of(cfg.pipeline.schedule, "pipeline.schedule", PIPELINE_SCHEDULES)
     _one_of(m.attention, "model.attention", ATTENTION_IMPLS)
     _one_of(m.quant, "model.quant", QUANT_MODES)
     _one_of(m.grad_reduce, "model.grad_reduce", GRAD_REDUCE_DTYPES)

@@ -96,20 +96,25 @@ class Transformer(nnx.Module):
         runner: LayerRunner | None = None,
     ) -> Array:
         """tokens [batch, length] int -> final normed hidden states [batch, length, embed]."""
-        dtype = jnp.dtype(self.cfg.dtype)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        # Cast, then gather the table's FSDP shards (the compute layout of `embed`), so the
-        # gather moves the compute dtype and the lookup's result comes out batch-sharded
-        # instead of being rematerialized by the partitioner.
-        table = constrain(self.embedding[...].astype(dtype), ("vocab", "embed"))
-        x = jnp.take(table, tokens, axis=0)
-        x = constrain(x, ("batch", "length", "embed"))
+        x = self.embed(tokens)
         if runner is None:
             x = scan_layers(self.layers, x, positions, segment_ids, remat_policy=self.cfg.remat)
         else:
             x = runner(self.layers, x, positions, segment_ids)
         return self.final_norm(x)
+
+    def embed(self, tokens: Array) -> Array:
+        """tokens [batch, length] int -> embeddings [batch, length, embed] in the compute dtype
+        (its own method: the 1F1B schedules embed one microbatch at a time)."""
+        dtype = jnp.dtype(self.cfg.dtype)
+        # Cast, then gather the table's FSDP shards (the compute layout of `embed`), so the
+        # gather moves the compute dtype and the lookup's result comes out batch-sharded
+        # instead of being rematerialized by the partitioner.
+        table = constrain(self.embedding[...].astype(dtype), ("vocab", "embed"))
+        x = jnp.take(table, tokens, axis=0)
+        return constrain(x, ("batch", "length", "embed"))
 
     def logits(self, x: Array) -> Array:
         """Hidden states [batch, length, embed] -> logits [batch, length, vocab] in float32."""

@@ -38,7 +38,7 @@ def bubble_fraction(stages: int, repeats: int, microbatches: int) -> float:
     return (stages - 1) / (repeats * microbatches + stages - 1)
 
 
-def _to_stages(a: Array, stages: int, repeats: int) -> Array:
+def to_stages(a: Array, stages: int, repeats: int) -> Array:
     """[L, ...] -> [S, R, K, ...] with stage s, repeat r holding layer group r*S + s."""
     per_group = a.shape[0] // (stages * repeats)
     staged = a.reshape(repeats, stages, per_group, *a.shape[1:]).swapaxes(0, 1)
@@ -70,7 +70,7 @@ def pipeline_runner(
 
     def run(layers: nnx.Module, x: Array, positions: Array, segment_ids: Array | None) -> Array:
         graphdef, stack = nnx.split(layers)
-        staged = jax.tree.map(lambda a: _to_stages(a, S, R), stack)
+        staged = jax.tree.map(lambda a: to_stages(a, S, R), stack)
         with nn.logical_axis_rules(stage_rules):
             x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
             xs = to_microbatches(x, M)  # [M, mb, T, D]

@@ -60,6 +60,8 @@ BAD = {
     "vocab below tokenizer": (["model.vocab_size=128"], "model.vocab_size=128 does not match the 'byte' tokenizer's 257 tokens"),
     "vocab far above tokenizer": (["model.vocab_size=512"], "model.vocab_size=512 does not match the 'byte' tokenizer's 257 tokens"),
     "optimizer name": (["optim.name=adam"], "optim.name"),
+    "1f1b with a sequence split": (["mesh.pipeline=2", "mesh.context=2", "mesh.data=2", "pipeline.schedule=1f1b"],
+                                   "pipeline.schedule=1f1b does not yet run the sequence split"),
     "tracker name": (["run.trackers=[tensorboard,wandbb]"], "run.trackers"),
     "tracker twice": (["run.trackers=[mlflow,mlflow]"], "run.trackers: names a tracker twice"),
 }

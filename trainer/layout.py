@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
+
+from flax import nnx
 
 from configs import Config, ConfigError
 from model import LayerRunner, scan_layers
@@ -15,6 +18,8 @@ from model.attention import block_mask, splash_attention
 from sharding import Rules, axes_size, mesh_axes, resolve_mesh_shape, to_rules
 from sharding.context import SequenceSplit, balanced_order, check_context, per_device, sharded_ring
 from sharding.pipeline import bubble_fraction, pipeline_runner
+from trainer.pipeline_grads import make_scheduled_grad_fn
+from trainer.step import GradFn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +31,7 @@ class Layout:
     stages: int
     repeats: int
     microbatches: int
+    schedule: str = "gpipe"
 
     @property
     def pipelined(self) -> bool:
@@ -81,7 +87,9 @@ def plan_layout(cfg: Config, num_devices: int) -> Layout:
             act_rules = _with_batch_axis(act_rules, "pipeline")
     elif repeats > 1:
         raise ConfigError(f"pipeline.repeats={repeats} needs mesh.pipeline > 1")
-    return Layout(sizes, param_rules, act_rules, stage_rules, stages, repeats, micro)
+    elif cfg.pipeline.schedule != "gpipe":
+        raise ConfigError(f"pipeline.schedule={cfg.pipeline.schedule} needs mesh.pipeline > 1")
+    return Layout(sizes, param_rules, act_rules, stage_rules, stages, repeats, micro, cfg.pipeline.schedule)
 
 
 def _check_pipeline(cfg: Config, stages: int, repeats: int, micro: int, per_replica: int, shards: int) -> None:
@@ -90,6 +98,15 @@ def _check_pipeline(cfg: Config, stages: int, repeats: int, micro: int, per_repl
         raise ConfigError(
             f"model.num_layers={layers} is not divisible by mesh.pipeline={stages} x pipeline.repeats={repeats}"
         )
+    if cfg.pipeline.schedule == "1f1b" and repeats > 1:
+        raise ConfigError(
+            f"pipeline.schedule=1f1b runs each stage's layers once: pipeline.repeats={repeats} needs "
+            "pipeline.schedule=gpipe"
+        )
+    if cfg.pipeline.schedule == "1f1b" and (cfg.mesh.context > 1 or cfg.model.attention == "splash"):
+        what = f"mesh.context={cfg.mesh.context}" if cfg.mesh.context > 1 else "model.attention=splash"
+        raise ConfigError(f"pipeline.schedule=1f1b does not yet run the sequence split or sharded attention that "
+                          f"{what} needs; use pipeline.schedule=gpipe")
     if micro < stages:
         raise ConfigError(
             f"pipeline.microbatches={micro} is fewer than mesh.pipeline={stages} stages: every stage needs a "
@@ -115,6 +132,17 @@ def sequence_split(cfg: Config, layout: Layout, platform: str) -> SequenceSplit 
         kernel = functools.partial(splash_attention, interpret=platform != "tpu")
         attention = per_device(kernel, layout.stage_rules)
     return None if order is None and attention is None else SequenceSplit(order, attention)
+
+
+def scheduled_grads(
+    layout: Layout, graphdef: nnx.GraphDef, remat_policy: str, loss_chunk: int, cast: Callable[[dict], dict]
+) -> GradFn | None:
+    """None (autodiff through the layer runner: GPipe) unless the schedule computes the gradients."""
+    if not layout.pipelined or layout.schedule == "gpipe":
+        return None
+    return make_scheduled_grad_fn(
+        graphdef, layout.stages, layout.microbatches, remat_policy, layout.stage_rules, loss_chunk, cast
+    )
 
 
 def layer_runner(layout: Layout, remat_policy: str) -> LayerRunner | None:

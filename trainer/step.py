@@ -20,6 +20,7 @@ Array = jax.Array
 
 
 LossFn = Callable[[dict, dict], tuple[Array, Array]]
+GradFn = Callable[[dict, dict], tuple[tuple[Array, Array], dict]]  # ((loss sum, targets), gradients)
 
 
 def cross_entropy_sum(logits: Array, targets: Array, weights: Array) -> Array:
@@ -69,14 +70,9 @@ def make_loss_fn(
 
     def loss_fn(params: dict, batch: dict[str, Array]) -> tuple[Array, Array]:
         model = nnx.merge(graphdef, params if cast is None else cast(params))
-        tokens, segments = batch["tokens"], batch.get("segment_ids")
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        if segments is None:
-            positions, seg_in = None, None
-            weights = jnp.ones(targets.shape, jnp.float32)
-        else:
-            positions, seg_in = batch["positions"][:, :-1], segments[:, :-1]
-            weights = ((segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] != 0)).astype(jnp.float32)
+        b = model_inputs(batch)
+        inputs, targets, weights = b["inputs"], b["targets"], b["weights"]
+        positions, seg_in = b.get("positions"), b.get("segment_ids")
         attention = None if split is None else split.attention
         if split is not None and split.order is not None:
             if positions is None:
@@ -87,23 +83,42 @@ def make_loss_fn(
             seg_in = None if seg_in is None else seg_in[:, split.order]
         with sharded_attention(attention):
             x = model.features(inputs, positions, seg_in, runner=runner)
-        if loss_chunk:
-            total = chunked_cross_entropy_sum(model, x, targets, weights, loss_chunk)
-        else:
-            total = cross_entropy_sum(model.logits(x), targets, weights)
-        return total, jnp.sum(weights)
+        return head_loss(model, x, targets, weights, loss_chunk), jnp.sum(weights)
 
     return loss_fn
 
 
-def accumulate(loss_fn: LossFn, params: dict, batch: dict[str, Array], steps: int) -> tuple[Array, dict]:
+def model_inputs(batch: dict[str, Array]) -> dict[str, Array]:
+    """A batch of token rows -> {"inputs", "targets", "weights"} (+ "positions", "segment_ids"
+    for document packing: padding (segment 0) and targets across a document boundary weigh 0)."""
+    tokens, segments = batch["tokens"], batch.get("segment_ids")
+    out = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    if segments is None:
+        out["weights"] = jnp.ones(out["targets"].shape, jnp.float32)
+    else:
+        out["weights"] = ((segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] != 0)).astype(jnp.float32)
+        out.update(positions=batch["positions"][:, :-1], segment_ids=segments[:, :-1])
+    return out
+
+
+def head_loss(model: nnx.Module, x: Array, targets: Array, weights: Array, loss_chunk: int) -> Array:
+    """The weighted loss sum of the final hidden states x [batch, length, embed]."""
+    if loss_chunk:
+        return chunked_cross_entropy_sum(model, x, targets, weights, loss_chunk)
+    return cross_entropy_sum(model.logits(x), targets, weights)
+
+
+def accumulate(
+    loss_fn: LossFn, params: dict, batch: dict[str, Array], steps: int, grad_fn: GradFn | None = None
+) -> tuple[Array, dict]:
     """The per-token mean loss over the whole batch and its gradients, computed over `steps`
     equal micro-batches (the split of `sharding.pipeline.to_microbatches`) by a scan.
+    `grad_fn` replaces autodiff of `loss_fn` where a pipeline schedule computes the gradients.
 
     Each micro-batch gives the gradient of its loss *sum*; sums, token counts and gradients add
     up in float32 and are divided once by the batch's token count, so the result is the one-big-
     batch mean even when packing leaves the micro-batches with different numbers of targets."""
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    grad_fn = grad_fn or jax.value_and_grad(loss_fn, has_aux=True)
     if steps == 1:
         (total, count), grads = grad_fn(params, batch)
     else:
@@ -129,11 +144,12 @@ def make_train_step(
     loss_chunk: int = 0,
     cast: Callable[[dict], dict] | None = None,
     split: SequenceSplit | None = None,
+    grad_fn: GradFn | None = None,
 ) -> Callable[[TrainState, dict[str, Array]], tuple[TrainState, dict[str, Array]]]:
     loss_fn = make_loss_fn(graphdef, runner, loss_chunk, cast, split)
 
     def train_step(state: TrainState, batch: dict[str, Array]) -> tuple[TrainState, dict[str, Array]]:
-        loss, grads = accumulate(loss_fn, state.params, batch, grad_accum)
+        loss, grads = accumulate(loss_fn, state.params, batch, grad_accum, grad_fn)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
