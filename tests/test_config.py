@@ -120,6 +120,7 @@ EXPLICIT: dict[str, tuple[Any, list[str]]] = {
     "model.quant": ("fp8", []),
     "model.grad_reduce": ("bfloat16", []),
     "context.strategy": ("ring", []),
+    "pipeline.schedule": ("1f1b", []),
     "data.source": ("synthetic", []),
     "data.mixture": ("/a:0.5,/b:0.5", ["data.source=prepared"]),
     "data.packing": ("document", []),
