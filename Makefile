@@ -40,10 +40,9 @@ train: $(STAMP)
 # Python or one XLA compile, so two cores run two files at once; a file's module fixtures are
 # compiled once). Two runs, timed apart: the fake-CPU-device tests, then the compiles for real
 # H100 and TPU targets (tests marked real_target); each prints its 15 slowest tests.
-PYTEST := MESHLM_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q -n auto --dist loadfile --durations=15
 test: $(STAMP) $(COMPILERS_STAMP)
-	$(PYTEST) -m "not real_target" tests
-	$(PYTEST) -m real_target tests
+	MESHLM_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q -n auto --dist loadfile --durations=15 -m "not real_target" tests
+	MESHLM_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q -n auto --dist loadfile --durations=15 -m real_target tests
 
 # A real one-node SLURM runs a sweep's array job and a 2-process srun (scripts/slurm_check.sh).
 # Debian's packages are installed only where a command is missing (CI starts from a clean

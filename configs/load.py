@@ -139,9 +139,12 @@ def load_config(config_file: str | None = None, overrides: list[str] | tuple[str
     try:
         cfg = _adapter().validate_python(tree)
     except pydantic.ValidationError as e:
-        error = e.errors()[0]
-        key = ".".join(str(part) for part in error["loc"] if not isinstance(part, int))
-        raise ConfigError(f"{key}: expected {_type_name(types.get(key, str))}, got {error['input']!r}") from None
+        parts = [str(part) for part in e.errors()[0]["loc"] if not isinstance(part, int)]
+        value = tree
+        for part in parts:  # the whole value as given (a list's, not only its bad item)
+            value = value[part]
+        key = ".".join(parts)
+        raise ConfigError(f"{key}: expected {_type_name(types.get(key, str))}, got {value!r}") from None
     validate_static(cfg)
     return cfg
 

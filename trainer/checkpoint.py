@@ -17,6 +17,7 @@ import gc
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
 from types import TracebackType
@@ -135,8 +136,9 @@ def library_log_path(run_dir: str) -> str:
 
 
 class LibraryLog:
-    """While started, the tracebacks that reach Python's last-resort printers (sys.excepthook, which
-    a library thread's unhandled error goes through; sys.unraisablehook; the `asyncio` logger) are
+    """While started, the tracebacks that reach Python's last-resort printers (sys.excepthook,
+    threading.excepthook for a library thread's unhandled error, sys.unraisablehook, the `asyncio`
+    logger) are
     appended to a file instead of the console. The file is created at its first line."""
 
     def __init__(self, path: str):
@@ -160,6 +162,10 @@ class LibraryLog:
     def _excepthook(self, kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
         self.write("".join(traceback.format_exception(kind, error, tb)))
 
+    def _thread_hook(self, args: Any) -> None:
+        self.write(f"Exception in thread {getattr(args.thread, 'name', '?')}:\n"
+                   + "".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback)))
+
     def _unraisablehook(self, u: Any) -> None:
         where = f"Exception ignored in: {u.object!r}\n" if u.object is not None else ""
         self.write(where + "".join(traceback.format_exception(u.exc_type, u.exc_value, u.exc_traceback)))
@@ -172,8 +178,8 @@ class LibraryLog:
         if self.started:
             return
         asyncio_log = logging.getLogger("asyncio")
-        self._saved = (sys.excepthook, sys.unraisablehook, asyncio_log.propagate)
-        sys.excepthook, sys.unraisablehook = self._excepthook, self._unraisablehook
+        self._saved = (sys.excepthook, sys.unraisablehook, threading.excepthook, asyncio_log.propagate)
+        sys.excepthook, sys.unraisablehook, threading.excepthook = self._excepthook, self._unraisablehook, self._thread_hook
         asyncio_log.addHandler(self._handler)
         asyncio_log.propagate = False
 
@@ -184,7 +190,7 @@ class LibraryLog:
             return
         gc.collect()
         asyncio_log = logging.getLogger("asyncio")
-        sys.excepthook, sys.unraisablehook, asyncio_log.propagate = self._saved
+        sys.excepthook, sys.unraisablehook, threading.excepthook, asyncio_log.propagate = self._saved
         asyncio_log.removeHandler(self._handler)
         self._saved = None
         if self._file is not None:
@@ -251,12 +257,16 @@ class Checkpointer:
         damaged: dict[int, str] = {}  # step -> why it cannot be read
         for step in steps:
             state, reason = None, ""
+            # Started before the read: a failing read's background tasks may report before the
+            # read itself raises. Stopped again after a clean first read.
+            self.library_log.start()
             try:
                 state = self.restore(step, target, iterator)
             except Exception as e:  # truncated or missing files, bad metadata: all unreadable
-                self.library_log.start()
                 self.library_log.note(f"checkpoint {self._path(step)} cannot be read:", e)
                 reason = _why(e)
+            if state is not None and not damaged and reason == "":
+                self.library_log.stop()
             if not _everywhere(state is not None):  # one process's shards may be the damaged ones
                 damaged[step] = reason or "on another process"
                 continue
