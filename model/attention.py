@@ -84,7 +84,9 @@ def masked_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
 
 def fused_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, implementation: str | None,
                     positions: Array | None = None) -> Array:
-    if segment_ids is None and positions is None:
+    if segment_ids is None:
+        # One document per row, in sequence order (these kernels refuse a reordered split): the
+        # causal flag, not a dense [batch, 1, T, T] mask, which cuDNN would read from memory.
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
     pos = _positions(positions, q)
     mask = block_mask(pos, pos, segment_ids, segment_ids)
