@@ -5,13 +5,14 @@ checkpoints that move freely between pipeline layouts."""
 from __future__ import annotations
 
 import os
+import re
 
 import jax
 import numpy as np
 import pytest
 
 import trainer
-from configs import load_config
+from configs import ConfigError, load_config
 from conftest import ROOT, stdlib_glob
 from sharding import activation_rules
 from trainer import abstract_program, collective_counts
@@ -28,6 +29,11 @@ PIPELINED = {
         "model.remat=save_dots_no_batch", "train.grad_accum=2"],
     "circular: pipeline=2 x data=4, 2 repeats, dot_product attention": [
         "mesh.pipeline=2", "mesh.data=4", "pipeline.repeats=2", "model.attention=dot_product"],
+    "1f1b: pipeline=4 x data=2": ["mesh.pipeline=4", "mesh.data=2", "pipeline.microbatches=8",
+                                  "pipeline.schedule=1f1b"],
+    "1f1b: pipeline=2 x fsdp=2 x tensor=2, remat, grad accum": [
+        "mesh.pipeline=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "pipeline.microbatches=2",
+        "model.remat=save_dots_no_batch", "train.grad_accum=2", "pipeline.schedule=1f1b"],
 }
 
 
@@ -107,3 +113,32 @@ def test_checkpoints_move_between_pipeline_layouts(tmp_path, capsys, first, seco
     resumed = trainer.run(config(*second, *common, "train.steps=4", f"run.dir={moved}"))
     assert "resumed from step 2" in capsys.readouterr().out
     np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in straight[2:]], rtol=2e-5)
+
+
+def test_1f1b_temporaries_stay_flat_in_microbatches_while_gpipe_grows():
+    """Same microbatch size (2 rows per data replica), M = 4 and 16: GPipe keeps every
+    microbatch's activations until its backward, 1F1B at most 2S - 1 stage inputs."""
+    def temp_bytes(schedule: str, m: int) -> int:
+        cfg = config("mesh.pipeline=4", "mesh.data=2", f"pipeline.microbatches={m}", f"train.global_batch={4 * m}",
+                     f"pipeline.schedule={schedule}")
+        return abstract_program(cfg).lower().compile().memory_analysis().temp_size_in_bytes
+
+    act = 2 * 32 * 64 * 4  # one microbatch's [rows, seq_len, d_model] float32 activation per device
+    gpipe, flat = temp_bytes("gpipe", 16) - temp_bytes("gpipe", 4), temp_bytes("1f1b", 16) - temp_bytes("1f1b", 4)
+    assert gpipe > 12 * act  # the two schedules really differ: GPipe grows by more than an activation each
+    assert flat < act  # twelve more microbatches cost 1F1B less than one activation (their token rows only)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["mesh.pipeline=2", "mesh.data=4", "pipeline.repeats=2", "pipeline.schedule=1f1b"],
+     "pipeline.schedule=1f1b runs each stage's layers once: pipeline.repeats=2 needs pipeline.schedule=gpipe"),
+    (["mesh.data=8", "pipeline.schedule=1f1b"], "pipeline.schedule=1f1b needs mesh.pipeline > 1"),
+])
+def test_a_schedule_that_cannot_run_the_layout_is_refused_before_compiling(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        abstract_program(config(*overrides))
+
+
+def test_an_unknown_schedule_is_refused():
+    with pytest.raises(ConfigError, match="pipeline.schedule"):
+        config("pipeline.schedule=zero_bubble")
