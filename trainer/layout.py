@@ -12,7 +12,7 @@ from typing import Callable
 
 from flax import nnx
 
-from configs import Config, ConfigError
+from configs import Config, ConfigError, ModelConfig
 from model import LayerRunner, scan_layers
 from model.attention import block_mask, splash_attention
 from sharding import Rules, axes_size, mesh_axes, resolve_mesh_shape, to_rules
@@ -145,9 +145,22 @@ def scheduled_grads(
     )
 
 
-def layer_runner(layout: Layout, remat_policy: str) -> LayerRunner | None:
-    """None (the model's own scan) unless the layout pipelines the stack."""
+# `model.scan_unroll=0` unrolls stacks up to this deep on CPU: there the scan's stacked buffers
+# (zero-filled each step, written and read with dynamic slices) cost about a tenth of the default
+# model's step (BENCHMARKS.md, "The CPU step"), while unrolling a few layers costs no compile time.
+CPU_UNROLL_LAYERS = 8
+
+
+def scan_unroll(model: ModelConfig, platform: str) -> int:
+    """Layers per trip of the layer scan: `model.scan_unroll`, or the stack's pick for 0."""
+    if model.scan_unroll:
+        return model.scan_unroll
+    return model.num_layers if platform == "cpu" and model.num_layers <= CPU_UNROLL_LAYERS else 1
+
+
+def layer_runner(layout: Layout, remat_policy: str, unroll: int = 1) -> LayerRunner | None:
+    """None (the model's own scan) unless the layout pipelines the stack or unrolls it."""
     if not layout.pipelined:
-        return None
+        return None if unroll == 1 else functools.partial(scan_layers, remat_policy=remat_policy, unroll=unroll)
     stage_fn = functools.partial(scan_layers, remat_policy=remat_policy)
     return pipeline_runner(layout.stages, layout.repeats, layout.microbatches, stage_fn, layout.stage_rules)

@@ -36,7 +36,7 @@ from sharding.context import SequenceSplit
 from sharding.hlo import COLLECTIVES, static_counts  # noqa: F401  (COLLECTIVES: re-exported)
 from model import hf
 from trainer.checkpoint import check_resumable, has_checkpoints
-from trainer.layout import Layout, layer_runner, plan_layout, scheduled_grads, sequence_split
+from trainer.layout import Layout, layer_runner, plan_layout, scan_unroll, scheduled_grads, sequence_split
 from trainer.optimizer import make_optimizer
 from trainer.state import TrainState, abstract_model, abstract_state, state_shardings
 from trainer.step import make_loss_fn, make_train_step
@@ -117,7 +117,7 @@ def make_program(p: Prepared, devices: list) -> Program:
     tx, schedule = make_optimizer(cfg.optim, cfg.train.steps, p.axes)
     state_sh = state_shardings(tx, p.shapes, shardings(p.axes, layout.param_rules, mesh), mesh)
     batch_sh = batch_sharding(mesh, layout.act_rules)
-    runner = layer_runner(layout, cfg.model.remat)
+    runner = layer_runner(layout, cfg.model.remat, scan_unroll(cfg.model, devices[0].platform))
     split = sequence_split(cfg, layout, devices[0].platform)
     cast = functools.partial(cast_for_compute, axes=p.axes, dtype=cfg.model.dtype, shardings=state_sh.params)
     grad_fn = scheduled_grads(layout, p.graphdef, cfg.model.remat, cfg.model.loss_chunk, cast)
