@@ -75,7 +75,7 @@ def bench(config: str | None, overrides: list[str], steps: int, warmup: int, cpu
         "device": f"{len(devices)} x {devices[0].device_kind}",
         "config": config or "default",
         "overrides": " ".join(overrides),
-        "params_m": param_count(program.shapes) / 1e6,
+        "params_m": param_count(program.spec.model.shapes) / 1e6,
         "batch": cfg.train.global_batch,
         "seq": cfg.model.seq_len,
         "tokens_per_s": tokens / step_s,

@@ -25,6 +25,7 @@ REMAT_POLICIES = tuple(REMAT_SAVES)
 ATTENTION_IMPLS = ("xla", "dot_product", "cudnn", "splash")
 QUANT_MODES = ("none", "fp8", "int8")  # model.quant: the block matmuls' operand precision (model/quant.py)
 GRAD_REDUCE_DTYPES = ("compute", "float32", "bfloat16")  # model.grad_reduce
+GATHER_DTYPES = ("compute", "fp8")  # model.gather_dtype
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SOURCES = ("text", "prepared", "synthetic")
 PACKINGS = ("concat", "document")
@@ -153,6 +154,9 @@ class ModelConfig:
     # The dtype block weight gradients leave their matmuls in, so the dtype their reductions over
     # the batch shards move ("compute": the compute dtype).
     grad_reduce: str = "compute"
+    # The dtype block weights are gathered from their shards in (FSDP): "compute", or "fp8"
+    # (float8_e4m3fn with one scale per weight, back in the compute dtype after the gather).
+    gather_dtype: str = "compute"
 
     @property
     def resolved_head_dim(self) -> int:
@@ -384,6 +388,7 @@ def validate_static(cfg: Config) -> None:
     _one_of(m.attention, "model.attention", ATTENTION_IMPLS)
     _one_of(m.quant, "model.quant", QUANT_MODES)
     _one_of(m.grad_reduce, "model.grad_reduce", GRAD_REDUCE_DTYPES)
+    _one_of(m.gather_dtype, "model.gather_dtype", GATHER_DTYPES)
     _one_of(cfg.context.strategy, "context.strategy", CONTEXT_STRATEGIES)
     _check_data(cfg)
     _one_of(o.schedule, "optim.schedule", SCHEDULES)

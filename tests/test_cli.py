@@ -65,6 +65,9 @@ BAD = {
                                    "pipeline.schedule=1f1b does not yet run the sequence split"),
     "tracker name": (["run.trackers=[tensorboard,wandbb]"], "run.trackers"),
     "tracker twice": (["run.trackers=[mlflow,mlflow]"], "run.trackers: names a tracker twice"),
+    "fp8 gathers with nothing gathered": (["mesh.data=8", "model.gather_dtype=fp8"],
+                                          "model.gather_dtype=fp8: this layout gathers no parameter"),
+    "gather dtype name": (["model.gather_dtype=fp4"], "model.gather_dtype: 'fp4' is not one of compute, fp8"),
 }
 
 

@@ -76,6 +76,12 @@ def plan_layout(cfg: Config, num_devices: int) -> Layout:
         # A context group's devices hold different positions of the same rows: the parameters
         # they would each hold whole are sharded over them as well, FSDP-style.
         param_rules = _with_axis(param_rules, "embed", "context")
+    if cfg.model.gather_dtype != "compute" and not _gathered_axes(param_rules, act_rules, sizes):
+        raise ConfigError(
+            f"model.gather_dtype={cfg.model.gather_dtype}: this layout gathers no parameter (no mesh axis > 1 shards "
+            "them for storage only, as mesh.fsdp does), so the weights would be rounded to save nothing; use "
+            "model.gather_dtype=compute"
+        )
     stages, repeats = sizes["pipeline"], cfg.pipeline.repeats
     micro = cfg.pipeline.microbatches or stages
     stage_rules = act_rules
@@ -90,6 +96,13 @@ def plan_layout(cfg: Config, num_devices: int) -> Layout:
     elif cfg.pipeline.schedule != "gpipe":
         raise ConfigError(f"pipeline.schedule={cfg.pipeline.schedule} needs mesh.pipeline > 1")
     return Layout(sizes, param_rules, act_rules, stage_rules, stages, repeats, micro, cfg.pipeline.schedule)
+
+
+def _gathered_axes(param_rules: Rules, act_rules: Rules, sizes: dict[str, int]) -> set[str]:
+    """The mesh axes (of size > 1) that shard a parameter for storage but not for compute: the
+    partitioner gathers parameters over them (FSDP)."""
+    return {a for name, _ in param_rules for a in mesh_axes(name, param_rules)
+            if a not in mesh_axes(name, act_rules) and sizes[a] > 1}
 
 
 def _check_pipeline(cfg: Config, stages: int, repeats: int, micro: int, per_replica: int, shards: int) -> None:
