@@ -193,6 +193,8 @@ def qeinsum(spec: str, x: Array, w: Array, quant: str, grad_reduce: str = "compu
     `model.quant` ('none': the plain einsum) and `model.grad_reduce`."""
     if quant != "none":
         return _EINSUMS[quant](spec, x, w, grad_reduce)
-    if grad_reduce == "compute" or jnp.dtype(grad_reduce) == w.dtype:
-        return jnp.einsum(spec, x, w)
-    return reduced_einsum(spec, x, w, grad_reduce)
+    # Through the custom gradient even in the compute dtype, for its operand order: autodiff's
+    # transpose of the einsum writes the weight gradient with the incoming gradient first, and
+    # XLA:CPU then lays out the larger [tokens, d_ff] operand transposed in a slow loop fusion
+    # (14% of the default model's CPU step; BENCHMARKS.md "The CPU step"). Same products and sums.
+    return reduced_einsum(spec, x, w, w.dtype.name if grad_reduce == "compute" else grad_reduce)
