@@ -145,6 +145,9 @@ class ModelConfig:
     remat: str = "none"
     attention: str = "xla"
     loss_chunk: int = 0  # > 0: output head + loss this many positions at a time (no full f32 logits)
+    # > 0: with data.packing=document a row holds at most this many documents (pieces), and
+    # cudnn attention takes them as cuDNN's packed layout; 0: no bound (cudnn builds a dense mask).
+    max_documents: int = 0
     quant: str = "none"  # none | fp8 | int8: the blocks' matmuls (model/quant.py)
     # The dtype block weight gradients leave their matmuls in, so the dtype their reductions over
     # the batch shards move ("compute": the compute dtype).
@@ -371,6 +374,7 @@ def validate_static(cfg: Config) -> None:
         "model.loss_chunk",
         f"{m.loss_chunk} must be 0 (off) or divide model.seq_len={m.seq_len}",
     )
+    _require(m.max_documents >= 0, "model.max_documents", f"must be >= 0 (0: no bound), got {m.max_documents}")
     _require(cfg.mesh.nodes > 0, "mesh.nodes", f"must be > 0 (1: one node or slice), got {cfg.mesh.nodes}")
     _one_of(cfg.mesh.across, "mesh.across", MESH_AXES)
     _one_of(m.dtype, "model.dtype", DTYPES)
