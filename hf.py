@@ -26,7 +26,7 @@ from configs.schema import ConfigError, MeshConfig, PipelineConfig
 from model.hf import check_compatible, hf_config, model_keys, read_hf_config, to_hf_tensors
 from model.safetensors_files import EXPORT_DTYPES, write_safetensors
 from trainer.checkpoint import has_checkpoints, restore_params
-from trainer.loop import build
+from trainer.loop import make_session
 from trainer.program import prepare
 
 TOKENIZER_FILES = (
@@ -90,10 +90,10 @@ def import_(
         raise ConfigError(f"--run-dir: {cfg.run.dir} already holds checkpoints; import into a new run directory")
     check_compatible(cfg.model, cfg.init.from_hf, "--hf-dir")  # user overrides of model.* must still fit
     one = dataclasses.replace(cfg, mesh=MeshConfig(pipeline=1, data=1, fsdp=1, tensor=1), pipeline=PipelineConfig())
-    built = build(prepare(one, 1), jax.devices()[:1])
-    built.ckpt.save(0, built.state, built.iterator)
-    built.ckpt.wait()
-    built.ckpt.close()
+    session = make_session(prepare(one, 1), jax.devices()[:1])
+    session.ckpt.save(0, session.state, session.iterator)
+    session.ckpt.wait()
+    session.ckpt.close()
     with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:  # the user's mesh, not the import's
         f.write(dump_config(cfg))
     log(f"imported {cfg.init.from_hf} into {cfg.run.dir} (step 0); fine-tune with: "

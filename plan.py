@@ -48,7 +48,6 @@ from jax.sharding import AbstractMesh
 
 from configs import Config, ConfigError, load_config
 from configs.schema import MESH_AXES, REMAT_POLICIES
-from sharding import shardings
 from sharding.hardware import HARDWARE, Hardware, check_quant, kernel_seconds
 from sharding.hlo import collectives
 from sharding.minimum import minimum
@@ -56,9 +55,8 @@ from sharding.report import evaluate, print_plan, print_search
 from sharding.roofline import compute_seconds, kernels
 from sharding.targets import child_env, compiler_name, has_compiler, node_of, target_devices
 from trainer.layout import attention_notes
-from trainer.optimizer import make_optimizer
-from trainer.program import abstract_program, compiled_stats, fill_microbatches, prepare
-from trainer.state import abstract_state, state_shardings
+from trainer.program import abstract_program, compiled_stats, fill_microbatches, prepare, sharded_optimizer
+from trainer.state import abstract_state
 
 DEFAULT_REMATS = ("none", "save_dots", "full")  # in order of growing recompute
 
@@ -118,11 +116,10 @@ def check(config: str | None, overrides: list[str], n: int) -> Config:
 def state_bytes(cfg: Config, n: int) -> dict[str, int]:
     """Per-device bytes of parameters and optimizer state (the step counter included), from the
     shardings the rules give on an abstract mesh of n devices: exact, nothing compiled."""
-    p = prepare(cfg, n, with_data=False)
-    mesh = AbstractMesh(tuple(p.layout.sizes[a] for a in MESH_AXES), MESH_AXES)
-    tx, _ = make_optimizer(cfg.optim, cfg.train.steps, p.axes)
-    sh = state_shardings(tx, p.shapes, shardings(p.axes, p.layout.param_rules, mesh), mesh)
-    state = abstract_state(tx, p.shapes, sh)
+    spec = prepare(cfg, n, with_data=False)
+    mesh = AbstractMesh(tuple(spec.layout.sizes[a] for a in MESH_AXES), MESH_AXES)
+    tx, _, sh = sharded_optimizer(spec, mesh)
+    state = abstract_state(tx, spec.model.shapes, sh)
 
     def per_device(tree: Any) -> int:
         return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
@@ -130,7 +127,7 @@ def state_bytes(cfg: Config, n: int) -> dict[str, int]:
     return {
         "params": per_device(state.params),
         "optimizer": per_device(state.opt_state) + per_device(state.step),
-        "minimum": minimum(cfg, p.layout.sizes, p.shapes, p.axes),
+        "minimum": minimum(cfg, spec.layout.sizes, spec.model.shapes, spec.model.axes),
     }
 
 
@@ -166,11 +163,11 @@ def measure(cfg: Config, hw: Hardware, target: Hardware | None, n: int, topology
     text = compiled.as_text()
     if dump:
         os.makedirs(dump, exist_ok=True)
-        layout = "_".join(f"{a}{s}" for a, s in program.layout.sizes.items() if s > 1) or "1"
+        layout = "_".join(f"{a}{s}" for a, s in program.spec.layout.sizes.items() if s > 1) or "1"
         with open(os.path.join(dump, f"{hw.name}_{n}_{layout}_{cfg.model.remat}.hlo"), "w") as f:
             f.write(text)
     nodes = node_of(list(program.mesh.devices.flat), target, hw.devices_per_node or n)
-    ops, unknown = collectives(text, program.layout.sizes, nodes)
+    ops, unknown = collectives(text, program.spec.layout.sizes, nodes)
     if unknown:
         notes.append(f"{unknown} loop(s) of unknown trip count: their collectives and kernels are counted once")
     batch = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(program.abstract_batch())) // n
@@ -186,7 +183,7 @@ def measure(cfg: Config, hw: Hardware, target: Hardware | None, n: int, topology
         "batch_bytes": batch,
         "collectives": [{**dataclasses.asdict(c), "wire_bytes": c.wire_bytes} for c in ops],
         "roofline": roofline,
-        "bubble": program.layout.bubble if program.layout.pipelined else 0.0,
+        "bubble": program.spec.layout.bubble if program.spec.layout.pipelined else 0.0,
         "notes": notes,
     }
 

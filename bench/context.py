@@ -39,7 +39,7 @@ def measure(seq: int, context: int, strategy: str, steps: int, max_gib: float) -
     program = abstract_program(cfg, jax.devices()[:context])
     compiled, seconds = program.compile()
     stats = compiled_stats(compiled)
-    on_context = sorted({c.kind for c in collectives(compiled.as_text(), program.layout.sizes, context)[0]
+    on_context = sorted({c.kind for c in collectives(compiled.as_text(), program.spec.layout.sizes, context)[0]
                          if "context" in c.axes})
     out = {"compile_s": seconds, "gib": stats["total_bytes"] / 2**30, "collectives": ",".join(on_context) or "-"}
     if out["gib"] > max_gib:

@@ -59,7 +59,7 @@ def measure(config: str, overrides: list[str]) -> dict:
         "xla_flops": stats["xla_flops"],
         "model_flops": flops_per_token(cfg.model) * tokens / jax.device_count(),
         "collectives": collective_counts(compiled.as_text()),
-        "bubble": program.layout.bubble if program.layout.pipelined else 0.0,
+        "bubble": program.spec.layout.bubble if program.spec.layout.pipelined else 0.0,
     }
 
 

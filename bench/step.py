@@ -39,7 +39,8 @@ def peak_memory(compiled: jax.stages.Compiled) -> tuple[float, str]:
     return float(compiled_stats(compiled)["total_bytes"]), "compiler"
 
 
-def bench(config: str | None, overrides: list[str], steps: int, warmup: int) -> dict:
+def bench(config: str | None, overrides: list[str], steps: int, warmup: int, cpu_times: bool = False) -> dict:
+    """Compiles and times the step; `cpu_times` adds the process CPU ms per timed step (`cpu_ms`)."""
     cfg = load_config(config, [*overrides, "data.source=synthetic", "data.packing=concat"])
     program = abstract_program(cfg)
     state = init_state(cfg.model, program.tx, cfg.run.seed, program.state_sh)
@@ -52,11 +53,13 @@ def bench(config: str | None, overrides: list[str], steps: int, warmup: int) -> 
         state, metrics = step(state, batch)
     jax.block_until_ready(metrics)
     times = []
+    cpu0 = time.process_time()
     for _ in range(steps):
         t0 = time.perf_counter()
         state, metrics = step(state, batch)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t0)
+    cpu_ms = 1e3 * (time.process_time() - cpu0) / steps
     t0 = time.perf_counter()
     for _ in range(steps):
         state, metrics = step(state, batch)
@@ -72,7 +75,7 @@ def bench(config: str | None, overrides: list[str], steps: int, warmup: int) -> 
         "device": f"{len(devices)} x {devices[0].device_kind}",
         "config": config or "default",
         "overrides": " ".join(overrides),
-        "params_m": param_count(program.shapes) / 1e6,
+        "params_m": param_count(program.spec.model.shapes) / 1e6,
         "batch": cfg.train.global_batch,
         "seq": cfg.model.seq_len,
         "tokens_per_s": tokens / step_s,
@@ -84,6 +87,7 @@ def bench(config: str | None, overrides: list[str], steps: int, warmup: int) -> 
         "memory_from": source,
         "compile_s": compile_s,
         "loss": float(metrics["loss"]),
+        **({"cpu_ms": cpu_ms} if cpu_times else {}),
     }
 
 

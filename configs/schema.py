@@ -25,6 +25,7 @@ REMAT_POLICIES = tuple(REMAT_SAVES)
 ATTENTION_IMPLS = ("xla", "dot_product", "cudnn", "splash")
 QUANT_MODES = ("none", "fp8", "int8")  # model.quant: the block matmuls' operand precision (model/quant.py)
 GRAD_REDUCE_DTYPES = ("compute", "float32", "bfloat16")  # model.grad_reduce
+GATHER_DTYPES = ("compute", "fp8")  # model.gather_dtype
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SOURCES = ("text", "prepared", "synthetic")
 PACKINGS = ("concat", "document")
@@ -148,10 +149,17 @@ class ModelConfig:
     # > 0: with data.packing=document a row holds at most this many documents (pieces), and
     # cudnn attention takes them as cuDNN's packed layout; 0: no bound (cudnn builds a dense mask).
     max_documents: int = 0
+    # Layers per trip of the layer scan (lax.scan's `unroll`). 0: the stack picks: on CPU a stack
+    # of at most CPU_UNROLL_LAYERS (trainer/layout.py) layers is unrolled whole (XLA:CPU spends about a tenth of the
+    # default step on the scan's stacked buffers), everywhere else 1 (compile time flat in depth).
+    scan_unroll: int = 0
     quant: str = "none"  # none | fp8 | int8: the blocks' matmuls (model/quant.py)
     # The dtype block weight gradients leave their matmuls in, so the dtype their reductions over
     # the batch shards move ("compute": the compute dtype).
     grad_reduce: str = "compute"
+    # The dtype block weights are gathered from their shards in (FSDP): "compute", or "fp8"
+    # (float8_e4m3fn with one scale per weight, back in the compute dtype after the gather).
+    gather_dtype: str = "compute"
 
     @property
     def resolved_head_dim(self) -> int:
@@ -375,6 +383,7 @@ def validate_static(cfg: Config) -> None:
         f"{m.loss_chunk} must be 0 (off) or divide model.seq_len={m.seq_len}",
     )
     _require(m.max_documents >= 0, "model.max_documents", f"must be >= 0 (0: no bound), got {m.max_documents}")
+    _require(m.scan_unroll >= 0, "model.scan_unroll", f"must be >= 0 (0: the stack picks), got {m.scan_unroll}")
     _require(cfg.mesh.nodes > 0, "mesh.nodes", f"must be > 0 (1: one node or slice), got {cfg.mesh.nodes}")
     _one_of(cfg.mesh.across, "mesh.across", MESH_AXES)
     _one_of(m.dtype, "model.dtype", DTYPES)
@@ -383,6 +392,7 @@ def validate_static(cfg: Config) -> None:
     _one_of(m.attention, "model.attention", ATTENTION_IMPLS)
     _one_of(m.quant, "model.quant", QUANT_MODES)
     _one_of(m.grad_reduce, "model.grad_reduce", GRAD_REDUCE_DTYPES)
+    _one_of(m.gather_dtype, "model.gather_dtype", GATHER_DTYPES)
     _one_of(cfg.context.strategy, "context.strategy", CONTEXT_STRATEGIES)
     _check_data(cfg)
     _one_of(o.schedule, "optim.schedule", SCHEDULES)

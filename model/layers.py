@@ -1,7 +1,7 @@
 """Building blocks of a Llama-style decoder: RMSNorm, rotary embeddings, GQA attention, SwiGLU.
 
-The block projections run under `model.quant` and `model.grad_reduce` (model/quant.py); norms
-and the softmax do not.
+The block projections (`project`) run under `model.quant`, `model.grad_reduce` and
+`model.gather_dtype` (model/quant.py); norms and the softmax do not.
 
 Every parameter carries logical axis names (`out_sharding` metadata) and every main activation
 is constrained by logical names; which mesh axes those names land on is decided by the rules in
@@ -19,7 +19,7 @@ from flax import nnx
 
 from configs.schema import ModelConfig
 from model.attention import attend
-from model.quant import qeinsum
+from model.quant import fp8_gather, qeinsum
 
 Array = jax.Array
 
@@ -34,6 +34,27 @@ def param(rngs: nnx.Rngs, init: nnx.Initializer, shape: Sequence[int], axes: Seq
     (jit with out_shardings), so eager sharding at construction is off."""
     assert len(shape) == len(axes), (shape, axes)
     return nnx.Param(init(rngs.params(), tuple(shape), jnp.float32), eager_sharding=False, out_sharding=tuple(axes))
+
+
+def project(spec: str, x: Array, p: nnx.Param, cfg: ModelConfig) -> Array:
+    """`jnp.einsum(spec, x, w)` for a block weight `p`, in x's dtype, under `model.quant` and
+    `model.grad_reduce`; with `model.gather_dtype=fp8` the weight is gathered from its shards
+    in FP8 (model/quant.py)."""
+    if cfg.gather_dtype == "compute":
+        return qeinsum(spec, x, p[...].astype(x.dtype), cfg.quant, cfg.grad_reduce)
+    w = p[...]
+    names = p.get_metadata()["out_sharding"]
+    axes = tuple(names[len(names) - w.ndim:])  # inside the layer scan, `layers` is sliced off the value
+
+    def gathered(x: Array, w: Array) -> Array:
+        return qeinsum(spec, x, fp8_gather(w.astype(x.dtype), axes), cfg.quant, cfg.grad_reduce)
+
+    if cfg.remat == "none":
+        # Without a remat policy autodiff would keep the gathered weight of every layer for the
+        # backward pass; FSDP gathers it again there (in FP8) instead. Under a policy the layer's
+        # own recompute does that, and a second checkpoint here would gather it a third time.
+        gathered = jax.checkpoint(gathered, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+    return gathered(x, w)
 
 
 class RMSNorm(nnx.Module):
@@ -79,11 +100,9 @@ class Attention(nnx.Module):
     def project(self, x: Array, positions: Array) -> tuple[Array, Array, Array]:
         """x [b, l, d] -> q [b, l, heads, hd], k and v [b, l, kv_heads, hd], rotary applied.
         Split from __call__ so KV-cache decoding (model/decode.py) reuses it."""
-        dt = x.dtype
-        quant, reduce = self.cfg.quant, self.cfg.grad_reduce
-        q = qeinsum("bld,dhk->blhk", x, self.q[...].astype(dt), quant, reduce)
-        k = qeinsum("bld,dhk->blhk", x, self.k[...].astype(dt), quant, reduce)
-        v = qeinsum("bld,dhk->blhk", x, self.v[...].astype(dt), quant, reduce)
+        q = project("bld,dhk->blhk", x, self.q, self.cfg)
+        k = project("bld,dhk->blhk", x, self.k, self.cfg)
+        v = project("bld,dhk->blhk", x, self.v, self.cfg)
         q = constrain(rotary(q, positions, self.cfg.rope_theta), ("batch", "length", "heads", "head_dim"))
         k = constrain(rotary(k, positions, self.cfg.rope_theta), ("batch", "length", "kv_heads", "head_dim"))
         return q, k, constrain(v, ("batch", "length", "kv_heads", "head_dim"))
@@ -91,7 +110,7 @@ class Attention(nnx.Module):
     def output(self, out: Array) -> Array:
         """Attention output [b, l, heads, hd] -> [b, l, d]."""
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
-        return qeinsum("blhk,hkd->bld", out, self.o[...].astype(out.dtype), self.cfg.quant, self.cfg.grad_reduce)
+        return project("blhk,hkd->bld", out, self.o, self.cfg)
 
 
 class MLP(nnx.Module):
@@ -102,14 +121,13 @@ class MLP(nnx.Module):
         self.gate = param(rngs, init, (cfg.d_model, cfg.d_ff), ("embed", "mlp"))
         self.up = param(rngs, init, (cfg.d_model, cfg.d_ff), ("embed", "mlp"))
         self.down = param(rngs, init, (cfg.d_ff, cfg.d_model), ("mlp", "embed"))
-        self.quant, self.grad_reduce = cfg.quant, cfg.grad_reduce
+        self.cfg = cfg
 
     def __call__(self, x: Array) -> Array:
-        dt = x.dtype
-        gate = qeinsum("bld,df->blf", x, self.gate[...].astype(dt), self.quant, self.grad_reduce)
-        up = qeinsum("bld,df->blf", x, self.up[...].astype(dt), self.quant, self.grad_reduce)
+        gate = project("bld,df->blf", x, self.gate, self.cfg)
+        up = project("bld,df->blf", x, self.up, self.cfg)
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-        return qeinsum("blf,fd->bld", hidden, self.down[...].astype(dt), self.quant, self.grad_reduce)
+        return project("blf,fd->bld", hidden, self.down, self.cfg)
 
 
 class Block(nnx.Module):

@@ -24,6 +24,16 @@ over the batch shards (data-parallel all-reduce, FSDP reduce-scatter) right wher
 produces the partial sums, in that matmul's output dtype: `bfloat16` halves the bytes of a
 float32 run's gradient reductions, `float32` doubles a bfloat16 run's for an exact sum.
 
+`model.gather_dtype=fp8` (`fp8_gather`) moves each block weight between devices in FP8: the
+weight, still sharded as stored, is rounded to float8_e4m3fn with one scale per tensor (its
+amax over the shards: one scalar all-reduce), constrained by its own logical axes to the layout
+the matmul wants (the FSDP all-gather then moves the 8-bit array, as `embed` in transformer.py
+casts before its gather), and turned back into the compute dtype after the gather. The matmul
+itself runs as `model.quant` says on the rounded weight. The backward pass is straight-through
+(the gradient of the rounded weight is the weight's) and leaves the gradient reduction to
+`model.grad_reduce`: the reduce-scatters keep their dtype. The embedding and output head are
+gathered in the compute dtype.
+
 Why written here and not through a library: both are `jnp.einsum` on low-precision operand
 types with `preferred_element_type` inside one `jax.custom_vjp` each, about a hundred lines
 (compiled for an H100, GEMM fusions on f8e4m3fn operands; by libtpu for a v5e, convolutions on
@@ -39,6 +49,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from flax import linen as nn
 
 Array = jax.Array
 
@@ -152,6 +163,29 @@ def _reduced_bwd(spec: str, grad_dtype: str, res: tuple[Array, Array], g: Array)
 reduced_einsum.defvjp(_reduced_fwd, _reduced_bwd)
 
 _EINSUMS = {"fp8": fp8_einsum, "int8": int8_einsum}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def fp8_gather(w: Array, axes: tuple[str | None, ...]) -> Array:
+    """`w` (a weight as stored: sharded like its parameter) quantized to float8_e4m3fn with one
+    scale while still sharded, constrained to the compute layout of its logical `axes` so the
+    partitioner's all-gather moves the 8-bit array, then back in w's dtype (`model.gather_dtype=fp8`)."""
+    wq, scale = _to_fp8(w, E4M3)
+    wq = nn.with_logical_constraint(wq, axes)
+    return (wq.astype(jnp.float32) * scale).astype(w.dtype)
+
+
+def _gather_fwd(w: Array, axes: tuple[str | None, ...]) -> tuple[Array, None]:
+    return fp8_gather(w, axes), None
+
+
+def _gather_bwd(axes: tuple[str | None, ...], _: None, g: Array) -> tuple[Array]:
+    # Straight-through: the rounding passes the gradient unchanged, which then reduces over the
+    # batch shards (FSDP: reduce-scatters) in the dtype its matmul gave it (model.grad_reduce).
+    return (g,)
+
+
+fp8_gather.defvjp(_gather_fwd, _gather_bwd)
 
 
 def qeinsum(spec: str, x: Array, w: Array, quant: str, grad_reduce: str = "compute") -> Array:

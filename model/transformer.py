@@ -34,14 +34,17 @@ class LayerRunner(Protocol):
     def __call__(self, layers: Block, x: Array, positions: Array, segment_ids: Array | None) -> Array: ...
 
 
-def scan_layers(layers: Block, x: Array, positions: Array, segment_ids: Array | None, *, remat_policy: str) -> Array:
-    """Applies the stacked blocks in order with one `lax.scan` (one compiled layer body)."""
+def scan_layers(
+    layers: Block, x: Array, positions: Array, segment_ids: Array | None, *, remat_policy: str, unroll: int = 1
+) -> Array:
+    """Applies the stacked blocks in order with one `lax.scan` (one compiled layer body; `unroll`
+    layers per trip, all of them when it is at least the depth)."""
     graphdef, stacked = nnx.split(layers)
 
     def body(h: Array, layer_state: nnx.State) -> tuple[Array, None]:
         return nnx.merge(graphdef, layer_state)(h, positions, segment_ids), None
 
-    x, _ = jax.lax.scan(remat(body, remat_policy), x, stacked)
+    x, _ = jax.lax.scan(remat(body, remat_policy), x, stacked, unroll=unroll)
     return x
 
 

@@ -74,8 +74,8 @@ def loss_and_grads(cfg, batch: dict, params: dict, devices: list | None = None) 
     program = abstract_program(cfg, devices)
     params = jax.device_put(params, program.state_sh.params)
     batch = {k: jax.device_put(v, program.batch_sh) for k, v in batch.items()}
-    loss_fn = make_loss_fn(program.graphdef, program.runner, cfg.model.loss_chunk)
-    with activation_rules(program.mesh, program.layout.act_rules):
+    loss_fn = make_loss_fn(program.spec.model.graphdef, program.runner, cfg.model.loss_chunk)
+    with activation_rules(program.mesh, program.spec.layout.act_rules):
         loss, grads = jax.jit(lambda p, b: accumulate(loss_fn, p, b, cfg.train.grad_accum))(params, batch)
     return float(loss), jax.tree.map(np.asarray, grads)
 
@@ -109,6 +109,6 @@ def test_eval_loss_is_the_token_weighted_mean(short_docs, tmp_path):
     EvalHook(cfg, program, rows, logger, Goodput()).run(1, state, stopping=False)
     # The three batches as one batch of 96 rows, on one device: one sum over one count.
     together = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
-    total, count = jax.jit(make_loss_fn(program.graphdef))(jax.device_get(state.params), together)
+    total, count = jax.jit(make_loss_fn(program.spec.model.graphdef))(jax.device_get(state.params), together)
     assert int(count) == sum(counts)
     np.testing.assert_allclose(logger.history[-1]["eval_loss"], float(total) / float(count), rtol=2e-6)

@@ -27,6 +27,7 @@ BAD = {
     "d_ff": (["mesh.data=1", "mesh.tensor=8", "model.d_ff=100"], "model.d_ff=100 is not divisible by 8"),
     "vocab": (["mesh.data=1", "mesh.tensor=8", "model.vocab_size=260"], "model.vocab_size=260 is not divisible by 8"),
     "global batch": (["mesh.data=8", "train.global_batch=12"], "train.global_batch=12 is not divisible by 8"),
+    "scan unroll": (["model.scan_unroll=-1"], "model.scan_unroll: must be >= 0 (0: the stack picks), got -1"),
     "grad accum": (["mesh.data=8", "train.grad_accum=4"], "train.global_batch=16 is not divisible by 32"),
     "unknown key": (["train.stpes=5"], "unknown config key 'train.stpes' (did you mean train.steps?)"),
     "unknown logical name": (["mesh.fsdp=8", "sharding.params.embd=fsdp"],
@@ -64,6 +65,9 @@ BAD = {
                                    "pipeline.schedule=1f1b does not yet run the sequence split"),
     "tracker name": (["run.trackers=[tensorboard,wandbb]"], "run.trackers"),
     "tracker twice": (["run.trackers=[mlflow,mlflow]"], "run.trackers: names a tracker twice"),
+    "fp8 gathers with nothing gathered": (["mesh.data=8", "model.gather_dtype=fp8"],
+                                          "model.gather_dtype=fp8: this layout gathers no parameter"),
+    "gather dtype name": (["model.gather_dtype=fp4"], "model.gather_dtype: 'fp4' is not one of compute, fp8"),
 }
 
 

@@ -120,6 +120,7 @@ EXPLICIT: dict[str, tuple[Any, list[str]]] = {
     "model.attention": ("dot_product", []),
     "model.quant": ("fp8", []),
     "model.grad_reduce": ("bfloat16", []),
+    "model.gather_dtype": ("fp8", []),
     "context.strategy": ("ring", []),
     "pipeline.schedule": ("1f1b", []),
     "data.source": ("synthetic", []),

@@ -57,8 +57,8 @@ def loss_and_grads(overrides: list[str], devices: list, documents: bool) -> tupl
     program = abstract_program(cfg, devices)
     state = init_state(cfg.model, program.tx, 0, program.state_sh)
     batch = {k: jax.device_put(v, program.batch_sh) for k, v in packed_batch(cfg.model.seq_len, documents).items()}
-    loss_fn = make_loss_fn(program.graphdef, program.runner, split=program.split)
-    with activation_rules(program.mesh, program.layout.act_rules):
+    loss_fn = make_loss_fn(program.spec.model.graphdef, program.runner, split=program.split)
+    with activation_rules(program.mesh, program.spec.layout.act_rules):
         loss, grads = jax.jit(lambda p, b: accumulate(loss_fn, p, b, 1))(state.params, batch)
     return float(loss), jax.tree.map(np.asarray, grads)
 
@@ -108,7 +108,7 @@ def compiled() -> dict[str, tuple[str, list]]:
         cfg = load_config(TINY, ["data.source=synthetic", *LAYOUTS["context=4"], f"context.strategy={strategy}"])
         program = abstract_program(cfg)
         text = program.compile()[0].as_text()
-        out[strategy] = text, collectives(text, program.layout.sizes, 8)[0]
+        out[strategy] = text, collectives(text, program.spec.layout.sizes, 8)[0]
     return out
 
 

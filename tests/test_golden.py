@@ -23,6 +23,7 @@ from importlib import metadata
 
 import jax
 import numpy as np
+import pytest
 
 import trainer
 from configs import load_config
@@ -41,9 +42,9 @@ RTOL = 2e-6
 VERSIONED = ("jax", "jaxlib", "flax", "optax", "grain", "numpy")
 
 
-def run_steps(devices: list, run_dir: str) -> dict:
-    """The tiny preset with OVERRIDES on `devices` (one), from scratch in `run_dir`."""
-    overrides = [f"run.dir={run_dir}", f"data.path={os.path.join(ROOT, CORPUS)}", *OVERRIDES]
+def run_steps(devices: list, run_dir: str, extra: tuple[str, ...] = ()) -> dict:
+    """The tiny preset with OVERRIDES (and `extra`) on `devices` (one), from scratch in `run_dir`."""
+    overrides = [f"run.dir={run_dir}", f"data.path={os.path.join(ROOT, CORPUS)}", *OVERRIDES, *extra]
     history = trainer.run(load_config(os.path.join(ROOT, "configs", "tiny.yaml"), overrides), devices)
     logged = [r for r in history if "loss" in r]
     return {key: [r[key] for r in logged] for key in ("step", "loss", "grad_norm")}
@@ -54,14 +55,28 @@ def corpus_sha256() -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def test_the_first_steps_of_the_tiny_preset_match_the_golden_values(tmp_path):
+def layer_loops(*overrides: str) -> int:
+    """How many loops the tiny preset's step on one CPU device lowers to."""
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), ["mesh.data=1", "data.source=synthetic", *overrides])
+    return trainer.abstract_program(cfg, jax.devices()[:1]).lower().as_text().count("stablehlo.while")
+
+
+def test_on_cpu_a_shallow_stack_is_unrolled_and_a_deep_one_scanned():
+    assert layer_loops() == 0  # 4 layers, model.scan_unroll=0: unrolled on CPU
+    assert layer_loops("model.scan_unroll=1") > 0  # the scan and its transpose
+    assert layer_loops("model.num_layers=9") > 0  # deeper than trainer.layout.CPU_UNROLL_LAYERS
+
+
+# Both ways of running the stack: the golden values are one computation, whatever the loop.
+@pytest.mark.parametrize("extra", [(), ("model.scan_unroll=1",)], ids=["cpu-default-unrolled", "scanned"])
+def test_the_first_steps_of_the_tiny_preset_match_the_golden_values(tmp_path, extra):
     with open(GOLDEN) as f:
         golden = json.load(f)
     how = f"(made with {golden['versions']}); if the change is deliberate, regenerate: {REGENERATE}"
     assert golden["overrides"] == OVERRIDES and golden["corpus_sha256"] == corpus_sha256(), (
         f"the golden run's settings or corpus changed since {GOLDEN} was written {how}"
     )
-    got = run_steps(jax.devices()[:1], str(tmp_path / "run"))
+    got = run_steps(jax.devices()[:1], str(tmp_path / "run"), extra)
     assert got["step"] == golden["step"] == [1, 2, 3, 4, 5]
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose(

@@ -17,9 +17,9 @@ from trainer.step import accumulate, make_loss_fn
 def _loss_and_grads(cfg, batch, chunk):
     program = abstract_program(cfg)
     params = init_state(cfg.model, program.tx, 0, program.state_sh).params
-    loss_fn = make_loss_fn(program.graphdef, program.runner, chunk)
+    loss_fn = make_loss_fn(program.spec.model.graphdef, program.runner, chunk)
     batch = {k: jax.device_put(v, program.batch_sh) for k, v in batch.items()}
-    with activation_rules(program.mesh, program.layout.act_rules):
+    with activation_rules(program.mesh, program.spec.layout.act_rules):
         loss, grads = jax.jit(lambda p, b: accumulate(loss_fn, p, b, 1))(params, batch)
     return float(loss), jax.tree.map(np.asarray, grads)
 

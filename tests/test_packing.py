@@ -80,7 +80,7 @@ def test_a_packed_row_gives_each_document_the_loss_it_has_alone(tiny):
     cfg = tiny("mesh.data=1")
     program = abstract_program(cfg, jax.devices()[:1])
     params = init_state(cfg.model, program.tx, 0, program.state_sh).params
-    sums = jax.jit(make_loss_fn(program.graphdef))
+    sums = jax.jit(make_loss_fn(program.spec.model.graphdef))
 
     def loss_fn(params: dict, batch: dict) -> jax.Array:  # the mean over the batch's targets
         total, count = sums(params, batch)

@@ -47,9 +47,9 @@ def loss_and_grads(cfg, devices=None):
     state = init_state(cfg.model, program.tx, 0, program.state_sh)
     tokens = np.asarray(jax.random.randint(jax.random.key(7), (16, cfg.model.seq_len + 1), 0, 257))
     batch = {"tokens": jax.device_put(tokens, program.batch_sh)}
-    loss_fn = make_loss_fn(program.graphdef, program.runner)
+    loss_fn = make_loss_fn(program.spec.model.graphdef, program.runner)
     fn = jax.jit(lambda params, batch: accumulate(loss_fn, params, batch, cfg.train.grad_accum, program.grad_fn))
-    with activation_rules(program.mesh, program.layout.act_rules):
+    with activation_rules(program.mesh, program.spec.layout.act_rules):
         loss, grads = fn(state.params, batch)
     return float(loss), jax.tree.map(np.asarray, grads)
 

@@ -139,7 +139,7 @@ def test_predicted_memory_matches_real_compile_and_state(searched):
         assert abs(args - stats["argument_bytes"]) <= BOUND * stats["argument_bytes"], layout
         totals.append(m["total"])
     assert totals[0] != totals[1]  # the two layouts really differ
-    state = init_state(program.cfg.model, program.tx, 0, program.state_sh)
+    state = init_state(program.spec.cfg.model, program.tx, 0, program.state_sh)
     on_first = sum(s.data.nbytes for x in jax.tree.leaves(state) for s in x.addressable_shards if s.device == devices[0])
     assert on_first == m["params"] + m["optimizer"]
 

@@ -120,9 +120,9 @@ def test_fsdp_splits_parameter_memory(states):
 
 def _two_steps(step, program, state) -> list:
     """The state's shardings (params, Adam mu, Adam nu: lists of leaves) after each of two real steps."""
-    tokens = np.random.RandomState(0).randint(0, 256, (2, 16, program.cfg.model.seq_len + 1)).astype(np.int32)
+    tokens = np.random.RandomState(0).randint(0, 256, (2, 16, program.spec.cfg.model.seq_len + 1)).astype(np.int32)
     after = []
-    with activation_rules(program.mesh, program.layout.act_rules):
+    with activation_rules(program.mesh, program.spec.layout.act_rules):
         for rows in tokens:
             state, _ = step(state, {"tokens": jax.device_put(rows, program.batch_sh)})
             adam = state.opt_state[1][0]  # chain(clip, adamw) -> adamw's ScaleByAdamState

@@ -137,6 +137,33 @@ def test_tensor_parallel_reduces_activations_at_its_minimum(h100_8b: dict) -> No
     assert tensor and all(c["dtype"] == "bf16" and not c["inter_node"] for c in tensor), tensor
 
 
+def _gathered(p: dict) -> dict[str, float]:
+    """Bytes all-gathered per device per step, by element type."""
+    out: dict[str, float] = {}
+    for c in p["collectives"]:
+        if c["kind"] == "all-gather":
+            for dtype, size in c["by_dtype"].items():
+                out[dtype] = out.get(dtype, 0) + size
+    return out
+
+
+def test_fp8_gathers_move_the_block_weights_in_half_the_bytes(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The bf16 tiny step on 8 H100s with mesh.fsdp=8, its weights gathered in the compute dtype
+    and with `model.gather_dtype=fp8`: the block weights' gathers move f8e4m3fn, exactly half
+    their bf16 bytes (each gathered as often as before: the backward pass gathers again rather
+    than keep every layer's weights); the embedding table stays bf16 and the norm scales float32."""
+    _need("h100")
+    base = ["--config", "tiny", "--devices", "8", "--hardware", "h100", "mesh.data=1", "mesh.fsdp=8",
+            "model.dtype=bfloat16", "train.global_batch=16"]
+    bf16, fp8 = (_gathered(plan(tmp_path_factory, *base, f"model.gather_dtype={g}")[0]["plans"][0])
+                 for g in ("compute", "fp8"))
+    assert set(bf16) == {"bf16", "f32"} and set(fp8) == {"bf16", "f32", "f8e4m3fn"}, (bf16, fp8)
+    blocks = bf16["bf16"] - fp8["bf16"]  # what moved to FP8
+    assert blocks > 0.9 * bf16["bf16"], (bf16, fp8)
+    assert fp8["f8e4m3fn"] * 2 == blocks and fp8["f32"] == bf16["f32"], (bf16, fp8)
+    assert sum(fp8.values()) < 0.55 * sum(bf16.values()), (bf16, fp8)
+
+
 def test_tpu_slice_shapes() -> None:
     assert tpu_slice_shape(HARDWARE["tpu-v5p"], 64) == "4x4x4"
     assert tpu_slice_shape(HARDWARE["tpu-v5p"], 8) == "2x2x2"

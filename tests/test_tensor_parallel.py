@@ -30,7 +30,7 @@ def compiled() -> dict[int, tuple[str, list]]:
                                  f"mesh.tensor={tensor}"])
         program = trainer.abstract_program(cfg, jax.devices()[:n])
         text = program.compile()[0].as_text()
-        out[tensor] = text, collectives(text, program.layout.sizes, 8)[0]
+        out[tensor] = text, collectives(text, program.spec.layout.sizes, 8)[0]
     return out
 
 

@@ -167,7 +167,7 @@ def test_the_logged_lr_is_the_one_the_update_applied(tiny):
     tokens = np.asarray(jax.random.randint(jax.random.key(3), (16, cfg.model.seq_len + 1), 0, 257))
     good = {"tokens": jax.device_put(tokens, program.batch_sh)}
     poisoned = {"tokens": jax.device_put(np.full_like(tokens, cfg.model.vocab_size), program.batch_sh)}
-    with activation_rules(program.mesh, program.layout.act_rules):
+    with activation_rules(program.mesh, program.spec.layout.act_rules):
         skipping, _ = step(init_state(cfg.model, program.tx, 0, program.state_sh), good)
         clean, _ = step(init_state(cfg.model, program.tx, 0, program.state_sh), good)
         skipping, bad = step(skipping, poisoned)

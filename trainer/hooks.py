@@ -7,13 +7,15 @@ interval (DESIGN.md "Data flow", 5).
 - `CheckpointHook` saves at `checkpoint.every`, at the last step and on a stop signal, never a
   state reached only through bad steps.
 - `EvalHook` runs the held-out loss at `eval.every` and the last step.
-Profiling wraps the step itself (`trainer.observe.instrument`): a trace spans steps, not the
-gaps between them.
+- `ProfileHook` traces `profile.steps=[a, b]` with `jax.profiler` into `run.dir/profile/`
+  (TensorBoard's profile plugin or XProf read it); `trainer.observe.instrument` marks each step
+  for the trace viewer.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import os
+from typing import Any
 
 import grain
 import jax
@@ -25,16 +27,23 @@ from trainer.checkpoint import Checkpointer
 from trainer.faults import TooManyBadSteps
 from trainer.goodput import Goodput
 from trainer.metrics import MetricsLogger, log
+from trainer.observe import PROFILE_DIR
 from trainer.program import Program
 from trainer.state import TrainState
 
 
-class Hook(Protocol):
-    """An action between steps. `due` is asked after every step; `run` only when it is due,
-    after the step's metrics are settled."""
+class Hook:
+    """An action between steps. `begin` runs once before an invocation's first step; `due` is
+    asked after every step; `run` only when it is due, after the step's metrics are settled."""
 
-    def due(self, step: int, stopping: bool) -> bool: ...
-    def run(self, step: int, state: TrainState, stopping: bool) -> None: ...
+    def begin(self, start: int) -> None:
+        """Most hooks have nothing to do before the first step."""
+
+    def due(self, step: int, stopping: bool) -> bool:
+        raise NotImplementedError
+
+    def run(self, step: int, state: TrainState, stopping: bool) -> None:
+        raise NotImplementedError
 
 
 class StepLog:
@@ -70,7 +79,7 @@ class StepLog:
             )
 
 
-class CheckpointHook:
+class CheckpointHook(Hook):
     def __init__(self, cfg: Config, ckpt: Checkpointer, iterator: grain.DatasetIterator, book: StepLog,
                  goodput: Goodput):
         self.last, self.ckpt, self.iterator, self.book, self.goodput = cfg.train.steps, ckpt, iterator, book, goodput
@@ -86,7 +95,7 @@ class CheckpointHook:
         self.book.saved = step
 
 
-class EvalHook:
+class EvalHook(Hook):
     """The per-token mean loss over all the held-out batches (their loss sums over their token
     counts, not a mean of batch means), logged."""
 
@@ -109,10 +118,53 @@ class EvalHook:
         return float(total / max(count, 1.0))
 
 
+class ProfileHook(Hook):
+    """Traces steps first..last of `profile.steps` on process 0. The trace opens once step first-1
+    is settled (before the invocation's first step when that one is in the range, as after a
+    resume inside it) and closes once step last has finished; a run stopped inside the range
+    still writes its trace (`Goodput.cleanup`)."""
+
+    def __init__(self, cfg: Config, goodput: Goodput):
+        self.first, self.last = cfg.profile.steps
+        self.dir, self.goodput = os.path.join(cfg.run.dir, PROFILE_DIR), goodput
+        self.opened = 0  # the first step traced; 0: no trace open
+
+    def begin(self, start: int) -> None:
+        if self.first <= start + 1:
+            self._open(start + 1)
+
+    def due(self, step: int, stopping: bool) -> bool:
+        return (step == self.first - 1 and not stopping) or (step == self.last and self.opened > 0)
+
+    def run(self, step: int, state: TrainState, stopping: bool) -> None:
+        if step < self.last:
+            self._open(step + 1)
+            return
+        with self.goodput.phase("profile"):
+            jax.block_until_ready(state)  # the trace holds all of the last step's device work
+            self.goodput.cleanup.remove(self._close)
+            self._close()
+
+    def _open(self, first: int) -> None:
+        with self.goodput.phase("profile"):
+            jax.profiler.start_trace(self.dir)
+        self.opened = first
+        self.goodput.cleanup.append(self._close)
+
+    def _close(self) -> None:
+        jax.profiler.stop_trace()
+        last = min(self.goodput.last_step or self.opened, self.last)
+        print(f"profile of steps {self.opened}..{last} written to {self.dir}", flush=True)
+
+
 def make_hooks(cfg: Config, program: Program, ckpt: Checkpointer, iterator: Any, eval_rows: list, book: StepLog,
                logger: MetricsLogger, goodput: Goodput) -> list[Hook]:
-    """The hooks of this run, in the order they act on a step they share: save, then evaluate."""
-    hooks: list[Hook] = [CheckpointHook(cfg, ckpt, iterator, book, goodput)]
+    """The hooks of this run, in the order they act on a step they share: close a trace (so it
+    holds steps, not the save after them), save, then evaluate."""
+    hooks: list[Hook] = []
+    if cfg.profile.steps and jax.process_index() == 0 and book.start < cfg.profile.steps[1]:
+        hooks.append(ProfileHook(cfg, goodput))
+    hooks.append(CheckpointHook(cfg, ckpt, iterator, book, goodput))
     if eval_rows:
         hooks.append(EvalHook(cfg, program, eval_rows, logger, goodput))
     return hooks

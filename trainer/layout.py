@@ -12,7 +12,7 @@ from typing import Callable
 
 from flax import nnx
 
-from configs import Config, ConfigError
+from configs import Config, ConfigError, ModelConfig
 from model import LayerRunner, scan_layers
 from model.attention import block_mask, splash_attention
 from sharding import Rules, axes_size, mesh_axes, resolve_mesh_shape, to_rules
@@ -76,6 +76,12 @@ def plan_layout(cfg: Config, num_devices: int) -> Layout:
         # A context group's devices hold different positions of the same rows: the parameters
         # they would each hold whole are sharded over them as well, FSDP-style.
         param_rules = _with_axis(param_rules, "embed", "context")
+    if cfg.model.gather_dtype != "compute" and not _gathered_axes(param_rules, act_rules, sizes):
+        raise ConfigError(
+            f"model.gather_dtype={cfg.model.gather_dtype}: this layout gathers no parameter (no mesh axis > 1 shards "
+            "them for storage only, as mesh.fsdp does), so the weights would be rounded to save nothing; use "
+            "model.gather_dtype=compute"
+        )
     stages, repeats = sizes["pipeline"], cfg.pipeline.repeats
     micro = cfg.pipeline.microbatches or stages
     stage_rules = act_rules
@@ -90,6 +96,13 @@ def plan_layout(cfg: Config, num_devices: int) -> Layout:
     elif cfg.pipeline.schedule != "gpipe":
         raise ConfigError(f"pipeline.schedule={cfg.pipeline.schedule} needs mesh.pipeline > 1")
     return Layout(sizes, param_rules, act_rules, stage_rules, stages, repeats, micro, cfg.pipeline.schedule)
+
+
+def _gathered_axes(param_rules: Rules, act_rules: Rules, sizes: dict[str, int]) -> set[str]:
+    """The mesh axes (of size > 1) that shard a parameter for storage but not for compute: the
+    partitioner gathers parameters over them (FSDP)."""
+    return {a for name, _ in param_rules for a in mesh_axes(name, param_rules)
+            if a not in mesh_axes(name, act_rules) and sizes[a] > 1}
 
 
 def _check_pipeline(cfg: Config, stages: int, repeats: int, micro: int, per_replica: int, shards: int) -> None:
@@ -155,9 +168,22 @@ def scheduled_grads(
     )
 
 
-def layer_runner(layout: Layout, remat_policy: str) -> LayerRunner | None:
-    """None (the model's own scan) unless the layout pipelines the stack."""
+# `model.scan_unroll=0` unrolls stacks up to this deep on CPU: there the scan's stacked buffers
+# (zero-filled each step, written and read with dynamic slices) cost about a tenth of the default
+# model's step (BENCHMARKS.md, "The CPU step"), while unrolling a few layers costs no compile time.
+CPU_UNROLL_LAYERS = 8
+
+
+def scan_unroll(model: ModelConfig, platform: str) -> int:
+    """Layers per trip of the layer scan: `model.scan_unroll`, or the stack's pick for 0."""
+    if model.scan_unroll:
+        return model.scan_unroll
+    return model.num_layers if platform == "cpu" and model.num_layers <= CPU_UNROLL_LAYERS else 1
+
+
+def layer_runner(layout: Layout, remat_policy: str, unroll: int = 1) -> LayerRunner | None:
+    """None (the model's own scan) unless the layout pipelines the stack or unrolls it."""
     if not layout.pipelined:
-        return None
+        return None if unroll == 1 else functools.partial(scan_layers, remat_policy=remat_policy, unroll=unroll)
     stage_fn = functools.partial(scan_layers, remat_policy=remat_policy)
     return pipeline_runner(layout.stages, layout.repeats, layout.microbatches, stage_fn, layout.stage_rules)

@@ -2,10 +2,11 @@
 
 `prepare` (trainer.program) does every check that bad input can fail before anything is
 compiled or written; `run` then takes run.dir's lock (trainer.rundir_lock: one writer per run
-directory), builds the `Session` (the state restored or created, the data iterator, the
-checkpointer), compiles the step once ahead of time, and drives it. What happens between steps
-(metrics and bad-step bookkeeping, checkpoints, eval) are hooks outside `jit`, each owning its
-interval (trainer.hooks); metrics are read one step late so the device never waits on the host.
+directory), makes the `Session` (the program, the state restored or created, the data
+iterator, the checkpointer), compiles the step once ahead of time, and drives it. What happens
+between steps (metrics and bad-step bookkeeping, checkpoints, eval, profiling) are hooks outside
+`jit`, each owning its interval (trainer.hooks); metrics are read one step late so the device
+never waits on the host.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from trainer.hooks import Hook, StepLog, make_hooks
 from trainer.layout import attention_notes
 from trainer.metrics import MetricsLogger, log
 from trainer.observe import instrument
-from trainer.program import Prepared, Program, make_program, prepare
+from trainer.program import Program, RunSpec, make_program, prepare
 from trainer.state import TrainState, init_state, param_count, state_from_params
 from trainer.xla_env import device_count_hint, set_cpu_device_count, use_compile_cache
 
@@ -97,25 +98,25 @@ def resolve_schedule(cfg: Config) -> tuple[Config, str]:
     return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, decay_steps=horizon)), note
 
 
-def build(p: Prepared, devices: list, schedule_note: str = "") -> Session:
-    """Restores the newest readable checkpoint or creates the state, sharded; then writes the
-    resolved config into run.dir."""
-    cfg, layout = p.cfg, p.layout
+def make_session(spec: RunSpec, devices: list, schedule_note: str = "") -> Session:
+    """Builds the program, restores the newest readable checkpoint or creates the state, sharded;
+    then writes the resolved config into run.dir."""
+    cfg, layout, source = spec.cfg, spec.layout, spec.source
     from_hf = bool(cfg.init.from_hf) and not has_checkpoints(cfg.run.dir)  # checked by `prepare`
-    program = make_program(p, devices)
+    program = make_program(spec, devices)
     ckpt = Checkpointer(checkpoint_dir(cfg.run.dir), cfg.checkpoint)
-    iterator = make_iterator(cfg, p.source)
-    log(describe(p.source, cfg))
+    iterator = make_iterator(cfg, source)
+    log(describe(source, cfg))
     eval_rows: list = []
-    if cfg.eval.every and p.source.eval is None:
+    if cfg.eval.every and source.eval is None:
         log(f"warning: eval.every={cfg.eval.every} but data.source={cfg.data.source} has no held-out split; no eval")
     elif cfg.eval.every:
         args = (cfg.train.global_batch, cfg.eval.batches, cfg.run.seed, jax.process_index(), jax.process_count())
-        eval_rows = eval_batches(p.source, *args)
+        eval_rows = eval_batches(source, *args)
     log(
         f"mesh {' x '.join(f'{a}={s}' for a, s in layout.sizes.items())} on {len(devices)} "
         f"{devices[0].platform} devices, {jax.process_count()} process(es); "
-        f"{param_count(p.shapes) / 1e6:.2f}M parameters"
+        f"{param_count(spec.model.shapes) / 1e6:.2f}M parameters"
     )
     for note in attention_notes(cfg):
         log(note)
@@ -173,15 +174,14 @@ def run(cfg: Config, devices: list | None = None) -> list[dict[str, Any]]:
     devices = jax.devices() if devices is None else devices
     _check_device_count(cfg, devices, why_not)
     _check_quant(cfg, devices)
-    p = prepare(cfg, len(devices))
+    spec = prepare(cfg, len(devices))
     check_nodes(devices, cfg.mesh.nodes)
     # Bad input has been refused with run.dir untouched; from here on this run writes there, alone.
     with rundir_lock.hold(cfg.run.dir, cfg.run.lock_timeout_s, cfg.dist.init_timeout_s, log):
         check_resumable(cfg)  # again: a holder alive at the first check may have saved since
         # Resolved under the lock: the horizon comes from the checkpoints this run resumes.
         cfg, schedule_note = resolve_schedule(cfg)
-        p = dataclasses.replace(p, cfg=cfg)
-        return _run_holding_the_lock(cfg, p, devices, goodput, schedule_note)
+        return _run_holding_the_lock(dataclasses.replace(spec, cfg=cfg), devices, goodput, schedule_note)
 
 
 def _check_device_count(cfg: Config, devices: list, why_not: str) -> None:
@@ -201,12 +201,10 @@ def _check_quant(cfg: Config, devices: list) -> None:
         raise ConfigError(f"model.quant: {why}")
 
 
-def _run_holding_the_lock(
-    cfg: Config, p: Prepared, devices: list, goodput: Goodput, schedule_note: str
-) -> list[dict[str, Any]]:
-    session = build(p, devices, schedule_note)
+def _run_holding_the_lock(spec: RunSpec, devices: list, goodput: Goodput, schedule_note: str) -> list[dict[str, Any]]:
+    session = make_session(spec, devices, schedule_note)
     try:
-        return _train(cfg, session, devices, goodput)
+        return _train(spec.cfg, session, devices, goodput)
     finally:
         session.ckpt.close()  # also when compiling fails: it gives the console its printers back (LibraryLog)
 
@@ -225,7 +223,7 @@ def _train(cfg: Config, session: Session, devices: list, goodput: Goodput) -> li
     book = StepLog(cfg, session.start, logger, saved, goodput)
     hooks = make_hooks(cfg, session.program, session.ckpt, session.iterator, session.eval_rows, book, logger, goodput)
     goodput.lap("compile")
-    step_fn = instrument(step_fn, cfg, session.start, goodput)  # step count for goodput; profile.steps trace
+    step_fn = instrument(step_fn, session.start, goodput)
     stop, watchdog = StopSignal(), Watchdog(cfg.train.step_timeout_s)
     try:
         _loop(cfg, session, step_fn, book, hooks, logger, stop, watchdog, goodput)
@@ -261,6 +259,8 @@ def _loop(cfg: Config, session: Session, step_fn: Any, book: StepLog, hooks: lis
     logger.start(session.start)
     watchdog.beat(session.start)
     previous: tuple[int, dict] | None = None  # the step before, whose flag we read one step late
+    for hook in hooks:
+        hook.begin(session.start)
     for done in range(session.start + 1, last + 1):
         state, metrics = step_fn(state, next(batches))
         if previous is not None:

@@ -4,8 +4,8 @@
   in `run.dir/tb/` (process 0). Events are written and flushed synchronously, one record at a
   time (records come every `train.log_every` steps), so a killed run keeps what it logged.
 - `instrument`: wraps the compiled step to count the steps this invocation ran (for the
-  goodput summary) and, with `profile.steps=[a, b]`, to trace steps a..b with `jax.profiler`
-  into `run.dir/profile/` (TensorBoard's profile plugin or XProf read it).
+  goodput summary) and mark each one for a trace viewer; `profile.steps` traces go to
+  `PROFILE_DIR` (the hook that takes them: trainer.hooks.ProfileHook).
 - `read_metrics`, `read_scalars`: metrics.jsonl and event files back as Python values.
 """
 
@@ -19,8 +19,6 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import jax
-
-from configs import Config
 
 if TYPE_CHECKING:
     from tensorboardX.event_file_writer import EventsWriter
@@ -120,34 +118,16 @@ def last_value(records: list[dict[str, Any]], key: str) -> tuple[int, float] | N
     return None
 
 
-def instrument(step_fn: Callable, cfg: Config, start: int, goodput: Any) -> Callable:
-    """`step_fn` that also tells `goodput` the step it ran and traces `profile.steps` (on
-    process 0; a resumed run starting inside the range traces the rest of it)."""
-    first, last = cfg.profile.steps or (0, -1)
-    tracing = bool(cfg.profile.steps) and jax.process_index() == 0 and start < last
-    trace_dir = os.path.join(cfg.run.dir, PROFILE_DIR)
+def instrument(step_fn: Callable, start: int, goodput: Any) -> Callable:
+    """`step_fn` that tells `goodput` the step it ran and marks it as a step for whatever trace
+    is being taken (`profile.steps`, or a profiler attached from outside)."""
     step = start
-
-    def stop_trace() -> None:
-        jax.profiler.stop_trace()
-        print(f"profile of steps {max(first, start + 1)}..{min(step, last)} written to {trace_dir}", flush=True)
 
     def run_step(state: Any, batch: Any) -> Any:
         nonlocal step
         step += 1
         goodput.last_step = step
-        if not tracing or not first <= step <= last:
-            return step_fn(state, batch)
-        if step == max(first, start + 1):
-            jax.profiler.start_trace(trace_dir)
-            goodput.cleanup.append(stop_trace)  # a run stopped inside the range still writes its trace
         with jax.profiler.StepTraceAnnotation("train", step_num=step):
-            out = step_fn(state, batch)
-        if step == last:
-            with goodput.phase("profile"):
-                jax.block_until_ready(out)
-                goodput.cleanup.remove(stop_trace)
-                stop_trace()
-        return out
+            return step_fn(state, batch)
 
     return run_step

@@ -1,8 +1,10 @@
-"""A config's train step as a program: checked layout, shardings, the jitted step, and its
-ahead-of-time compile (on real devices, or abstractly for benchmarks and planning).
+"""A config's train step as a program, built in two stages.
 
 `prepare` does every check that bad input can fail (mesh, divisibility, batch, pipeline, resume,
-Hugging Face checkpoint, data path) before anything is compiled or written.
+Hugging Face checkpoint, data path) before anything is compiled or written, and returns the
+`RunSpec`: the config, its layout on the device count, the abstract model, the data source.
+`make_program` puts a `RunSpec` on devices: the `Program` holds it with the mesh, shardings, the
+jitted step and its ahead-of-time compile (on real devices, or abstractly for planning).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from configs import Config, ConfigError
 from data import batch_fields, open_source
@@ -36,53 +38,61 @@ from sharding.context import SequenceSplit
 from sharding.hlo import COLLECTIVES, static_counts  # noqa: F401  (COLLECTIVES: re-exported)
 from model import hf
 from trainer.checkpoint import check_resumable, has_checkpoints
-from trainer.layout import Layout, layer_runner, plan_layout, scheduled_grads, sequence_split
+from trainer.layout import Layout, layer_runner, plan_layout, scan_unroll, scheduled_grads, sequence_split
 from trainer.optimizer import make_optimizer
-from trainer.state import TrainState, abstract_model, abstract_state, state_shardings
+from trainer.state import AbstractModel, TrainState, abstract_model, abstract_state, state_shardings
 from trainer.step import make_loss_fn, make_train_step
 from trainer.trackers import check_trackers
 
 
-@dataclasses.dataclass
-class Prepared:
-    """What `prepare` found valid: enough to build the run without checking again."""
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """A config checked against a device count: its layout, the model's abstract parameters and
+    the data source (None when checked without data). `prepare` makes one; everything built from
+    it (the program, the run) reads these fields here and keeps no copy."""
 
     cfg: Config
     layout: Layout
-    graphdef: nnx.GraphDef
-    shapes: dict
-    axes: dict
-    source: Any  # the data source; None when prepared without data
+    model: AbstractModel
+    source: Any = None
 
 
-def prepare(cfg: Config, num_devices: int, with_data: bool = True) -> Prepared:
+def prepare(cfg: Config, num_devices: int, with_data: bool = True) -> RunSpec:
     """All checks that need devices or files. Raises ConfigError; creates and compiles nothing."""
     layout = plan_layout(cfg, num_devices)
     if cfg.train.global_batch % jax.process_count():
         raise ConfigError(
             f"train.global_batch={cfg.train.global_batch} is not divisible by the {jax.process_count()} processes"
         )
-    graphdef, shapes, axes = abstract_model(cfg.model)
-    check_divisible(shapes, axes, layout.param_rules, layout.sizes)
+    model = abstract_model(cfg.model)
+    check_divisible(model.shapes, model.axes, layout.param_rules, layout.sizes)
     if not with_data:
-        return Prepared(cfg, layout, graphdef, shapes, axes, None)
+        return RunSpec(cfg, layout, model)
     check_resumable(cfg)
     check_trackers(cfg)
     if cfg.init.from_hf and not has_checkpoints(cfg.run.dir):  # once the run has checkpoints it resumes from them
         hf.check_compatible(cfg.model, cfg.init.from_hf)
-    return Prepared(cfg, layout, graphdef, shapes, axes, open_source(cfg))
+    return RunSpec(cfg, layout, model, open_source(cfg))
+
+
+def sharded_optimizer(spec: RunSpec, mesh: Mesh | AbstractMesh) -> tuple[optax.GradientTransformation, Callable,
+                                                                           TrainState]:
+    """The optimizer, its learning-rate schedule, and the state's shardings on `mesh` (a real one,
+    or an abstract one for counting bytes without devices)."""
+    tx, schedule = make_optimizer(spec.cfg.optim, spec.cfg.train.steps, spec.model.axes)
+    params = shardings(spec.model.axes, spec.layout.param_rules, mesh)
+    return tx, schedule, state_shardings(tx, spec.model.shapes, params, mesh)
 
 
 @dataclasses.dataclass
 class Program:
-    cfg: Config
-    layout: Layout
+    """The train step of a `RunSpec` on a mesh: its shardings, the jitted step and eval loss."""
+
+    spec: RunSpec
     mesh: Mesh
     tx: optax.GradientTransformation
     state_sh: TrainState  # of NamedShardings
     batch_sh: NamedSharding
-    shapes: dict
-    graphdef: nnx.GraphDef
     runner: Callable | None  # the layer runner (None: the model's scan)
     step: Callable  # jitted, state donated
     eval_loss: Callable  # jitted (params, batch) -> (loss sum, target tokens), no update
@@ -90,14 +100,15 @@ class Program:
     grad_fn: Callable | None = None  # the pipeline schedule's (loss, gradients) (None: autodiff)
 
     def abstract_state(self) -> TrainState:
-        return abstract_state(self.tx, self.shapes, self.state_sh)
+        return abstract_state(self.tx, self.spec.model.shapes, self.state_sh)
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
-        shape = (self.cfg.train.global_batch, self.cfg.model.seq_len + 1)
-        return {f: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sh) for f in batch_fields(self.cfg)}
+        cfg = self.spec.cfg
+        shape = (cfg.train.global_batch, cfg.model.seq_len + 1)
+        return {f: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sh) for f in batch_fields(cfg)}
 
     def lower(self, state: Any = None) -> jax.stages.Lowered:
-        with activation_rules(self.mesh, self.layout.act_rules):  # the model's constraints bind while tracing
+        with activation_rules(self.mesh, self.spec.layout.act_rules):  # the model's constraints bind while tracing
             return self.step.lower(self.abstract_state() if state is None else state, self.abstract_batch())
 
     def compile(self, state: Any = None) -> tuple[jax.stages.Compiled, float]:
@@ -107,31 +118,29 @@ class Program:
         return compiled, time.perf_counter() - t0
 
     def compile_eval(self) -> jax.stages.Compiled:
-        with activation_rules(self.mesh, self.layout.act_rules):
+        with activation_rules(self.mesh, self.spec.layout.act_rules):
             return self.eval_loss.lower(self.abstract_state().params, self.abstract_batch()).compile()
 
 
-def make_program(p: Prepared, devices: list) -> Program:
-    cfg, layout = p.cfg, p.layout
+def make_program(spec: RunSpec, devices: list) -> Program:
+    cfg, layout, model = spec.cfg, spec.layout, spec.model
     mesh = make_mesh(layout.sizes, devices, cfg.mesh.nodes, cfg.mesh.across)
-    tx, schedule = make_optimizer(cfg.optim, cfg.train.steps, p.axes)
-    state_sh = state_shardings(tx, p.shapes, shardings(p.axes, layout.param_rules, mesh), mesh)
+    tx, schedule, state_sh = sharded_optimizer(spec, mesh)
     batch_sh = batch_sharding(mesh, layout.act_rules)
-    runner = layer_runner(layout, cfg.model.remat)
+    runner = layer_runner(layout, cfg.model.remat, scan_unroll(cfg.model, devices[0].platform))
     split = sequence_split(cfg, layout, devices[0].platform)
-    cast = functools.partial(cast_for_compute, axes=p.axes, dtype=cfg.model.dtype, shardings=state_sh.params)
-    grad_fn = scheduled_grads(layout, p.graphdef, cfg.model.remat, cfg.model.loss_chunk, cast)
+    cast = functools.partial(cast_for_compute, axes=model.axes, dtype=cfg.model.dtype, shardings=state_sh.params)
+    grad_fn = scheduled_grads(layout, model.graphdef, cfg.model.remat, cfg.model.loss_chunk, cast)
     step = jax.jit(
-        make_train_step(p.graphdef, tx, schedule, cfg.train.grad_accum, runner, cfg.model.loss_chunk, cast,
+        make_train_step(model.graphdef, tx, schedule, cfg.train.grad_accum, runner, cfg.model.loss_chunk, cast,
                         split, grad_fn),
         in_shardings=(state_sh, batch_sh),
         out_shardings=(state_sh, None),
         donate_argnums=(0,),
     )
-    eval_loss = jax.jit(make_loss_fn(p.graphdef, runner, cfg.model.loss_chunk, cast, split),
+    eval_loss = jax.jit(make_loss_fn(model.graphdef, runner, cfg.model.loss_chunk, cast, split),
                         in_shardings=(state_sh.params, batch_sh))
-    return Program(cfg, layout, mesh, tx, state_sh, batch_sh, p.shapes, p.graphdef, runner, step, eval_loss, split,
-                   grad_fn)
+    return Program(spec, mesh, tx, state_sh, batch_sh, runner, step, eval_loss, split, grad_fn)
 
 
 def abstract_program(cfg: Config, devices: list | None = None) -> Program:

@@ -8,7 +8,7 @@ canonical form that checkpoints store and every layout restores.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,10 +27,17 @@ class TrainState(struct.PyTreeNode):
     opt_state: optax.OptState
 
 
-def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, dict, dict]:
-    """(graphdef, parameter ShapeDtypeStructs, logical axis names), all without allocating."""
+class AbstractModel(NamedTuple):
+    """The model without allocating anything: what a program is built from."""
+
+    graphdef: nnx.GraphDef
+    shapes: dict  # each parameter's ShapeDtypeStruct, as the pure dict checkpoints store
+    axes: dict  # each parameter's logical axis names, same tree
+
+
+def abstract_model(cfg: ModelConfig) -> AbstractModel:
     graphdef, state = nnx.split(abstract_transformer(cfg))
-    return graphdef, nnx.to_pure_dict(state), logical_axes(state)
+    return AbstractModel(graphdef, nnx.to_pure_dict(state), logical_axes(state))
 
 
 def state_shardings(tx: optax.GradientTransformation, shapes: dict, param_sh: dict, mesh: Mesh) -> TrainState:
