@@ -54,6 +54,7 @@ from sharding.minimum import minimum
 from sharding.report import evaluate, print_plan, print_search
 from sharding.roofline import compute_seconds, kernels
 from sharding.targets import child_env, compiler_name, has_compiler, node_of, target_devices
+from trainer.layout import attention_notes
 from trainer.program import abstract_program, compiled_stats, fill_microbatches, prepare, sharded_optimizer
 from trainer.state import abstract_state
 
@@ -144,6 +145,8 @@ def measure(cfg: Config, hw: Hardware, target: Hardware | None, n: int, topology
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=fused))
         notes.append(f"model.attention=splash is a TPU kernel: planned with {fused} attention"
                      + (" (temporaries: an upper bound)" if target is None else ""))
+    if target is not None and target.platform == "cuda":
+        notes += attention_notes(cfg)
     if target is None and cfg.mesh.nodes > 1:
         cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, nodes=1))
         notes.append("mesh.nodes: fake CPU devices sit in one process, so the fallback lays them out as one node")

@@ -146,6 +146,9 @@ class ModelConfig:
     remat: str = "none"
     attention: str = "xla"
     loss_chunk: int = 0  # > 0: output head + loss this many positions at a time (no full f32 logits)
+    # > 0: with data.packing=document a row holds at most this many documents (pieces), and
+    # cudnn attention takes them as cuDNN's packed layout; 0: no bound (cudnn builds a dense mask).
+    max_documents: int = 0
     # Layers per trip of the layer scan (lax.scan's `unroll`). 0: the stack picks: on CPU a stack
     # of at most CPU_UNROLL_LAYERS (trainer/layout.py) layers is unrolled whole (XLA:CPU spends about a tenth of the
     # default step on the scan's stacked buffers), everywhere else 1 (compile time flat in depth).
@@ -379,6 +382,7 @@ def validate_static(cfg: Config) -> None:
         "model.loss_chunk",
         f"{m.loss_chunk} must be 0 (off) or divide model.seq_len={m.seq_len}",
     )
+    _require(m.max_documents >= 0, "model.max_documents", f"must be >= 0 (0: no bound), got {m.max_documents}")
     _require(m.scan_unroll >= 0, "model.scan_unroll", f"must be >= 0 (0: the stack picks), got {m.scan_unroll}")
     _require(cfg.mesh.nodes > 0, "mesh.nodes", f"must be > 0 (1: one node or slice), got {cfg.mesh.nodes}")
     _one_of(cfg.mesh.across, "mesh.across", MESH_AXES)

@@ -82,12 +82,15 @@ class ConcatRows:
         return {"tokens": self.docs.span(start, start + self.seq_len + 1).astype(np.int32)}
 
 
-def pack_plan(lengths: np.ndarray, capacity: int, seed: int, open_rows: int = 64) -> tuple[np.ndarray, np.ndarray]:
+def pack_plan(lengths: np.ndarray, capacity: int, seed: int, open_rows: int = 64,
+              max_pieces: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """First-fit packing of documents into rows of `capacity` tokens.
 
     Documents longer than a row are cut into row-sized pieces first. Pieces are visited in a
     seeded random order and each goes into the first of at most `open_rows` partly filled rows
     with room for it (else a new row; the oldest open row is closed when there are too many).
+    With `max_pieces` > 0 a row is closed once it holds that many pieces (cuDNN's packed
+    attention is sized for a fixed number of documents per row).
     Returns (pieces [n, 3] = (doc, start, length) in row order, row_starts [rows + 1]).
     """
     counts = -(-lengths // capacity)  # pieces per document
@@ -101,19 +104,21 @@ def pack_plan(lengths: np.ndarray, capacity: int, seed: int, open_rows: int = 64
     row_of = np.empty(len(order), dtype=np.int64)
     free: list[int] = []  # room left in each open row
     ids: list[int] = []  # row id of each open row
+    held: list[int] = []  # pieces in each open row
     rows = 0
     sizes_list = sizes[order].tolist()
     for j, size in enumerate(sizes_list):
         slot = next((k for k, room in enumerate(free) if room >= size), -1)
         if slot < 0:
             if len(free) == open_rows:
-                free.pop(0), ids.pop(0)
-            free.append(capacity), ids.append(rows)
+                free.pop(0), ids.pop(0), held.pop(0)
+            free.append(capacity), ids.append(rows), held.append(0)
             rows, slot = rows + 1, len(free) - 1
         row_of[j] = ids[slot]
         free[slot] -= size
-        if free[slot] == 0:
-            free.pop(slot), ids.pop(slot)
+        held[slot] += 1
+        if free[slot] == 0 or held[slot] == max_pieces:
+            free.pop(slot), ids.pop(slot), held.pop(slot)
     by_row = np.argsort(row_of, kind="stable")
     chosen = order[by_row]
     pieces = np.stack([doc_ids[chosen], starts[chosen], sizes[chosen]], axis=1)
@@ -124,9 +129,9 @@ def pack_plan(lengths: np.ndarray, capacity: int, seed: int, open_rows: int = 64
 class DocumentRows:
     """Rows of whole documents with segment ids and per-document positions; see `pack_plan`."""
 
-    def __init__(self, docs: Documents, seq_len: int, seed: int):
+    def __init__(self, docs: Documents, seq_len: int, seed: int, max_pieces: int = 0):
         self.docs, self.capacity = docs, seq_len + 1
-        self.pieces, self.row_starts = pack_plan(docs.lengths, self.capacity, seed)
+        self.pieces, self.row_starts = pack_plan(docs.lengths, self.capacity, seed, max_pieces=max_pieces)
 
     def __len__(self) -> int:
         return len(self.row_starts) - 1

@@ -58,7 +58,7 @@ def batch_fields(cfg: Config) -> tuple[str, ...]:
 
 def _rows(docs: Documents, cfg: Config) -> Rows:
     if cfg.data.packing == "document":
-        return DocumentRows(docs, cfg.model.seq_len, cfg.run.seed)
+        return DocumentRows(docs, cfg.model.seq_len, cfg.run.seed, cfg.model.max_documents)
     return ConcatRows(docs, cfg.model.seq_len)
 
 

@@ -2,7 +2,9 @@
 
 - `xla`: plain einsums and a softmax in float32; runs everywhere and is the reference.
 - `dot_product`: `jax.nn.dot_product_attention` with the implementation JAX picks.
-- `cudnn`: the same, forced to cuDNN's fused flash attention (GPU only).
+- `cudnn`: the same, forced to cuDNN's fused flash attention (GPU only). With packed documents
+  and `model.max_documents` > 0 it takes each row's documents as cuDNN's packed layout (the
+  start and length of every run of one segment id: `document_spans`), not a dense mask.
 - `splash`: the TPU Pallas splash attention kernel that ships in JAX, with segment ids for packed
   documents; it never forms [length, length] scores. Off TPU it runs in Pallas interpret mode
   (slow: for checking numerics).
@@ -93,6 +95,45 @@ def fused_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, imp
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
 
 
+def document_spans(segment_ids: Array, max_spans: int) -> tuple[Array, Array]:
+    """Each row's runs of equal segment ids in array order (its packed documents, then its
+    padding), as cuDNN's packed layout wants them: lengths [batch, max_spans] and starts
+    [batch, max_spans + 1], -1 past the row's last run. A row with more runs than `max_spans`
+    loses the later ones (the packer keeps rows within `model.max_documents`)."""
+    b, t = segment_ids.shape
+    new = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    run = jnp.cumsum(new, axis=1, dtype=jnp.int32) - 1  # [b, t]: the run each position is in
+    count = run[:, -1:] + 1  # [b, 1]
+    lengths = jax.vmap(lambda r: jnp.zeros(max_spans, jnp.int32).at[r].add(1, mode="drop"))(run)
+    starts = jnp.cumsum(lengths, axis=1) - lengths
+    used = jnp.arange(max_spans)[None] < count
+    pad = jnp.full((b, 1), -1, jnp.int32)
+    return jnp.where(used, lengths, -1), jnp.concatenate([jnp.where(used, starts, -1), pad], axis=1)
+
+
+def cudnn_packed_attention(q: Array, k: Array, v: Array, segment_ids: Array, max_documents: int) -> Array:
+    """cuDNN flash attention over packed documents, causal within each run of one segment id
+    (array order is sequence order here: cuDNN refuses a reordered split). No [T, T] mask: the
+    kernel takes every row as up to max_documents + 1 runs (the documents, then the padding),
+    given by their starts and lengths. Private JAX API (the public jax.nn.dot_product_attention
+    takes per-row lengths only); checked against jax 0.10.2."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn  # the public API has no offsets
+
+    lengths, starts = document_spans(segment_ids, max_documents + 1)
+    lengths = nn.with_logical_constraint(lengths, ("batch", None))
+    starts = nn.with_logical_constraint(starts, ("batch", None))
+    groups = q.shape[2] // k.shape[2]
+    if groups > 1:
+        # JAX turns the starts into element offsets with the query's heads (T x heads x head_dim
+        # strides) for the keys and values too; with fewer kv heads those would point at the
+        # wrong tokens, so keys and values are given the query's heads (query head i reads kv
+        # head i // groups, as in masked_attention).
+        k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    return cudnn.dot_product_attention(q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=starts,
+                                       kv_offsets=starts, scale=q.shape[-1] ** -0.5,
+                                       mask_type=cudnn.MaskType.PADDING_CAUSAL)
+
+
 def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, interpret: bool | None = None) -> Array:
     """The Pallas splash kernel over q [b, t, h, d], k, v [b, t, kv, d]: causal in array order,
     within documents by segment ids. Needs every row in sequence order (no load balancing) and
@@ -118,20 +159,24 @@ def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, in
     return heads_first(out)
 
 
-def local_attention(q: Array, k: Array, v: Array, positions: Array, segment_ids: Array | None, *, impl: str) -> Array:
+def local_attention(q: Array, k: Array, v: Array, positions: Array, segment_ids: Array | None, *, impl: str,
+                    max_documents: int = 0) -> Array:
     """The kernel `impl` on arrays that hold whole sequences (or, under GSPMD, look as if)."""
     if impl == "xla":
         return xla_attention(q, k, v, segment_ids, positions)
     if impl == "dot_product":
         return fused_attention(q, k, v, segment_ids, None, positions)
     if impl == "cudnn":
+        if segment_ids is not None and max_documents > 0:
+            return cudnn_packed_attention(q, k, v, segment_ids, max_documents)
         return fused_attention(q, k, v, segment_ids, "cudnn", positions)
     if impl == "splash":
         return splash_attention(q, k, v, segment_ids)
     raise ValueError(f"unknown attention implementation {impl!r}")
 
 
-def attend(q: Array, k: Array, v: Array, positions: Array, segment_ids: Array | None, *, impl: str) -> Array:
+def attend(q: Array, k: Array, v: Array, positions: Array, segment_ids: Array | None, *, impl: str,
+           max_documents: int = 0) -> Array:
     sharded = _SHARDED.get()
     if sharded is not None:
         return sharded(q, k, v, positions, segment_ids)
@@ -145,4 +190,4 @@ def attend(q: Array, k: Array, v: Array, positions: Array, segment_ids: Array | 
         k_pos = whole(positions, ("batch", None))
         k_seg = None if segment_ids is None else whole(segment_ids, ("batch", None))
         return masked_attention(q, k, v, block_mask(positions, k_pos, segment_ids, k_seg))
-    return local_attention(q, k, v, positions, segment_ids, impl=impl)
+    return local_attention(q, k, v, positions, segment_ids, impl=impl, max_documents=max_documents)

@@ -111,7 +111,7 @@ def target_devices(hw: Hardware, n: int, slices: int = 1, topology: str = "") ->
         if n % per_node:
             raise ConfigError(f"--devices={n}: GPUs come in nodes of {hw.devices_per_node}")
         spec = gpu_spec(hw)
-        _answer_cudnn_version(dnn_version(spec))
+        _answer_cudnn_questions(dnn_version(spec), compute_capability(spec))
         return list(topologies.get_topology_desc(hw.name, "cuda", target_config=spec,
                                                  topology=f"1x{n // per_node}x{per_node}").devices)
     if n % slices:
@@ -124,14 +124,28 @@ def target_devices(hw: Hardware, n: int, slices: int = 1, topology: str = "") ->
     return devices
 
 
-def _answer_cudnn_version(version: int) -> None:
-    """JAX asks the cuDNN library for its version while tracing cuDNN attention; with no GPU
-    there is no library to ask. The target description states the version the target has, so
-    the question is answered from it instead of installing a 1 GB cuDNN wheel that would only
-    say its own version (not the target's). Private JAX API: checked against jax 0.10-0.11."""
+def compute_capability(spec_text: str) -> tuple[int, int]:
+    """(major, minor) of a target description's cuda_compute_capability."""
+    block = re.search(r"cuda_compute_capability\s*\{([^}]*)\}", spec_text)
+    fields = {k: int(v) for k, v in re.findall(r"(major|minor):\s*(\d+)", block.group(1) if block else "")}
+    return fields.get("major", 0), fields.get("minor", 0)
+
+
+def _answer_cudnn_questions(version: int, capability: tuple[int, int]) -> None:
+    """JAX asks the cuDNN library for its version, and the local GPU for its compute capability
+    (cuDNN's packed documents need a Hopper), while tracing cuDNN attention; with no GPU there is
+    nothing to ask. The target description states both, so the questions are answered from it
+    instead of installing a 1 GB cuDNN wheel that would only say its own version (not the
+    target's). Private JAX API: checked against jax 0.10-0.11."""
     from jax._src.cudnn import fused_attention_stablehlo
 
+    def at_least(wanted: str) -> bool:
+        return capability >= tuple(int(x) for x in wanted.split("."))
+
     fused_attention_stablehlo.check_cudnn_version = lambda: version
+    fused_attention_stablehlo.check_compute_capability = at_least
+    fused_attention_stablehlo.is_cuda_compute_capability_equal = lambda wanted: capability == tuple(
+        int(x) for x in wanted.split("."))
 
 
 def node_of(devices: list, hw: Hardware | None, fallback_per_node: int) -> list[int]:

@@ -72,6 +72,7 @@ def test_resolved_config_round_trips(tmp_path):
         (["train.steps=-1"], "train.steps: must be >= 0, got -1"),
         (["train.global_batch=0"], "train.global_batch: must be > 0"),
         (["model.remat=sometimes"], "model.remat: 'sometimes' is not one of"),
+        (["model.max_documents=-1"], "model.max_documents: must be >= 0 (0: no bound), got -1"),
         (["model.num_kv_heads=3"], "model.num_kv_heads: 3 does not divide model.num_heads=16"),
         (["sharding.params.embed=fsdb"], "sharding.params.embed: 'fsdb' is not a mesh axis"),
         (["sharding.params.embd=fsdp"], "sharding.params.embd: unknown logical name; did you mean 'embed'?"),

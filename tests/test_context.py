@@ -177,3 +177,48 @@ def test_ring_attention_in_pieces_matches_the_reference():
                                  check_vma=False))(*args)  # as sharded_ring calls it
     ref = xla_attention(q, k, v, jnp.asarray(seg), jnp.asarray(pos))
     np.testing.assert_allclose(np.asarray(ours), np.asarray(ref)[:, order], rtol=2e-5, atol=2e-5)
+
+
+def span_mask(lengths: np.ndarray, starts: np.ndarray, t: int) -> np.ndarray:
+    """[b, 1, t, t]: what cuDNN's packed layout attends (PADDING_CAUSAL per run), from the spans."""
+    mask = np.zeros((len(lengths), 1, t, t), bool)
+    for row, (ls, ss) in enumerate(zip(lengths, starts)):
+        for n, s in zip(ls, ss):
+            if n > 0:
+                mask[row, 0, s : s + n, s : s + n] = np.tril(np.ones((n, n), bool))
+    return mask
+
+
+def test_cudnn_document_spans_attend_what_segment_ids_and_positions_do():
+    """cuDNN (GPU only) takes packed documents as run starts and lengths; the mask those spans
+    give equals the reference's mask from segment ids and positions for every real token, and
+    keeps padding to itself."""
+    from data.packing import DocumentRows, StreamDocuments
+    from model.attention import block_mask, document_spans
+
+    t, most = 64, 6
+    rng = np.random.default_rng(1)
+    texts = [rng.integers(0, 99, n).astype(np.uint32) for n in rng.integers(1, 20, 200)]
+    rows = DocumentRows(StreamDocuments(texts, 99), seq_len=t, seed=0, max_pieces=most)
+    batch = [rows[i] for i in range(len(rows))]
+    seg = np.stack([r["segment_ids"][:-1] for r in batch])
+    pos = np.stack([r["positions"][:-1] for r in batch])
+    assert seg.max() == most and (seg == 0).any()  # full rows and padded ones
+    lengths, starts = map(np.asarray, jax.jit(document_spans, static_argnums=1)(jnp.asarray(seg), most + 1))
+    used = lengths >= 0
+    assert (lengths.sum(1, where=used) == t).all() and (starts[:, -1] == -1).all()
+    got = span_mask(lengths, starts, t)
+    want = np.asarray(block_mask(jnp.asarray(pos), jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(seg)))
+    real = (seg > 0)[:, None, :, None]
+    np.testing.assert_array_equal(np.where(real, got, False), np.where(real, want, False))
+    pad_query, pad_key = (seg == 0)[:, None, :, None], (seg == 0)[:, None, None, :]
+    assert not (got & pad_query & ~pad_key).any()
+
+
+def test_cudnn_with_packed_documents_says_when_it_builds_a_dense_mask():
+    from trainer.layout import attention_notes
+
+    packed = ["model.attention=cudnn", "data.packing=document"]
+    assert "dense [batch, 1, T, T] mask" in attention_notes(load_config(TINY, packed))[0]
+    assert attention_notes(load_config(TINY, [*packed, "model.max_documents=8"])) == []
+    assert attention_notes(load_config(TINY, ["model.attention=cudnn"])) == []

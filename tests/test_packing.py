@@ -103,3 +103,12 @@ def test_a_packed_row_gives_each_document_the_loss_it_has_alone(tiny):
     padded = {k: jnp.concatenate([v[:, :12], jnp.zeros((1, 21), jnp.int32) + (7 if k == "tokens" else 0)], 1)
               for k, v in packed.items()}
     np.testing.assert_allclose(loss_fn(params, padded), loss_fn(params, {"tokens": row(a)}), rtol=1e-5)
+
+
+def test_a_row_holds_at_most_max_pieces_documents():
+    lengths = np.random.default_rng(2).integers(1, 6, 400)  # short documents: many per row
+    free_pieces, free_starts = pack_plan(lengths, capacity=33, seed=0)
+    pieces, row_starts = pack_plan(lengths, capacity=33, seed=0, max_pieces=4)
+    assert np.diff(free_starts).max() > 4  # the bound really binds
+    assert np.diff(row_starts).max() == 4 and row_starts[-1] == len(pieces) == len(free_pieces)
+    assert sorted(map(tuple, pieces)) == sorted(map(tuple, free_pieces))  # the same pieces, regrouped

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -76,6 +77,23 @@ def test_cudnn_attention_is_in_the_compiled_gpu_program(tmp_path_factory: pytest
          "model.num_layers=2", "train.global_batch=1", "model.seq_len=1024")
     (text,) = [f.read_text() for f in dump.iterdir()]
     assert "__cudnn$fmhaSoftmax" in text and "__cudnn$fmhaSoftmaxBackward" in text
+
+
+def test_cudnn_attention_takes_packed_documents_without_a_mask(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """data.packing=document with model.max_documents=8: cuDNN gets each row as 9 spans (8
+    documents and the padding), and the program holds no [.., 1024, 1024] mask (with
+    max_documents=0 it holds bf16[1,1,1024,1024] biases and fmhaScaleBiasSoftmax instead)."""
+    _need("h100")
+    dump = tmp_path_factory.mktemp("hlo")
+    cfg = os.path.join(ROOT, "configs", "llama3-1b.yaml")
+    result, _, _ = plan(tmp_path_factory, "--config", cfg, "--devices", "1", "--hardware", "h100", "--dump-hlo",
+                        str(dump), "model.num_layers=2", "train.global_batch=1", "model.seq_len=1024",
+                        "data.source=text", "data.packing=document", "model.max_documents=8")
+    (text,) = [f.read_text() for f in dump.iterdir()]
+    assert '__cudnn$fmhaSoftmax"' in text and "__cudnn$fmhaSoftmaxBackward" in text
+    assert re.search(r'"max_seg_per_batch":\s*9\b', text)
+    assert not re.search(r"\[[0-9,]*1024,1024\]", text)
+    assert not any("dense" in n for n in result["plans"][0]["notes"])
 
 
 def test_llama3_8b_on_64_h100_fits_with_fsdp_not_with_data(h100_8b: dict) -> None:

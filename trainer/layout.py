@@ -133,6 +133,16 @@ def _check_pipeline(cfg: Config, stages: int, repeats: int, micro: int, per_repl
         )
 
 
+def attention_notes(cfg: Config) -> list[str]:
+    """What the run's attention falls back to, said at start (train.py) and in plans."""
+    m = cfg.model
+    if m.attention == "cudnn" and cfg.data.packing == "document" and m.max_documents == 0:
+        return ["model.attention=cudnn with data.packing=document builds a dense [batch, 1, T, T] mask of the "
+                "documents; set model.max_documents (the most documents a row may hold) for cuDNN's packed "
+                "layout, no mask"]
+    return []
+
+
 def sequence_split(cfg: Config, layout: Layout, platform: str) -> SequenceSplit | None:
     """The load-balanced order and the sharded attention kernel the layout needs (None: neither),
     for devices of `platform` (splash runs as the TPU kernel on "tpu", interpreted elsewhere)."""

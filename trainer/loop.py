@@ -33,6 +33,7 @@ from trainer.checkpoint import Checkpointer, check_resumable, checkpoint_dir, ha
 from trainer.faults import Preempted, StopSignal, Watchdog, fingerprint
 from trainer.goodput import Goodput, invocation_outcome
 from trainer.hooks import Hook, StepLog, make_hooks
+from trainer.layout import attention_notes
 from trainer.metrics import MetricsLogger, log
 from trainer.observe import instrument
 from trainer.program import Program, RunSpec, make_program, prepare
@@ -117,6 +118,8 @@ def make_session(spec: RunSpec, devices: list, schedule_note: str = "") -> Sessi
         f"{devices[0].platform} devices, {jax.process_count()} process(es); "
         f"{param_count(spec.model.shapes) / 1e6:.2f}M parameters"
     )
+    for note in attention_notes(cfg):
+        log(note)
     if cfg.model.quant != "none":
         log(f"model.quant={cfg.model.quant}: the block matmuls run in 8 bits"
             + ("; MFU is against the bf16 peak" if peak_flops_of_kind(getattr(devices[0], "device_kind", "")) else
