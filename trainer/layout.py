@@ -16,7 +16,9 @@ from configs import Config, ConfigError
 from model import LayerRunner, scan_layers
 from model.attention import block_mask, splash_attention
 from sharding import Rules, axes_size, mesh_axes, resolve_mesh_shape, to_rules
+from model.moe import DispatchFn
 from sharding.context import SequenceSplit, balanced_order, check_context, per_device, sharded_ring
+from sharding.experts import expert_parallel
 from sharding.pipeline import bubble_fraction, pipeline_runner
 from trainer.pipeline_grads import make_scheduled_grad_fn
 from trainer.step import GradFn
@@ -72,6 +74,12 @@ def plan_layout(cfg: Config, num_devices: int) -> Layout:
             f"({' x '.join(f'{a}={sizes[a]}' for a in batch_axes) or '1'}) x train.grad_accum={t.grad_accum}"
         )
     check_context(cfg, sizes, act_rules)
+    experts = cfg.model.moe.num_experts
+    if sizes["expert"] > 1 and experts % sizes["expert"]:
+        raise ConfigError(f"mesh.expert={sizes['expert']} does not divide model.moe.num_experts={experts}")
+    if sizes["expert"] > 1 and "expert" not in batch_axes:
+        raise ConfigError("sharding.activations.batch: must include the expert axis when mesh.expert > 1 "
+                          "(each device sends its own tokens to the experts)")
     if sizes["context"] > 1:
         # A context group's devices hold different positions of the same rows: the parameters
         # they would each hold whole are sharded over them as well, FSDP-style.
@@ -151,3 +159,9 @@ def layer_runner(layout: Layout, remat_policy: str) -> LayerRunner | None:
         return None
     stage_fn = functools.partial(scan_layers, remat_policy=remat_policy)
     return pipeline_runner(layout.stages, layout.repeats, layout.microbatches, stage_fn, layout.stage_rules)
+
+
+def expert_dispatcher(layout: Layout) -> DispatchFn | None:
+    """None (every expert on every device) unless the layout splits the experts over `expert`."""
+    shards = layout.sizes["expert"]
+    return expert_parallel(layout.stage_rules, shards) if shards > 1 else None

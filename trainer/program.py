@@ -36,7 +36,7 @@ from sharding.context import SequenceSplit
 from sharding.hlo import COLLECTIVES, static_counts  # noqa: F401  (COLLECTIVES: re-exported)
 from model import hf
 from trainer.checkpoint import check_resumable, has_checkpoints
-from trainer.layout import Layout, layer_runner, plan_layout, scheduled_grads, sequence_split
+from trainer.layout import Layout, expert_dispatcher, layer_runner, plan_layout, scheduled_grads, sequence_split
 from trainer.optimizer import make_optimizer
 from trainer.state import TrainState, abstract_model, abstract_state, state_shardings
 from trainer.step import make_loss_fn, make_train_step
@@ -121,14 +121,15 @@ def make_program(p: Prepared, devices: list) -> Program:
     split = sequence_split(cfg, layout, devices[0].platform)
     cast = functools.partial(cast_for_compute, axes=p.axes, dtype=cfg.model.dtype, shardings=state_sh.params)
     grad_fn = scheduled_grads(layout, p.graphdef, cfg.model.remat, cfg.model.loss_chunk, cast)
+    dispatch = expert_dispatcher(layout)
     step = jax.jit(
         make_train_step(p.graphdef, tx, schedule, cfg.train.grad_accum, runner, cfg.model.loss_chunk, cast,
-                        split, grad_fn),
+                        split, grad_fn, cfg.model.moe, dispatch),
         in_shardings=(state_sh, batch_sh),
         out_shardings=(state_sh, None),
         donate_argnums=(0,),
     )
-    eval_loss = jax.jit(make_loss_fn(p.graphdef, runner, cfg.model.loss_chunk, cast, split),
+    eval_loss = jax.jit(make_loss_fn(p.graphdef, runner, cfg.model.loss_chunk, cast, split, dispatch=dispatch),
                         in_shardings=(state_sh.params, batch_sh))
     return Program(cfg, layout, mesh, tx, state_sh, batch_sh, p.shapes, p.graphdef, runner, step, eval_loss, split,
                    grad_fn)
