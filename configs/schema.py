@@ -352,6 +352,7 @@ def _check_moe(cfg: Config) -> None:
     e = cfg.model.moe
     _require(e.num_experts >= 0, "model.moe.num_experts", f"must be >= 0 (0: dense), got {e.num_experts}")
     _require(cfg.mesh.expert == 1 or e.enabled, "mesh.expert", f"{cfg.mesh.expert} needs model.moe.num_experts > 0")
+    _one_of(e.router, "model.moe.router", ROUTERS)
     if not e.enabled:
         return
     _require(
@@ -361,7 +362,6 @@ def _check_moe(cfg: Config) -> None:
     )
     _require(e.d_ff >= 0, "model.moe.d_ff", f"must be >= 0 (0: model.d_ff), got {e.d_ff}")
     _require(e.shared_experts >= 0, "model.moe.shared_experts", f"must be >= 0, got {e.shared_experts}")
-    _one_of(e.router, "model.moe.router", ROUTERS)
     _require(e.capacity_factor >= 0, "model.moe.capacity_factor", f"must be >= 0 (0: dropless), got {e.capacity_factor}")
     _require(e.aux_loss_coef >= 0, "model.moe.aux_loss_coef", f"must be >= 0, got {e.aux_loss_coef}")
     _require(e.router_z_loss_coef >= 0, "model.moe.router_z_loss_coef", f"must be >= 0, got {e.router_z_loss_coef}")
