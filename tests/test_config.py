@@ -159,8 +159,9 @@ def _cli_text(value: Any) -> str:
 
 
 def _get(cfg: Config, key: str) -> Any:
-    section, name = key.split(".")
-    return getattr(getattr(cfg, section), name)
+    for name in key.split("."):
+        cfg = getattr(cfg, name)
+    return cfg
 
 
 def test_every_key_is_settable():
