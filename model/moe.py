@@ -8,7 +8,8 @@ logical dim `expert`, which the rules may shard over the `expert` mesh axis.
 Dropless (`capacity_factor` 0): the (token, expert) assignments are sorted by expert and the
 experts run as grouped matmuls (`jax.lax.ragged_dot`), every assignment computed. Capacity mode:
 each expert takes its first `capacity` assignments in token order; later ones are dropped (their
-weight counts 0) and counted. Under expert parallelism the trainer installs a dispatcher
+weight counts 0) and counted, and the experts run as one batched matmul over [expert, capacity]
+slots. Under expert parallelism the trainer installs a dispatcher
 (`expert_dispatch`, built in sharding/experts.py) that moves the rows to the experts' devices;
 it calls the same `capacity_keep` and `expert_rows` as the local path, so the math is one.
 
@@ -66,10 +67,20 @@ def capacity_keep(ids: Array, num_experts: int, cap: int) -> Array:
     return rank < cap
 
 
-def expert_rows(rows: Array, ids: Array, gate: Array, up: Array, down: Array) -> Array:
+def expert_rows(rows: Array, ids: Array, gate: Array, up: Array, down: Array, cap: int = 0) -> Array:
     """rows [m, d], ids [m] in [0, G] (G = gate.shape[0]; id G: padding, output 0) -> [m, d]:
-    row i through SwiGLU expert ids[i], as grouped matmuls over the rows sorted by expert."""
+    row i through SwiGLU expert ids[i]. Dropless (cap 0): grouped matmuls over the rows sorted
+    by expert. cap > 0, when no expert has more than `cap` rows: one batched matmul over
+    [G, cap] slots (GShard's layout), so the work is G x cap rows whatever the compiler makes
+    of a grouped matmul (XLA's GPU compiler computes every group over every row)."""
     groups = gate.shape[0]
+    if cap:
+        one_hot = jax.nn.one_hot(ids, groups, dtype=jnp.int32)  # padding: a row of zeros
+        slot = jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=-1)
+        x = jnp.zeros((groups, cap, rows.shape[-1]), rows.dtype).at[ids, slot].set(rows, mode="drop")
+        h = jax.nn.silu(jnp.einsum("gcd,gdf->gcf", x, gate)) * jnp.einsum("gcd,gdf->gcf", x, up)
+        y = jnp.einsum("gcf,gfd->gcd", h, down)
+        return jnp.where((ids < groups)[:, None], y[jnp.minimum(ids, groups - 1), jnp.minimum(slot, cap - 1)], 0)
     order = jnp.argsort(ids, stable=True)
     sizes = jnp.bincount(ids, length=groups + 1)[:groups].astype(jnp.int32)  # padding sorts last, beyond every group
     x = rows[order]
@@ -84,9 +95,10 @@ def local_dispatch(x: Array, ids: Array, weights: Array, gate: Array, up: Array,
     b, l, d = x.shape
     k, num_experts = ids.shape[-1], gate.shape[0]
     flat = ids.reshape(-1)
-    kept = capacity_keep(flat, num_experts, capacity(b * l, num_experts, k, capacity_factor))
+    cap = capacity(b * l, num_experts, k, capacity_factor)
+    kept = capacity_keep(flat, num_experts, cap)
     rows = jnp.repeat(x.reshape(b * l, d), k, axis=0)  # assignment a is token a // k
-    y = expert_rows(rows, jnp.where(kept, flat, num_experts), gate, up, down).reshape(b, l, k, d)
+    y = expert_rows(rows, jnp.where(kept, flat, num_experts), gate, up, down, cap).reshape(b, l, k, d)
     return combine(y, weights, kept.reshape(ids.shape)), kept.reshape(ids.shape)
 
 

@@ -12,6 +12,8 @@ With `mesh.expert` = P > 1 the expert weights are split over the `expert` mesh a
 3. runs its experts on them as grouped matmuls (model.moe.expert_rows, padding rows masked);
 4. all-to-all back, and each token sums its experts' outputs by its router weights.
 The routing itself (router, top-k, losses) runs before, in the model, on the global batch.
+With P = 1 (any multi-device layout without `mesh.expert`) the all-to-alls move nothing and
+each device sorts and computes its own tokens' assignments against all the experts.
 
 Inside the shard_map the expert weights are whole except for their `expert` dim: the
 partitioner gathers their FSDP and tensor shards at its boundary, and the devices of a tensor
@@ -53,7 +55,8 @@ def _dispatch_local(x: Array, ids: Array, weights: Array, gate: Array, up: Array
     send_ids = jnp.full((shards, rows), local, jnp.int32).at[dest, slot].set(flat % local, mode="drop")
     recv = jax.lax.all_to_all(send, axis, 0, 0)  # [source device, rows, d]
     recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0)
-    y = expert_rows(recv.reshape(shards * rows, d), recv_ids.reshape(-1), gate, up, down)
+    # No expert receives more than `cap` rows from each of the `shards` devices.
+    y = expert_rows(recv.reshape(shards * rows, d), recv_ids.reshape(-1), gate, up, down, shards * cap)
     back = jax.lax.all_to_all(y.reshape(shards, rows, d), axis, 0, 0)  # [destination device, rows, d]
     y = back[jnp.minimum(dest, shards - 1), slot].reshape(b, l, k, d)
     kept = kept.reshape(ids.shape)
