@@ -169,7 +169,7 @@ def test_real_process_trains_a_sharded_run(tmp_path):
     assert out.stdout.splitlines()[0] == (
         "the mesh names 8 devices: running 8 CPU devices on this CPU-only machine "
         "(XLA_FLAGS --xla_force_host_platform_device_count=8, set by train.py)")
-    assert "mesh pipeline=1 x data=2 x fsdp=2 x context=1 x tensor=2 on 8 cpu devices" in out.stdout
+    assert "mesh pipeline=1 x data=2 x fsdp=2 x expert=1 x context=1 x tensor=2 on 8 cpu devices" in out.stdout
     assert "compiled the train step" in out.stdout and "step 3/3" in out.stdout
     assert sorted(os.listdir(tmp_path / "a")) == ["checkpoints", "config.yaml", "metrics.jsonl", "summary.json", "tb"]
 
@@ -179,7 +179,7 @@ def test_a_user_device_count_that_is_too_small_says_what_to_do(tmp_path):
     out = _cli("--config", TINY, f"run.dir={tmp_path / 'r'}", "mesh.data=2", "mesh.fsdp=2", env=env)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "error: mesh: pipeline=1 x data=2 x fsdp=2 x context=1 x tensor=1 = 4 devices, but 2 are available; for 4 CPU devices "
+        "error: mesh: pipeline=1 x data=2 x fsdp=2 x expert=1 x context=1 x tensor=1 = 4 devices, but 2 are available; for 4 CPU devices "
         "start the process with XLA_FLAGS=--xla_force_host_platform_device_count=4 (train.py sets it itself on a "
         "CPU-only machine, but here XLA_FLAGS already sets --xla_force_host_platform_device_count, and the user's "
         "flag wins)"]
