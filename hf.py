@@ -50,6 +50,9 @@ def export(run_dir: str, out: str, step: int | None = None, dtype: str = "float3
     except RuntimeError:  # JAX_PLATFORMS names no cpu backend
         device = jax.devices()[0]
     cfg, step, params = restore_params(run_dir, step, device=device)
+    if cfg.model.moe.enabled:
+        raise ConfigError(f"--run-dir: {run_dir} holds a mixture of experts (model.moe.num_experts="
+                          f"{cfg.model.moe.num_experts}); exporting MoE models to Hugging Face is not supported yet")
     imported = bool(cfg.init.from_hf) and os.path.exists(os.path.join(cfg.init.from_hf, "config.json"))
     if imported:
         source = read_hf_config(cfg.init.from_hf, "init.from_hf")

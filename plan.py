@@ -93,6 +93,7 @@ def candidates(overrides: list[str], n: int, search: bool, remats: list[str]) ->
     pinned = _pinned(overrides)
     fixed = {a: int(pinned[f"mesh.{a}"]) for a in MESH_AXES if pinned.get(f"mesh.{a}", "-1") != "-1"}
     fixed.setdefault("context", 1)  # the sequence split is the long-context choice: searched only as given
+    fixed.setdefault("expert", 1)  # so is expert parallelism (MoE models only)
     free = [a for a in MESH_AXES if a not in fixed]
     rest = math.prod(fixed.values())
     if rest <= 0 or n % rest or not free and rest != n:

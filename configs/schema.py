@@ -32,12 +32,13 @@ PACKINGS = ("concat", "document")
 SCHEDULES = ("cosine", "linear", "constant")
 OPTIMIZERS = ("adamw", "muon", "adafactor", "lion")  # all from optax (trainer/optimizer.py)
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # trainer/trackers.py
-MESH_AXES = ("pipeline", "data", "fsdp", "context", "tensor")  # outermost first
+MESH_AXES = ("pipeline", "data", "fsdp", "expert", "context", "tensor")  # outermost first
+ROUTERS = ("softmax_topk", "topk_softmax")  # model.moe.router (model/moe.py)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 # The logical dim names the model gives its parameters and activations (model/layers.py,
 # model/transformer.py, the pipeline runner): the only keys a rules table may have, since a rule
 # for any other name matches nothing. tests/test_config.py checks the model uses exactly these.
-LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers")
+LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", "expert")
 
 
 class ConfigError(ValueError):
@@ -94,6 +95,7 @@ class MeshConfig:
     pipeline: int = 1
     data: int = -1
     fsdp: int = 1
+    expert: int = 1  # splits the MoE experts (and the batch); tokens reach them by all-to-all
     context: int = 1  # splits activations' `length` dim (the sequence); see ContextConfig
     tensor: int = 1
     # A hybrid mesh: the job spans `nodes` GPU hosts or TPU slices (> 1), and only the axis
@@ -129,6 +131,29 @@ class ContextConfig:
 
 
 @dataclass(kw_only=True)
+class MoEConfig:
+    """A mixture of experts in place of every block's SwiGLU (model/moe.py); num_experts 0: dense."""
+
+    num_experts: int = 0
+    experts_per_token: int = 2  # top-k
+    d_ff: int = 0  # per expert; 0: model.d_ff
+    shared_experts: int = 0  # always-on experts (one SwiGLU of shared_experts x d_ff beside the routed ones)
+    # softmax_topk (Mixtral): top-k of the logits, softmax over those k. topk_softmax (Qwen3-MoE):
+    # softmax over all experts, then top-k, divided by their sum if `renormalize`.
+    router: str = "softmax_topk"
+    renormalize: bool = True
+    aux_loss_coef: float = 0.01  # Switch load-balancing loss, added to the training loss
+    router_z_loss_coef: float = 0.001  # mean squared logsumexp of the router logits
+    # 0: dropless (every chosen expert computes every token). > 0: each expert takes at most
+    # ceil(capacity_factor x tokens x top-k / experts) of a device's tokens; the rest are dropped.
+    capacity_factor: float = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0
+
+
+@dataclass(kw_only=True)
 class ModelConfig:
     num_layers: int = 4
     d_model: int = 256
@@ -160,6 +185,7 @@ class ModelConfig:
     # The dtype block weights are gathered from their shards in (FSDP): "compute", or "fp8"
     # (float8_e4m3fn with one scale per weight, back in the compute dtype after the gather).
     gather_dtype: str = "compute"
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -232,26 +258,28 @@ class DebugConfig:
 def _default_param_rules() -> dict[str, Any]:
     # FSDP is one rule: stored parameters shard their `embed` dim over `fsdp`.
     return {
-        "batch": ["data", "fsdp"],
+        "batch": ["data", "fsdp", "expert"],
         "embed": "fsdp",
         "heads": "tensor",
         "kv_heads": "tensor",
         "mlp": "tensor",
         "vocab": "tensor",
         "layers": "pipeline",
+        "expert": "expert",
     }
 
 
 def _default_activation_rules() -> dict[str, Any]:
     # Activations keep `embed` whole: FSDP gathers weights, not activations.
     return {
-        "batch": ["data", "fsdp"],
+        "batch": ["data", "fsdp", "expert"],
         "heads": "tensor",
         "kv_heads": "tensor",
         "mlp": "tensor",
         "vocab": "tensor",
         "layers": "pipeline",
         "length": "context",
+        "expert": "expert",
     }
 
 
@@ -331,6 +359,33 @@ def _check_profile(cfg: Config) -> None:
     )
 
 
+def _check_moe(cfg: Config) -> None:
+    e = cfg.model.moe
+    _require(e.num_experts >= 0, "model.moe.num_experts", f"must be >= 0 (0: dense), got {e.num_experts}")
+    _require(cfg.mesh.expert == 1 or e.enabled, "mesh.expert", f"{cfg.mesh.expert} needs model.moe.num_experts > 0")
+    _one_of(e.router, "model.moe.router", ROUTERS)
+    if not e.enabled:
+        return
+    _require(
+        1 <= e.experts_per_token <= e.num_experts,
+        "model.moe.experts_per_token",
+        f"must be in [1, model.moe.num_experts={e.num_experts}], got {e.experts_per_token}",
+    )
+    _require(e.d_ff >= 0, "model.moe.d_ff", f"must be >= 0 (0: model.d_ff), got {e.d_ff}")
+    _require(e.shared_experts >= 0, "model.moe.shared_experts", f"must be >= 0, got {e.shared_experts}")
+    _require(e.capacity_factor >= 0, "model.moe.capacity_factor", f"must be >= 0 (0: dropless), got {e.capacity_factor}")
+    _require(e.aux_loss_coef >= 0, "model.moe.aux_loss_coef", f"must be >= 0, got {e.aux_loss_coef}")
+    _require(e.router_z_loss_coef >= 0, "model.moe.router_z_loss_coef", f"must be >= 0, got {e.router_z_loss_coef}")
+    _require(
+        cfg.mesh.expert <= 0 or e.num_experts % cfg.mesh.expert == 0,
+        "mesh.expert",
+        f"{cfg.mesh.expert} does not divide model.moe.num_experts={e.num_experts}",
+    )
+    # The 1F1B schedules differentiate stage by stage by hand; they carry no router losses yet.
+    _require(cfg.pipeline.schedule != "1f1b", "pipeline.schedule",
+             "1f1b does not carry the MoE router losses; use pipeline.schedule=gpipe with model.moe")
+
+
 def _check_logical_name(key: str, logical: str) -> None:
     if logical in LOGICAL_AXES:
         return
@@ -395,6 +450,7 @@ def validate_static(cfg: Config) -> None:
     _one_of(m.gather_dtype, "model.gather_dtype", GATHER_DTYPES)
     _one_of(cfg.context.strategy, "context.strategy", CONTEXT_STRATEGIES)
     _check_data(cfg)
+    _check_moe(cfg)
     _one_of(o.schedule, "optim.schedule", SCHEDULES)
     _one_of(o.name, "optim.name", OPTIMIZERS)
     for name in cfg.run.trackers:

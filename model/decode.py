@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.attention import masked_attention
-from model.layers import Block
+from model.block import Block
 from model.transformer import Transformer
 
 Array = jax.Array
@@ -51,7 +51,7 @@ def _block(
     k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, start, 0, 0))
     v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, start, 0, 0))
     x = x + block.attn.output(_attend_cached(q, k_cache, v_cache, positions))
-    x = x + block.mlp(block.mlp_norm(x))
+    x = x + block.feed_forward(block.mlp_norm(x))[0]
     return x, k_cache, v_cache
 
 

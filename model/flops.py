@@ -2,7 +2,9 @@
 
 6 x (matmul parameters, output head included) + 6 x layers x seq_len x d_model (causal
 attention: QK^T and AV, halved by causality, times 3 for forward + backward). Embedding
-lookups are not matmuls; a tied embedding is counted once, as the output head.
+lookups are not matmuls; a tied embedding is counted once, as the output head. A mixture of
+experts counts its *active* parameters: the router, the `experts_per_token` experts each token
+runs through, and the shared experts (capacity mode counts dropped tokens as computed).
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ def matmul_params(cfg: ModelConfig) -> int:
     d, hd = cfg.d_model, cfg.resolved_head_dim
     attn = d * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)  # q, o and k, v
     mlp = 3 * d * cfg.d_ff
+    if cfg.moe.enabled:
+        e = cfg.moe
+        mlp = 3 * d * (e.d_ff or cfg.d_ff) * (e.experts_per_token + e.shared_experts) + d * e.num_experts
     head = d * cfg.vocab_size
     return cfg.num_layers * (attn + mlp) + head
 

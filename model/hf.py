@@ -100,6 +100,9 @@ def model_keys(hf: dict[str, Any], key: str) -> dict[str, Any]:
 
 def check_compatible(cfg: ModelConfig, hf_dir: str, key: str = "init.from_hf") -> None:
     """`cfg` must describe the network stored in `hf_dir`; ConfigError names the first key that does not."""
+    if cfg.moe.enabled:
+        raise ConfigError(f"model.moe.num_experts={cfg.moe.num_experts}: {key} reads dense Llama checkpoints only "
+                          "(Hugging Face MoE models are not supported yet)")
     for name, value in model_keys(read_hf_config(hf_dir, key), key).items():
         ours = cfg.resolved_head_dim if name == "head_dim" else getattr(cfg, name)
         if ours != value:

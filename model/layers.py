@@ -1,4 +1,5 @@
-"""Building blocks of a Llama-style decoder: RMSNorm, rotary embeddings, GQA attention, SwiGLU.
+"""Building blocks of a Llama-style decoder: RMSNorm, rotary embeddings, GQA attention, SwiGLU
+(assembled into a layer in model/block.py).
 
 The block projections (`project`) run under `model.quant`, `model.grad_reduce` and
 `model.gather_dtype` (model/quant.py); norms and the softmax do not.
@@ -116,11 +117,12 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, d_ff: int = 0):
         init = nnx.initializers.normal(cfg.init_std)
-        self.gate = param(rngs, init, (cfg.d_model, cfg.d_ff), ("embed", "mlp"))
-        self.up = param(rngs, init, (cfg.d_model, cfg.d_ff), ("embed", "mlp"))
-        self.down = param(rngs, init, (cfg.d_ff, cfg.d_model), ("mlp", "embed"))
+        f = d_ff or cfg.d_ff  # d_ff: the MoE's shared experts, side by side
+        self.gate = param(rngs, init, (cfg.d_model, f), ("embed", "mlp"))
+        self.up = param(rngs, init, (cfg.d_model, f), ("embed", "mlp"))
+        self.down = param(rngs, init, (f, cfg.d_model), ("mlp", "embed"))
         self.cfg = cfg
 
     def __call__(self, x: Array) -> Array:
@@ -128,18 +130,3 @@ class MLP(nnx.Module):
         up = project("bld,df->blf", x, self.up, self.cfg)
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
         return project("blf,fd->bld", hidden, self.down, self.cfg)
-
-
-class Block(nnx.Module):
-    """One pre-norm decoder layer."""
-
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
-        self.attn = Attention(cfg, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
-        self.mlp = MLP(cfg, rngs=rngs)
-
-    def __call__(self, x: Array, positions: Array, segment_ids: Array | None) -> Array:
-        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
-        x = x + self.mlp(self.mlp_norm(x))
-        return constrain(x, ("batch", "length", "embed"))

@@ -3,7 +3,9 @@
 The blocks are created once with `nnx.vmap` as one stacked module (every parameter gains a
 leading `layers` axis) and applied by a *layer runner*. The default runner scans over the
 stack, so compile time stays flat in depth; the trainer may hand in another one (a pipeline
-schedule) without the model knowing about meshes or devices.
+schedule) without the model knowing about meshes or devices. A runner returns the hidden states
+and the layers' router statistics (model/moe.py `STATS`), summed over the layers (and averaged
+over the microbatches a pipeline splits the batch into); dense layers add zeros.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from configs.schema import REMAT_SAVES, ModelConfig
-from model.layers import Block, RMSNorm, constrain, param
+from model.block import Block
+from model.layers import RMSNorm, constrain, param
+from model.moe import STATS
 
 Array = jax.Array
 
@@ -31,21 +35,27 @@ def remat(fn: Callable, policy: str) -> Callable:
 
 
 class LayerRunner(Protocol):
-    def __call__(self, layers: Block, x: Array, positions: Array, segment_ids: Array | None) -> Array: ...
+    def __call__(
+        self, layers: Block, x: Array, positions: Array, segment_ids: Array | None
+    ) -> tuple[Array, Array]: ...
 
 
 def scan_layers(
     layers: Block, x: Array, positions: Array, segment_ids: Array | None, *, remat_policy: str, unroll: int = 1
-) -> Array:
+) -> tuple[Array, Array]:
     """Applies the stacked blocks in order with one `lax.scan` (one compiled layer body; `unroll`
-    layers per trip, all of them when it is at least the depth)."""
+    layers per trip, all of them when it is at least the depth); returns the output and the
+    router statistics summed over the layers."""
     graphdef, stacked = nnx.split(layers)
 
-    def body(h: Array, layer_state: nnx.State) -> tuple[Array, None]:
-        return nnx.merge(graphdef, layer_state)(h, positions, segment_ids), None
+    def body(carry: tuple[Array, Array], layer_state: nnx.State) -> tuple[tuple[Array, Array], None]:
+        h, total = carry
+        h, stats = nnx.merge(graphdef, layer_state)(h, positions, segment_ids)
+        return (h, total + stats), None
 
-    x, _ = jax.lax.scan(remat(body, remat_policy), x, stacked, unroll=unroll)
-    return x
+    init = (x, jnp.zeros(len(STATS), jnp.float32))
+    (x, stats), _ = jax.lax.scan(remat(body, remat_policy), init, stacked, unroll=unroll)
+    return x, stats
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -99,14 +109,25 @@ class Transformer(nnx.Module):
         runner: LayerRunner | None = None,
     ) -> Array:
         """tokens [batch, length] int -> final normed hidden states [batch, length, embed]."""
+        return self.features_and_stats(tokens, positions, segment_ids, runner)[0]
+
+    def features_and_stats(
+        self,
+        tokens: Array,
+        positions: Array | None = None,
+        segment_ids: Array | None = None,
+        runner: LayerRunner | None = None,
+    ) -> tuple[Array, Array]:
+        """As `features`, with the router statistics averaged over the layers ([len(STATS)]
+        float32: model/moe.py; zeros for a dense model)."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         x = self.embed(tokens)
         if runner is None:
-            x = scan_layers(self.layers, x, positions, segment_ids, remat_policy=self.cfg.remat)
+            x, stats = scan_layers(self.layers, x, positions, segment_ids, remat_policy=self.cfg.remat)
         else:
-            x = runner(self.layers, x, positions, segment_ids)
-        return self.final_norm(x)
+            x, stats = runner(self.layers, x, positions, segment_ids)
+        return self.final_norm(x), stats / self.cfg.num_layers
 
     def embed(self, tokens: Array) -> Array:
         """tokens [batch, length] int -> embeddings [batch, length, embed] in the compute dtype

@@ -7,7 +7,8 @@ wants it whole), so the gather moves float32: twice the bytes. Casting each matm
 first and pinning the cast copy to the parameter's own (stored) sharding puts the gather after
 the cast, and, by transposition, the gradient's reduce-scatter before the cast back to float32:
 both move the compute dtype, on every compiler. Norm scales (one vector per layer) stay
-float32: they are tiny, and their statistics are kept in float32 on purpose.
+float32: they are tiny, and their statistics are kept in float32 on purpose; so does the MoE
+router ([embed, None]: one sharded dim), whose logits and top-k are float32 math.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from jax.sharding import NamedSharding
 
 
 def is_matmul_weight(names: tuple[str | None, ...]) -> bool:
-    """A weight with two or more dims besides the stacked `layers` dim (norm scales have one)."""
-    return sum(n != "layers" for n in names) >= 2
+    """A weight with two or more named dims besides the stacked `layers` dim (norm scales have
+    one; the MoE router names only its `embed` dim)."""
+    return sum(n not in ("layers", None) for n in names) >= 2
 
 
 def cast_for_compute(params: dict, axes: dict, dtype: str, shardings: dict) -> dict:

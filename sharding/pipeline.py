@@ -15,6 +15,8 @@ lowers to a collective-permute between neighbouring devices. Stage 0 takes a fre
 in the first repeat and, in later repeats, the last stage's output for that microbatch from the
 previous repeat (kept in a buffer: M >= S makes it ready in time). Autodiff through the scan
 gives the backward pass: all forwards, then all backwards (GPipe), per repeat interleaved.
+The layers' router statistics (MoE) are summed over the stages' real work (a stage idling in
+the bubble computes on zeros; its statistics are masked out) and averaged over microbatches.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from model.moe import STATS
 from sharding.rules import Rules
 
 Array = jax.Array
-StageFn = Callable[[nnx.Module, Array, Array, "Array | None"], Array]
+# (sub-stack, x, positions, segment_ids) -> (x, router statistics summed over the sub-stack)
+StageFn = Callable[[nnx.Module, Array, Array, "Array | None"], tuple[Array, Array]]
 
 
 def bubble_fraction(stages: int, repeats: int, microbatches: int) -> float:
@@ -60,7 +64,7 @@ def from_microbatches(x: Array) -> Array:
 
 def pipeline_runner(
     stages: int, repeats: int, microbatches: int, stage_fn: StageFn, stage_rules: Rules
-) -> Callable[[nnx.Module, Array, Array, "Array | None"], Array]:
+) -> Callable[[nnx.Module, Array, Array, "Array | None"], tuple[Array, Array]]:
     """A layer runner (see model.LayerRunner) that pipelines the stack over `pipeline`.
 
     stage_fn(sub_stack, x, positions, segment_ids) applies a stack of K layers (the model's
@@ -68,7 +72,7 @@ def pipeline_runner(
     `batch` must not use the `pipeline` axis (it indexes stages there)."""
     S, R, M = stages, repeats, microbatches
 
-    def run(layers: nnx.Module, x: Array, positions: Array, segment_ids: Array | None) -> Array:
+    def run(layers: nnx.Module, x: Array, positions: Array, segment_ids: Array | None) -> tuple[Array, Array]:
         graphdef, stack = nnx.split(layers)
         staged = jax.tree.map(lambda a: to_stages(a, S, R), stack)
         with nn.logical_axis_rules(stage_rules):
@@ -77,28 +81,31 @@ def pipeline_runner(
             pos = to_microbatches(positions, M)
             seg = None if segment_ids is None else to_microbatches(segment_ids, M)
 
-            def stage(params: nnx.State, r: Array, h: Array, p: Array, sg: Array | None) -> Array:
+            def stage(params: nnx.State, r: Array, h: Array, p: Array, sg: Array | None) -> tuple[Array, Array]:
                 sub = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, 0, keepdims=False), params)
                 return stage_fn(nnx.merge(graphdef, sub), h, p, sg)
 
             stage_ids = jnp.arange(S)
             all_stages = jax.vmap(stage, spmd_axis_name="pipeline")
 
-            def tick(carry: tuple[Array, Array], t: Array) -> tuple[tuple[Array, Array], None]:
-                act, buf = carry  # act [S, mb, T, D]: what enters each stage; buf [M, mb, T, D]
+            def tick(carry: tuple[Array, Array, Array], t: Array) -> tuple[tuple[Array, Array, Array], None]:
+                act, buf, total = carry  # act [S, mb, T, D]: what enters each stage; buf [M, mb, T, D]
                 first = jnp.where(t < M, xs[jnp.minimum(t, M - 1)], buf[t % M])
                 act = jnp.where((stage_ids == 0)[:, None, None, None], first[None], act)
                 v = t - stage_ids  # each stage's virtual microbatch
                 r = jnp.clip(v // M, 0, R - 1)
                 m = v % M
-                out = all_stages(staged, r, act, pos[m], None if seg is None else seg[m])
+                out, stats = all_stages(staged, r, act, pos[m], None if seg is None else seg[m])
+                working = (v >= 0) & (v < R * M)
+                total = total + jnp.sum(jnp.where(working[:, None], stats, 0.0), axis=0)
                 done = t - (S - 1)  # the virtual microbatch leaving the last stage
                 keep = (done >= 0) & (done < R * M)
                 buf = jnp.where(keep, jax.lax.dynamic_update_index_in_dim(buf, out[S - 1], done % M, 0), buf)
-                return (jnp.roll(out, 1, axis=0), buf), None
+                return (jnp.roll(out, 1, axis=0), buf, total), None
 
             act0 = jnp.zeros((S,) + xs.shape[1:], xs.dtype)
-            (_, buf), _ = jax.lax.scan(tick, (act0, jnp.zeros_like(xs)), jnp.arange(R * M + S - 1))
-            return from_microbatches(buf)
+            init = (act0, jnp.zeros_like(xs), jnp.zeros(len(STATS), jnp.float32))
+            (_, buf, total), _ = jax.lax.scan(tick, init, jnp.arange(R * M + S - 1))
+            return from_microbatches(buf), total / M
 
     return run

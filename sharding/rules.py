@@ -30,6 +30,7 @@ DIM_KEYS = {
     "head_dim": "model.head_dim",
     "mlp": "model.d_ff",
     "layers": "model.num_layers",
+    "expert": "model.moe.num_experts",
 }
 
 

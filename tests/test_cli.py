@@ -15,7 +15,7 @@ from conftest import ROOT, stdlib_glob
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 
 BAD = {
-    "mesh product": (["mesh.data=3"], "mesh: pipeline=1 x data=3 x fsdp=1 x context=1 x tensor=1 = 3 devices, but 8 are available; "
+    "mesh product": (["mesh.data=3"], "mesh: pipeline=1 x data=3 x fsdp=1 x expert=1 x context=1 x tensor=1 = 3 devices, but 8 are available; "
                      "this process sees 8 cpu device(s): make the mesh sizes multiply to 8, or leave one at -1"),
     # The conftest's XLA_FLAGS name 8 devices (and JAX has started): the user's flag wins, and the line says what to do.
     "mesh beyond the devices": (["mesh.data=16"], "= 16 devices, but 8 are available; for 16 CPU devices start the "
@@ -50,6 +50,19 @@ BAD = {
     "crossing axis name": (["mesh.nodes=2", "mesh.across=dta"], "mesh.across"),
     "nodes this host lacks": (["mesh.data=2", "mesh.fsdp=4", "mesh.nodes=2"],
                               "mesh.nodes=2, but the 8 devices sit in 1 processes (one per node)"),
+    "experts vs the expert axis": (["mesh.data=1", "mesh.expert=8", "model.moe.num_experts=6"],
+                                   "mesh.expert: 8 does not divide model.moe.num_experts=6"),
+    "experts vs a filled expert axis": (["mesh.data=2", "mesh.expert=-1", "model.moe.num_experts=6"],
+                                        "mesh.expert=4 does not divide model.moe.num_experts=6"),
+    "top-k above the experts": (["model.moe.num_experts=4", "model.moe.experts_per_token=5"],
+                                "model.moe.experts_per_token: must be in [1, model.moe.num_experts=4], got 5"),
+    "top-k below 1": (["model.moe.num_experts=4", "model.moe.experts_per_token=0"],
+                      "model.moe.experts_per_token: must be in [1, model.moe.num_experts=4], got 0"),
+    "negative capacity factor": (["model.moe.num_experts=4", "model.moe.capacity_factor=-0.5"],
+                                 "model.moe.capacity_factor: must be >= 0 (0: dropless), got -0.5"),
+    "expert axis on a dense model": (["mesh.data=1", "mesh.expert=8"], "mesh.expert: 8 needs model.moe.num_experts > 0"),
+    "MoE under 1f1b": (["mesh.pipeline=2", "mesh.data=4", "model.moe.num_experts=4", "pipeline.schedule=1f1b"],
+                       "pipeline.schedule: 1f1b does not carry the MoE router losses"),
     "context vs load balancing": (["mesh.data=1", "mesh.context=8", "model.seq_len=40"],
                                   "model.seq_len=40 is not divisible by 2 x mesh.context=8 (context.load_balance=true)"),
     "context without load balancing": (["mesh.data=1", "mesh.context=8", "model.seq_len=36", "context.load_balance=false"],
@@ -132,7 +145,7 @@ def _cli(*args: str, timeout: int = 120, env: dict[str, str] | None = None) -> s
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("mesh.data=3", "mesh: pipeline=1 x data=3 x fsdp=1 x context=1 x tensor=1 = 3 devices, but 8 are available; "
+        ("mesh.data=3", "mesh: pipeline=1 x data=3 x fsdp=1 x expert=1 x context=1 x tensor=1 = 3 devices, but 8 are available; "
                         "this process sees 8 cpu device(s): make the mesh sizes multiply to 8, or leave one at -1"),
         # FSDP is the rule `embed -> fsdp`: a misspelt name would leave every parameter whole.
         ("sharding.params.embd=fsdp", "sharding.params.embd: unknown logical name; did you mean 'embed'?"),
@@ -160,7 +173,7 @@ def test_real_process_trains_a_sharded_run(tmp_path):
     assert out.stdout.splitlines()[0] == (
         "the mesh names 8 devices: running 8 CPU devices on this CPU-only machine "
         "(XLA_FLAGS --xla_force_host_platform_device_count=8, set by train.py)")
-    assert "mesh pipeline=1 x data=2 x fsdp=2 x context=1 x tensor=2 on 8 cpu devices" in out.stdout
+    assert "mesh pipeline=1 x data=2 x fsdp=2 x expert=1 x context=1 x tensor=2 on 8 cpu devices" in out.stdout
     assert "compiled the train step" in out.stdout and "step 3/3" in out.stdout
     assert sorted(os.listdir(tmp_path / "a")) == ["checkpoints", "config.yaml", "metrics.jsonl", "summary.json", "tb"]
 
@@ -170,7 +183,7 @@ def test_a_user_device_count_that_is_too_small_says_what_to_do(tmp_path):
     out = _cli("--config", TINY, f"run.dir={tmp_path / 'r'}", "mesh.data=2", "mesh.fsdp=2", env=env)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "error: mesh: pipeline=1 x data=2 x fsdp=2 x context=1 x tensor=1 = 4 devices, but 2 are available; for 4 CPU devices "
+        "error: mesh: pipeline=1 x data=2 x fsdp=2 x expert=1 x context=1 x tensor=1 = 4 devices, but 2 are available; for 4 CPU devices "
         "start the process with XLA_FLAGS=--xla_force_host_platform_device_count=4 (train.py sets it itself on a "
         "CPU-only machine, but here XLA_FLAGS already sets --xla_force_host_platform_device_count, and the user's "
         "flag wins)"]

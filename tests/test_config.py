@@ -77,7 +77,9 @@ def test_resolved_config_round_trips(tmp_path):
         (["sharding.params.embed=fsdb"], "sharding.params.embed: 'fsdb' is not a mesh axis"),
         (["sharding.params.embd=fsdp"], "sharding.params.embd: unknown logical name; did you mean 'embed'?"),
         (["sharding.activations.kv_head=tensor"], "sharding.activations.kv_head: unknown logical name; did you mean 'kv_heads'?"),
-        (["sharding.params.experts=null"], "sharding.params.experts: unknown logical name; the model's names are batch, "),
+        (["sharding.params.routing=null"], "sharding.params.routing: unknown logical name; the model's names are batch, "),
+        (["model.moe.router=top1"], "model.moe.router: 'top1' is not one of softmax_topk, topk_softmax"),
+        (["model.moe.num_experts=-2"], "model.moe.num_experts: must be >= 0 (0: dense), got -2"),
         (["steps"], "override 'steps' is not of the form key=value"),
     ],
 )
@@ -113,6 +115,9 @@ EXPLICIT: dict[str, tuple[Any, list[str]]] = {
     "train.preempt_exit_code": (0, []),
     "mesh.data": (2, []),
     "mesh.nodes": (2, ["mesh.data=2"]),
+    "mesh.expert": (2, ["model.moe.num_experts=4"]),
+    "model.moe.num_experts": (4, []),
+    "model.moe.router": ("topk_softmax", []),
     "mesh.across": ("pipeline", ["mesh.pipeline=2"]),
     "model.head_dim": (16, []),
     "model.dtype": ("bfloat16", []),
@@ -156,8 +161,9 @@ def _cli_text(value: Any) -> str:
 
 
 def _get(cfg: Config, key: str) -> Any:
-    section, name = key.split(".")
-    return getattr(getattr(cfg, section), name)
+    for name in key.split("."):
+        cfg = getattr(cfg, name)
+    return cfg
 
 
 def test_every_key_is_settable():

@@ -18,7 +18,7 @@ from flax import nnx
 from conftest import ROOT
 
 import trainer
-from configs.schema import ModelConfig
+from configs.schema import ModelConfig, MoEConfig
 from data.tokenizer import ByteTokenizer
 from model import Transformer
 from model.decode import forward, generate, init_cache
@@ -29,9 +29,14 @@ CFG = ModelConfig(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64
 PROMPT = np.random.RandomState(0).randint(0, 256, (2, 5)).astype(np.int32)
 
 
-@pytest.fixture(scope="module")
-def model() -> Transformer:
-    return Transformer(CFG, rngs=nnx.Rngs(0))
+# The same with every feed-forward a dropless mixture of experts (decoding runs its local dispatch).
+MOE_CFG = ModelConfig(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64, vocab_size=264, init_std=0.3,
+                      moe=MoEConfig(num_experts=4, experts_per_token=2, d_ff=16))
+
+
+@pytest.fixture(scope="module", params=[CFG, MOE_CFG], ids=["dense", "moe"])
+def model(request: pytest.FixtureRequest) -> Transformer:
+    return Transformer(request.param, rngs=nnx.Rngs(0))
 
 
 def test_cached_logits_match_the_full_forward(model):

@@ -146,6 +146,8 @@ def test_a_config_that_does_not_fit_the_checkpoint_names_the_key(tmp_path, tiny)
     make_hf(str(tmp_path / "hf"), tied=True, kv_heads=2)
     with pytest.raises(ConfigError, match=r"model.num_layers=4 but the Hugging Face checkpoint init.from_hf=.* has 2"):
         hf.check_compatible(tiny().model, str(tmp_path / "hf"))
+    with pytest.raises(ConfigError, match=r"model.moe.num_experts=4: init.from_hf reads dense Llama checkpoints only"):
+        hf.check_compatible(tiny("model.moe.num_experts=4").model, str(tmp_path / "hf"))
     with pytest.raises(ConfigError, match="model.num_layers=4"):  # train.py refuses before writing anything
         trainer.run(tiny(f"init.from_hf={tmp_path / 'hf'}", "train.steps=1"))
     assert not os.path.exists(tiny().run.dir)

@@ -24,7 +24,7 @@ from sharding.roofline import kernels
 from trainer.state import abstract_model
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
-MESH = {"pipeline": 1, "data": 1, "fsdp": 8, "tensor": 1}
+MESH = {"pipeline": 1, "data": 1, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1}
 
 
 def _text(name: str) -> str:

@@ -13,6 +13,7 @@ from flax import nnx
 from jax.extend import core as jcore
 
 from configs import ModelConfig, load_config
+from configs.schema import MoEConfig
 from configs.schema import LOGICAL_AXES
 from model import Transformer, flops_per_token, matmul_params
 from model.transformer import abstract_transformer
@@ -79,12 +80,15 @@ def test_the_model_names_exactly_the_logical_axes_a_rules_table_may_use(monkeypa
         return constrain(x, names, *args, **kwargs)
 
     monkeypatch.setattr(nn, "with_logical_constraint", recording)
-    cfg = small(tie_embeddings=False)
-    graphdef, state = nnx.split(abstract_transformer(cfg))
-    x = jax.ShapeDtypeStruct((2, cfg.seq_len), jnp.int32)
-    jax.eval_shape(lambda st, t: nnx.merge(graphdef, st)(t), state, x)
+    param_names: set[str] = set()
+    # A dense model and a mixture of experts (its expert weights name the `expert` dim).
+    for cfg in (small(tie_embeddings=False), small(moe=MoEConfig(num_experts=4, shared_experts=1))):
+        graphdef, state = nnx.split(abstract_transformer(cfg))
+        x = jax.ShapeDtypeStruct((2, cfg.seq_len), jnp.int32)
+        jax.eval_shape(lambda st, t: nnx.merge(graphdef, st)(t), state, x)
+        param_names |= {n for names in jax.tree.leaves(logical_axes(state), is_leaf=lambda a: isinstance(a, tuple))
+                        for n in names if n is not None}
     activation_names = set(seen)
-    param_names = {n for names in jax.tree.leaves(logical_axes(state), is_leaf=lambda a: isinstance(a, tuple)) for n in names}
     assert {"batch", "length"} <= activation_names and "layers" in param_names  # both really recorded
     assert activation_names | param_names == set(LOGICAL_AXES)
 

@@ -97,7 +97,7 @@ def test_optimizer_state_shards_like_the_parameters(name, sharded):
     cfg = load_config("tiny", [f"optim.name={name}"])
     _, shapes, axes = abstract_model(cfg.model)
     tx, _ = make_optimizer(cfg.optim, 10, axes)
-    mesh = make_mesh({"pipeline": 1, "data": 2, "fsdp": 4, "context": 1, "tensor": 1}, jax.devices()[:8])
+    mesh = make_mesh({"pipeline": 1, "data": 2, "fsdp": 4, "expert": 1, "context": 1, "tensor": 1}, jax.devices()[:8])
     param_sh = shardings(axes, to_rules(cfg.sharding.params), mesh)
     state = state_shardings(tx, shapes, param_sh, mesh)
     opt_shapes = jax.eval_shape(tx.init, shapes)

@@ -27,13 +27,13 @@ def mesh_cfg(**sizes):
 
 
 def test_minus_one_fills_the_rest():
-    assert resolve_mesh_shape(mesh_cfg(data=-1, tensor=2).mesh, 8) == dict(pipeline=1, data=4, fsdp=1, context=1, tensor=2)
+    assert resolve_mesh_shape(mesh_cfg(data=-1, tensor=2).mesh, 8) == dict(pipeline=1, data=4, fsdp=1, expert=1, context=1, tensor=2)
 
 
 @pytest.mark.parametrize(
     "sizes, message",
     [
-        (dict(data=3), "mesh: pipeline=1 x data=3 x fsdp=1 x context=1 x tensor=1 = 3 devices, but 8 are available"),
+        (dict(data=3), "mesh: pipeline=1 x data=3 x fsdp=1 x expert=1 x context=1 x tensor=1 = 3 devices, but 8 are available"),
         (dict(data=-1, fsdp=3), "mesh.data=-1: the other axes' product 3 does not divide the 8 devices"),
         (dict(data=-1, fsdp=-1), "only one axis may be -1"),
         (dict(data=0), "mesh.data: must be a positive size or -1"),
@@ -46,7 +46,10 @@ def test_impossible_meshes(sizes, message):
 
 
 def build(layout: dict):
-    cfg = mesh_cfg(**layout)
+    return build_cfg(mesh_cfg(**layout))
+
+
+def build_cfg(cfg):
     mesh = make_mesh(resolve_mesh_shape(cfg.mesh, 8))
     graphdef, shapes, axes = abstract_model(cfg.model)
     tx, schedule = make_optimizer(cfg.optim, 10, axes)
@@ -170,3 +173,27 @@ def test_dims_that_do_not_split_evenly_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:
         check_divisible(shapes, axes, to_rules(cfg.sharding.params), resolve_mesh_shape(cfg.mesh, 8))
     assert message in str(err.value)
+
+
+def test_moe_parameters_are_sharded_as_the_rules_say():
+    """Expert weights split their `expert` dim over the expert axis, besides FSDP and tensor;
+    the router keeps its expert dim whole. Every parameter has the sharding of its names."""
+    cfg = load_config("tiny", ["mesh.data=1", "mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2",
+                               "model.moe.num_experts=4", "model.moe.shared_experts=1"])
+    cfg, mesh, graphdef, tx, schedule, sh = build_cfg(cfg)
+    state = init_state(cfg.model, tx, 0, sh)
+    expected = {
+        ("layers", "mlp", "gate"): P("pipeline", "expert", "fsdp", "tensor"),
+        ("layers", "mlp", "up"): P("pipeline", "expert", "fsdp", "tensor"),
+        ("layers", "mlp", "down"): P("pipeline", "expert", "tensor", "fsdp"),
+        ("layers", "mlp", "router"): P("pipeline", "fsdp", None),
+        ("layers", "mlp", "shared", "gate"): P("pipeline", "fsdp", "tensor"),
+    }
+    for key, spec in expected.items():
+        assert _get(state.params, key).sharding.spec == spec, key
+        assert _get(state.opt_state[1][0].mu, key).sharding.spec == spec, key
+    _, _, axes = abstract_model(cfg.model)
+    rules = to_rules(cfg.sharding.params)
+    for leaf, names in zip(jax.tree.leaves(state.params), jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))):
+        assert leaf.sharding.spec == shardings(names, rules, mesh).spec
+    assert _get(state.params, ("layers", "mlp", "gate")).addressable_shards[0].data.shape == (4, 2, 32, 64)

@@ -262,3 +262,19 @@ def test_two_tpu_slices_reduce_data_over_dcn_and_gather_fsdp_inside(tmp_path_fac
     assert links[("data",)] == {True} and links[("fsdp",)] == {False}, links
     data = [c for c in p["collectives"] if c["axes"] == ["data"]]
     assert {c["kind"] for c in data} == {"all-reduce"}, data
+
+
+def test_moe_tokens_travel_by_all_to_all_on_the_expert_axis(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A small mixture of experts on 8 H100s with `mesh.expert=8`: the H100 program sends the
+    tokens to their experts and back as bf16 all-to-alls over `expert` (NVLink), and the planner
+    charges them there; without `mesh.expert` there are none."""
+    _need("h100")
+    base = ["--config", "tiny", "--devices", "8", "--hardware", "h100", "model.dtype=bfloat16",
+            "model.moe.num_experts=8", "model.moe.capacity_factor=1.25", "mesh.data=1"]
+    with_ep, _, status = plan(tmp_path_factory, *base, "mesh.expert=8")
+    without, _, _ = plan(tmp_path_factory, *base, "mesh.fsdp=8")
+    a2a = [c for c in with_ep["plans"][0]["collectives"] if c["kind"] == "all-to-all"]
+    assert status == 0 and a2a, with_ep["plans"][0]["collectives"]
+    assert {tuple(c["axes"]) for c in a2a} == {("expert",)} and not any(c["inter_node"] for c in a2a)
+    assert any(c["dtype"] == "bf16" and c["bytes"] > 0 for c in a2a), a2a
+    assert not [c for c in without["plans"][0]["collectives"] if c["kind"] == "all-to-all"]

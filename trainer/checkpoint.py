@@ -39,14 +39,16 @@ from trainer.state import TrainState
 RESUME_KEYS = (
     "model.num_layers", "model.d_model", "model.num_heads", "model.num_kv_heads", "model.resolved_head_dim",
     "model.d_ff", "model.vocab_size", "model.tie_embeddings", "model.seq_len",
+    "model.moe.num_experts", "model.moe.d_ff", "model.moe.shared_experts",
     "train.global_batch", "run.seed", "data.source", "data.path", "data.mixture", "data.tokenizer",
     "data.packing", "data.eval_fraction",
 )
 
 
 def _get(cfg: Config, key: str) -> object:
-    section, name = key.split(".")
-    return getattr(getattr(cfg, section), name)
+    for name in key.split("."):
+        cfg = getattr(cfg, name)
+    return cfg
 
 
 def checkpoint_dir(run_dir: str) -> str:

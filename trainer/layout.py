@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable
 
 from flax import nnx
@@ -16,7 +17,9 @@ from configs import Config, ConfigError, ModelConfig
 from model import LayerRunner, scan_layers
 from model.attention import block_mask, splash_attention
 from sharding import Rules, axes_size, mesh_axes, resolve_mesh_shape, to_rules
+from model.moe import DispatchFn
 from sharding.context import SequenceSplit, balanced_order, check_context, per_device, sharded_ring
+from sharding.experts import expert_parallel
 from sharding.pipeline import bubble_fraction, pipeline_runner
 from trainer.pipeline_grads import make_scheduled_grad_fn
 from trainer.step import GradFn
@@ -72,6 +75,12 @@ def plan_layout(cfg: Config, num_devices: int) -> Layout:
             f"({' x '.join(f'{a}={sizes[a]}' for a in batch_axes) or '1'}) x train.grad_accum={t.grad_accum}"
         )
     check_context(cfg, sizes, act_rules)
+    experts = cfg.model.moe.num_experts
+    if sizes["expert"] > 1 and experts % sizes["expert"]:
+        raise ConfigError(f"mesh.expert={sizes['expert']} does not divide model.moe.num_experts={experts}")
+    if sizes["expert"] > 1 and "expert" not in batch_axes:
+        raise ConfigError("sharding.activations.batch: must include the expert axis when mesh.expert > 1 "
+                          "(each device sends its own tokens to the experts)")
     if sizes["context"] > 1:
         # A context group's devices hold different positions of the same rows: the parameters
         # they would each hold whole are sharded over them as well, FSDP-style.
@@ -187,3 +196,15 @@ def layer_runner(layout: Layout, remat_policy: str, unroll: int = 1) -> LayerRun
         return None if unroll == 1 else functools.partial(scan_layers, remat_policy=remat_policy, unroll=unroll)
     stage_fn = functools.partial(scan_layers, remat_policy=remat_policy)
     return pipeline_runner(layout.stages, layout.repeats, layout.microbatches, stage_fn, layout.stage_rules)
+
+
+def expert_dispatcher(layout: Layout) -> DispatchFn | None:
+    """The MoE dispatch of a multi-device layout: each device routes its own tokens (over
+    `expert` when mesh.expert > 1; with one expert shard the all-to-alls are no-ops and the
+    experts' weights are gathered, as FSDP gathers a dense MLP's). Left to the partitioner, the
+    sort of the assignments would run over the global batch (the Mixtral plan at fsdp=64 needed
+    300 GB of temporaries per device). None (every expert on the one device) on one device, or
+    when the rules give the `expert` dim no mesh axis."""
+    if math.prod(layout.sizes.values()) == 1 or not mesh_axes("expert", layout.stage_rules):
+        return None
+    return expert_parallel(layout.stage_rules, layout.sizes["expert"])

@@ -54,7 +54,7 @@ def make_scheduled_grad_fn(
 
         def stage_fn(p: dict, x: Array, mb: dict) -> Array:
             return scan_layers(nnx.merge(layers_graphdef, p), x, mb["positions"], mb.get("segment_ids"),
-                               remat_policy=remat_policy)
+                               remat_policy=remat_policy)[0]  # dense only: MoE refuses 1f1b
 
         def head_fn(o: dict, x: Array, mb: dict) -> tuple[Array, Array]:
             m = model(o)

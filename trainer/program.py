@@ -38,7 +38,15 @@ from sharding.context import SequenceSplit
 from sharding.hlo import COLLECTIVES, static_counts  # noqa: F401  (COLLECTIVES: re-exported)
 from model import hf
 from trainer.checkpoint import check_resumable, has_checkpoints
-from trainer.layout import Layout, layer_runner, plan_layout, scan_unroll, scheduled_grads, sequence_split
+from trainer.layout import (
+    Layout,
+    expert_dispatcher,
+    layer_runner,
+    plan_layout,
+    scan_unroll,
+    scheduled_grads,
+    sequence_split,
+)
 from trainer.optimizer import make_optimizer
 from trainer.state import AbstractModel, TrainState, abstract_model, abstract_state, state_shardings
 from trainer.step import make_loss_fn, make_train_step
@@ -131,14 +139,15 @@ def make_program(spec: RunSpec, devices: list) -> Program:
     split = sequence_split(cfg, layout, devices[0].platform)
     cast = functools.partial(cast_for_compute, axes=model.axes, dtype=cfg.model.dtype, shardings=state_sh.params)
     grad_fn = scheduled_grads(layout, model.graphdef, cfg.model.remat, cfg.model.loss_chunk, cast)
+    dispatch = expert_dispatcher(layout)
     step = jax.jit(
         make_train_step(model.graphdef, tx, schedule, cfg.train.grad_accum, runner, cfg.model.loss_chunk, cast,
-                        split, grad_fn),
+                        split, grad_fn, cfg.model.moe, dispatch),
         in_shardings=(state_sh, batch_sh),
         out_shardings=(state_sh, None),
         donate_argnums=(0,),
     )
-    eval_loss = jax.jit(make_loss_fn(model.graphdef, runner, cfg.model.loss_chunk, cast, split),
+    eval_loss = jax.jit(make_loss_fn(model.graphdef, runner, cfg.model.loss_chunk, cast, split, dispatch=dispatch),
                         in_shardings=(state_sh.params, batch_sh))
     return Program(spec, mesh, tx, state_sh, batch_sh, runner, step, eval_loss, split, grad_fn)
 

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from configs.schema import MoEConfig
 from model import LayerRunner
 from model.attention import sharded_attention
+from model.moe import STATS, DispatchFn, expert_dispatch
 from sharding.context import SequenceSplit
 from sharding.pipeline import to_microbatches
 from trainer.optimizer import schedule_count
@@ -19,8 +21,12 @@ from trainer.state import TrainState
 Array = jax.Array
 
 
-LossFn = Callable[[dict, dict], tuple[Array, Array]]
-GradFn = Callable[[dict, dict], tuple[tuple[Array, Array], dict]]  # ((loss sum, targets), gradients)
+# loss(params, batch) -> (loss sum, aux): aux is the target count, or with MoE router losses
+# (count, [count x each of MOE_METRICS]); every aux leaf adds up over micro-batches.
+LossFn = Callable[[dict, dict], tuple[Array, Any]]
+GradFn = Callable[[dict, dict], tuple[tuple[Array, Any], dict]]  # ((loss sum, aux), gradients)
+# The MoE metrics of a step (model/moe.py STATS, averaged over layers), each a per-token mean.
+MOE_METRICS = ("lm_loss",) + tuple(f"moe_{name}" for name in STATS)
 
 
 def cross_entropy_sum(logits: Array, targets: Array, weights: Array) -> Array:
@@ -54,6 +60,8 @@ def make_loss_fn(
     loss_chunk: int = 0,
     cast: Callable[[dict], dict] | None = None,
     split: SequenceSplit | None = None,
+    moe: MoEConfig | None = None,
+    dispatch: DispatchFn | None = None,
 ) -> LossFn:
     """loss(params, batch) -> (sum of the per-token losses, number of target tokens), both
     float32 scalars: the mean is their ratio, and the sums of several batches divided once give
@@ -66,7 +74,11 @@ def make_loss_fn(
     maps the float32 parameters to their compute-dtype view (sharding.cast) inside the
     differentiated function, so gathers and gradient reductions move the compute dtype.
     `split` (a sequence split over `context`) reorders the positions for load balancing and
-    hands the model a sharded attention kernel."""
+    hands the model a sharded attention kernel. `moe` (an MoE model's config): the loss sum gains
+    the router losses, each a per-token mean of this batch times its target count (so that
+    micro-batches weigh by tokens as the cross-entropy does), and aux carries the MoE metrics;
+    without it the loss is the cross-entropy alone (eval). `dispatch` moves routed tokens to
+    their experts' devices (sharding/experts.py; None: every expert on every device)."""
 
     def loss_fn(params: dict, batch: dict[str, Array]) -> tuple[Array, Array]:
         model = nnx.merge(graphdef, params if cast is None else cast(params))
@@ -81,9 +93,13 @@ def make_loss_fn(
             # permuted as a whole: inputs, targets, weights, positions and segments alike.
             inputs, targets, weights, positions = (a[:, split.order] for a in (inputs, targets, weights, positions))
             seg_in = None if seg_in is None else seg_in[:, split.order]
-        with sharded_attention(attention):
-            x = model.features(inputs, positions, seg_in, runner=runner)
-        return head_loss(model, x, targets, weights, loss_chunk), jnp.sum(weights)
+        with sharded_attention(attention), expert_dispatch(dispatch):
+            x, stats = model.features_and_stats(inputs, positions, seg_in, runner=runner)
+        ce, count = head_loss(model, x, targets, weights, loss_chunk), jnp.sum(weights)
+        if moe is None or not moe.enabled:
+            return ce, count
+        router = moe.aux_loss_coef * stats[0] + moe.router_z_loss_coef * stats[1]
+        return ce + router * count, (count, jnp.concatenate([ce[None], stats * count]))
 
     return loss_fn
 
@@ -111,28 +127,38 @@ def head_loss(model: nnx.Module, x: Array, targets: Array, weights: Array, loss_
 def accumulate(
     loss_fn: LossFn, params: dict, batch: dict[str, Array], steps: int, grad_fn: GradFn | None = None
 ) -> tuple[Array, dict]:
+    """`accumulate_stats` without the summed aux."""
+    loss, grads, _ = accumulate_stats(loss_fn, params, batch, steps, grad_fn)
+    return loss, grads
+
+
+def accumulate_stats(
+    loss_fn: LossFn, params: dict, batch: dict[str, Array], steps: int, grad_fn: GradFn | None = None
+) -> tuple[Array, dict, Any]:
     """The per-token mean loss over the whole batch and its gradients, computed over `steps`
     equal micro-batches (the split of `sharding.pipeline.to_microbatches`) by a scan.
     `grad_fn` replaces autodiff of `loss_fn` where a pipeline schedule computes the gradients.
 
     Each micro-batch gives the gradient of its loss *sum*; sums, token counts and gradients add
     up in float32 and are divided once by the batch's token count, so the result is the one-big-
-    batch mean even when packing leaves the micro-batches with different numbers of targets."""
+    batch mean even when packing leaves the micro-batches with different numbers of targets.
+    Also returns the loss function's aux summed over the micro-batches."""
     grad_fn = grad_fn or jax.value_and_grad(loss_fn, has_aux=True)
     if steps == 1:
-        (total, count), grads = grad_fn(params, batch)
+        (total, aux), grads = grad_fn(params, batch)
     else:
 
-        def body(carry: tuple[Array, Array, dict], mb: dict[str, Array]) -> tuple[tuple[Array, Array, dict], None]:
-            (total, count), grads = grad_fn(params, mb)
-            return (carry[0] + total, carry[1] + count, jax.tree.map(jnp.add, carry[2], grads)), None
+        def body(carry: tuple[Array, Any, dict], mb: dict[str, Array]) -> tuple[tuple[Array, Any, dict], None]:
+            (total, aux), grads = grad_fn(params, mb)
+            return (carry[0] + total, jax.tree.map(jnp.add, carry[1], aux), jax.tree.map(jnp.add, carry[2], grads)), None
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros)
         micro = jax.tree.map(lambda x: to_microbatches(x, steps), batch)
-        (total, count, grads), _ = jax.lax.scan(body, init, micro)
-    count = jnp.maximum(count, 1.0)  # a batch of padding only: loss and gradients 0, not NaN
-    return total / count, jax.tree.map(lambda g: g / count, grads)
+        aux_shape = jax.eval_shape(grad_fn, params, jax.tree.map(lambda m: m[0], micro))[0][1]
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        init = (jnp.zeros((), jnp.float32), jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shape), zeros)
+        (total, aux, grads), _ = jax.lax.scan(body, init, micro)
+    count = jnp.maximum(jax.tree.leaves(aux)[0], 1.0)  # a batch of padding only: loss and gradients 0, not NaN
+    return total / count, jax.tree.map(lambda g: g / count, grads), aux
 
 
 def make_train_step(
@@ -145,11 +171,13 @@ def make_train_step(
     cast: Callable[[dict], dict] | None = None,
     split: SequenceSplit | None = None,
     grad_fn: GradFn | None = None,
+    moe: MoEConfig | None = None,
+    dispatch: DispatchFn | None = None,
 ) -> Callable[[TrainState, dict[str, Array]], tuple[TrainState, dict[str, Array]]]:
-    loss_fn = make_loss_fn(graphdef, runner, loss_chunk, cast, split)
+    loss_fn = make_loss_fn(graphdef, runner, loss_chunk, cast, split, moe, dispatch)
 
     def train_step(state: TrainState, batch: dict[str, Array]) -> tuple[TrainState, dict[str, Array]]:
-        loss, grads = accumulate(loss_fn, state.params, batch, grad_accum, grad_fn)
+        loss, grads, aux = accumulate_stats(loss_fn, state.params, batch, grad_accum, grad_fn)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -161,6 +189,9 @@ def make_train_step(
         # step does not advance, so after one it lags `state.step`.
         lr = schedule(schedule_count(state.opt_state))
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "finite": finite}
+        if isinstance(aux, tuple):  # MoE: the router's per-token means
+            count = jnp.maximum(aux[0], 1.0)
+            metrics.update({name: value / count for name, value in zip(MOE_METRICS, aux[1])})
         new = state.replace(
             step=state.step + 1, params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state)
         )

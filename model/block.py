@@ -1,0 +1,36 @@
+"""One pre-norm decoder layer: attention, then the feed-forward (dense SwiGLU or a mixture of experts).
+
+A layer returns its output and its router statistics (model/moe.py `STATS`; zeros for a dense
+layer), so that the layer runners can carry them out of the layer scan into the loss.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from configs.schema import ModelConfig
+from model.layers import MLP, Attention, RMSNorm, constrain
+from model.moe import STATS, MoE
+
+Array = jax.Array
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
+        self.mlp = MoE(cfg, rngs=rngs) if cfg.moe.enabled else MLP(cfg, rngs=rngs)
+
+    def feed_forward(self, x: Array) -> tuple[Array, Array]:
+        """The feed-forward of normed x [b, l, d] -> (out [b, l, d], router stats float32)."""
+        if isinstance(self.mlp, MoE):
+            return self.mlp(x)
+        return self.mlp(x), jnp.zeros(len(STATS), jnp.float32)
+
+    def __call__(self, x: Array, positions: Array, segment_ids: Array | None) -> tuple[Array, Array]:
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+        y, stats = self.feed_forward(self.mlp_norm(x))
+        return constrain(x + y, ("batch", "length", "embed")), stats

@@ -1,0 +1,161 @@
+"""A mixture-of-experts feed-forward (`model.moe.*`): router, top-k routing, grouped expert matmuls.
+
+Each token's router logits (float32, whatever the compute dtype) pick `experts_per_token` of
+`num_experts` SwiGLU experts; the token's output is the weighted sum of theirs (plus, with
+`shared_experts`, an always-on SwiGLU). Expert weights are [expert, embed, mlp]-shaped with the
+logical dim `expert`, which the rules may shard over the `expert` mesh axis.
+
+Dropless (`capacity_factor` 0): the (token, expert) assignments are sorted by expert and the
+experts run as grouped matmuls (`jax.lax.ragged_dot`), every assignment computed. Capacity mode:
+each expert takes its first `capacity` assignments in token order; later ones are dropped (their
+weight counts 0) and counted, and the experts run as one batched matmul over [expert, capacity]
+slots. Under expert parallelism the trainer installs a dispatcher
+(`expert_dispatch`, built in sharding/experts.py) that moves the rows to the experts' devices;
+it calls the same `capacity_keep` and `expert_rows` as the local path, so the math is one.
+
+The layer also returns its router statistics, [aux, z, dropped, imbalance] (see `STATS`):
+the Switch load-balancing loss E x sum_e f_e P_e (f_e: the share of assignments to expert e,
+P_e: its mean router probability), the z-loss mean(logsumexp(logits)^2), the share of dropped
+assignments, and the most-loaded expert's assignments over the mean. They are computed over the
+whole batch the layer sees, outside any dispatcher, so they do not depend on the layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from configs.schema import ModelConfig
+from model.layers import MLP, constrain, param
+
+Array = jax.Array
+STATS = ("aux_loss", "z_loss", "dropped", "imbalance")
+# (x [b, l, d], expert ids [b, l, k], weights [b, l, k], gate, up, down, capacity_factor)
+#   -> (y [b, l, d], kept [b, l, k] bool)
+DispatchFn = Callable[[Array, Array, Array, Array, Array, Array, float], tuple[Array, Array]]
+
+_DISPATCH: contextvars.ContextVar[DispatchFn | None] = contextvars.ContextVar("expert_dispatch", default=None)
+
+
+@contextlib.contextmanager
+def expert_dispatch(fn: DispatchFn | None) -> Iterator[None]:
+    """While tracing under it, every MoE layer hands its routed tokens to `fn` (None: local)."""
+    token = _DISPATCH.set(fn)
+    try:
+        yield
+    finally:
+        _DISPATCH.reset(token)
+
+
+def capacity(tokens: int, num_experts: int, k: int, factor: float) -> int:
+    """Assignments one expert takes from `tokens` tokens (0: unbounded, dropless)."""
+    return 0 if factor == 0 else max(1, math.ceil(factor * tokens * k / num_experts))
+
+
+def capacity_keep(ids: Array, num_experts: int, cap: int) -> Array:
+    """ids [a] (assignments in token order) -> kept [a]: the first `cap` of each expert's."""
+    if cap == 0:
+        return jnp.ones(ids.shape, bool)
+    one_hot = jax.nn.one_hot(ids, num_experts, dtype=jnp.int32)  # [a, E]
+    rank = jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=-1)  # earlier assignments to the same expert
+    return rank < cap
+
+
+def expert_rows(rows: Array, ids: Array, gate: Array, up: Array, down: Array, cap: int = 0) -> Array:
+    """rows [m, d], ids [m] in [0, G] (G = gate.shape[0]; id G: padding, output 0) -> [m, d]:
+    row i through SwiGLU expert ids[i]. Dropless (cap 0): grouped matmuls over the rows sorted
+    by expert. cap > 0, when no expert has more than `cap` rows: one batched matmul over
+    [G, cap] slots (GShard's layout), so the work is G x cap rows whatever the compiler makes
+    of a grouped matmul (XLA's GPU compiler computes every group over every row)."""
+    groups = gate.shape[0]
+    if cap:
+        one_hot = jax.nn.one_hot(ids, groups, dtype=jnp.int32)  # padding: a row of zeros
+        slot = jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=-1)
+        x = jnp.zeros((groups, cap, rows.shape[-1]), rows.dtype).at[ids, slot].set(rows, mode="drop")
+        h = jax.nn.silu(jnp.einsum("gcd,gdf->gcf", x, gate)) * jnp.einsum("gcd,gdf->gcf", x, up)
+        y = jnp.einsum("gcf,gfd->gcd", h, down)
+        return jnp.where((ids < groups)[:, None], y[jnp.minimum(ids, groups - 1), jnp.minimum(slot, cap - 1)], 0)
+    order = jnp.argsort(ids, stable=True)
+    sizes = jnp.bincount(ids, length=groups + 1)[:groups].astype(jnp.int32)  # padding sorts last, beyond every group
+    x = rows[order]
+    h = jax.nn.silu(jax.lax.ragged_dot(x, gate, sizes)) * jax.lax.ragged_dot(x, up, sizes)
+    y = jax.lax.ragged_dot(h, down, sizes)
+    return jnp.zeros_like(y).at[order].set(y)
+
+
+def local_dispatch(x: Array, ids: Array, weights: Array, gate: Array, up: Array, down: Array,
+                   capacity_factor: float) -> tuple[Array, Array]:
+    """The dispatcher without expert parallelism: every expert on every device."""
+    b, l, d = x.shape
+    k, num_experts = ids.shape[-1], gate.shape[0]
+    flat = ids.reshape(-1)
+    cap = capacity(b * l, num_experts, k, capacity_factor)
+    kept = capacity_keep(flat, num_experts, cap)
+    rows = jnp.repeat(x.reshape(b * l, d), k, axis=0)  # assignment a is token a // k
+    y = expert_rows(rows, jnp.where(kept, flat, num_experts), gate, up, down, cap).reshape(b, l, k, d)
+    return combine(y, weights, kept.reshape(ids.shape)), kept.reshape(ids.shape)
+
+
+def combine(y_blkd: Array, weights: Array, kept: Array) -> Array:
+    """Each token's expert outputs [b, l, k, d] weighted (dropped ones 0) and summed -> [b, l, d]."""
+    w = jnp.where(kept, weights, 0.0).astype(y_blkd.dtype)
+    return jnp.einsum("blkd,blk->bld", y_blkd, w)
+
+
+def route(logits: Array, k: int, router: str, renormalize: bool) -> tuple[Array, Array]:
+    """Router logits [..., E] float32 -> (expert ids [..., k], weights [..., k] float32)."""
+    if router == "softmax_topk":  # Mixtral: softmax over the chosen logits
+        top, ids = jax.lax.top_k(logits, k)
+        return ids, jax.nn.softmax(top, axis=-1)
+    weights, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)  # Qwen3-MoE
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return ids, weights
+
+
+def router_stats(logits: Array, ids: Array, kept: Array) -> Array:
+    """[aux, z, dropped share, imbalance] float32 over all tokens of logits [b, l, E]."""
+    num_experts = logits.shape[-1]
+    probs = jax.nn.softmax(logits, axis=-1)
+    counts = jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=jnp.float32), axis=(0, 1, 2))  # [E]
+    share = counts / jnp.sum(counts)
+    aux = num_experts * jnp.sum(share * jnp.mean(probs, axis=(0, 1)))
+    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+    dropped = 1.0 - jnp.mean(kept.astype(jnp.float32))
+    imbalance = jnp.max(counts) / jnp.mean(counts)
+    return jnp.stack([aux, z, dropped, imbalance])
+
+
+class MoE(nnx.Module):
+    """Router + `num_experts` SwiGLU experts (+ `shared_experts` always-on ones)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        e = cfg.moe
+        d, f = cfg.d_model, e.d_ff or cfg.d_ff
+        init = nnx.initializers.normal(cfg.init_std)
+        self.router = param(rngs, init, (d, e.num_experts), ("embed", None))
+        self.gate = param(rngs, init, (e.num_experts, d, f), ("expert", "embed", "mlp"))
+        self.up = param(rngs, init, (e.num_experts, d, f), ("expert", "embed", "mlp"))
+        self.down = param(rngs, init, (e.num_experts, f, d), ("expert", "mlp", "embed"))
+        if e.shared_experts:
+            self.shared = MLP(cfg, rngs=rngs, d_ff=e.shared_experts * f)
+        self.cfg = e
+
+    def __call__(self, x: Array) -> tuple[Array, Array]:
+        """x [b, l, d] -> (y [b, l, d], router stats [len(STATS)] float32)."""
+        e, dt = self.cfg, x.dtype
+        logits = jnp.einsum("bld,de->ble", x.astype(jnp.float32), self.router[...].astype(jnp.float32))
+        logits = constrain(logits, ("batch", "length", None))
+        ids, weights = route(logits, e.experts_per_token, e.router, e.renormalize)
+        dispatch = _DISPATCH.get() or local_dispatch
+        y, kept = dispatch(x, ids, weights, self.gate[...].astype(dt), self.up[...].astype(dt),
+                           self.down[...].astype(dt), e.capacity_factor)
+        if e.shared_experts:
+            y = y + self.shared(x)
+        return constrain(y, ("batch", "length", "embed")), router_stats(logits, ids, kept)

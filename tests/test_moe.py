@@ -1,0 +1,259 @@
+"""Mixture of experts on 8 fake devices: the same losses, router statistics and gradients on one
+device as under expert parallelism (alone, with FSDP and tensor, with a pipeline), all-to-alls in
+the compiled expert-parallel step, the layer against a dense reference (outputs and gradients
+through the router, both routers), capacity mode dropping exactly the over-capacity tokens,
+the load-balancing loss falling when a router learns on a skewed batch, and checkpoints moving
+between expert layouts."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+import hf as hf_cli
+import trainer
+from configs import load_config
+from conftest import ROOT
+from model.moe import MoE, local_dispatch, router_stats
+from sharding import activation_rules, make_mesh, resolve_mesh_shape, to_rules
+from sharding.experts import expert_parallel
+from trainer import abstract_program, collective_counts
+from trainer.layout import expert_dispatcher
+from trainer.state import init_state
+from trainer.step import accumulate_stats, make_loss_fn
+
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+MOE = ["model.num_layers=2", "model.moe.num_experts=8", "model.moe.experts_per_token=2", "model.moe.d_ff=32",
+       "model.moe.shared_experts=1", "data.source=synthetic"]
+LAYOUTS = {
+    "expert=8": ["mesh.data=1", "mesh.expert=8"],
+    "fsdp=8 (one expert shard: each device dispatches its own tokens)": ["mesh.data=1", "mesh.fsdp=8"],
+    "expert=2 x fsdp=2 x tensor=2": ["mesh.data=1", "mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"],
+    # Pipeline microbatches see their own router statistics: the reference accumulates the same split.
+    "expert=2 x pipeline=2 x data=2": ["mesh.data=2", "mesh.expert=2", "mesh.pipeline=2", "pipeline.microbatches=2"],
+}
+
+
+def config(*overrides: str):
+    return load_config(TINY, [*MOE, *overrides])
+
+
+def step_outputs(cfg, devices=None) -> dict:
+    """Loss, MoE statistics and gradients of one batch under cfg's layout, and the compiled HLO."""
+    program = abstract_program(cfg, devices)
+    state = init_state(cfg.model, program.tx, 0, program.state_sh)
+    tokens = np.asarray(jax.random.randint(jax.random.key(7), (16, cfg.model.seq_len + 1), 0, 257))
+    batch = {"tokens": jax.device_put(tokens, program.batch_sh)}
+    loss_fn = make_loss_fn(program.graphdef, program.runner, moe=cfg.model.moe, dispatch=expert_dispatcher(program.layout))
+    fn = jax.jit(lambda p, b: accumulate_stats(loss_fn, p, b, cfg.train.grad_accum, program.grad_fn))
+    with activation_rules(program.mesh, program.layout.act_rules):
+        compiled = fn.lower(state.params, batch).compile()
+    loss, grads, (count, stats) = compiled(state.params, batch)
+    gate = state.params["layers"]["mlp"]["gate"]
+    return {"loss": float(loss), "stats": np.asarray(stats) / float(count), "grads": jax.tree.map(np.asarray, grads),
+            "hlo": compiled.as_text(), "shard": gate.addressable_shards[0].data.shape, "sizes": program.layout.sizes}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return step_outputs(config("mesh.data=1"), jax.devices()[:1])
+
+
+@pytest.fixture(scope="module")
+def reference_accumulated():
+    return step_outputs(config("mesh.data=1", "train.grad_accum=2"), jax.devices()[:1])
+
+
+@pytest.fixture(scope="module")
+def expert8():
+    return step_outputs(config(*LAYOUTS["expert=8"]))
+
+
+def _compare(got: dict, ref: dict) -> None:
+    assert got["sizes"] != ref["sizes"] and got["shard"] != ref["shard"], "the layouts must really differ"
+    np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-6)
+    np.testing.assert_allclose(got["stats"], ref["stats"], rtol=1e-5)
+    flat_ref = jax.tree_util.tree_leaves_with_path(ref["grads"])
+    for (path, r), g in zip(flat_ref, jax.tree.leaves(got["grads"])):
+        np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+    assert (np.abs(got["grads"]["layers"]["mlp"]["router"]).sum(axis=(1, 2)) > 0).all()
+
+
+def test_expert8_equals_one_device(reference, expert8):
+    lm_loss, aux, z, dropped, imbalance = reference["stats"]  # trainer.step MOE_METRICS
+    assert aux > 1.0 and imbalance > 1.0 and z > 0 and lm_loss < reference["loss"]  # a real routing
+    assert dropped == 0.0  # dropless
+    _compare(expert8, reference)
+
+
+@pytest.mark.parametrize("layout", ["expert=2 x fsdp=2 x tensor=2", "fsdp=8 (one expert shard: each device dispatches its own tokens)"])
+def test_expert_fsdp_tensor_equals_one_device(reference, layout):
+    _compare(step_outputs(config(*LAYOUTS[layout])), reference)
+
+
+def test_expert_pipeline_data_equals_one_device_accumulating(reference, reference_accumulated):
+    assert reference_accumulated["stats"][1] != reference["stats"][1]  # microbatches' aux losses differ
+    _compare(step_outputs(config(*LAYOUTS["expert=2 x pipeline=2 x data=2"])), reference_accumulated)
+
+
+def test_the_expert_parallel_step_holds_all_to_alls(reference, expert8):
+    assert collective_counts(reference["hlo"])["all-to-all"] == 0
+    # Rows there, their expert ids there, outputs back; the backward pass sends the gradients
+    # both ways (the ids have none).
+    assert collective_counts(expert8["hlo"])["all-to-all"] >= 5
+
+
+# --- the layer alone -------------------------------------------------------------------------
+
+
+def _layer(router: str, **moe) -> MoE:
+    cfg = load_config(TINY, ["model.d_model=16", "model.moe.num_experts=4", "model.moe.d_ff=8",
+                             f"model.moe.router={router}", *[f"model.moe.{k}={v}" for k, v in moe.items()]]).model
+    return MoE(cfg, rngs=nnx.Rngs(3))
+
+
+def _dense_reference(params: dict, x: jax.Array, router: str, k: int, renormalize: bool) -> jax.Array:
+    """Every expert on every token, weighted by a top-k mask: no sorting, no grouped matmuls."""
+    logits = jnp.einsum("bld,de->ble", x, params["router"])
+    kth = jnp.sort(logits, axis=-1)[..., -k][..., None]
+    chosen = logits >= kth
+    if router == "softmax_topk":
+        w = jax.nn.softmax(jnp.where(chosen, logits, -jnp.inf), axis=-1)
+    else:
+        w = jnp.where(chosen, jax.nn.softmax(logits, axis=-1), 0.0)
+        w = w / w.sum(-1, keepdims=True) if renormalize else w
+    h = jax.nn.silu(jnp.einsum("bld,edf->blef", x, params["gate"])) * jnp.einsum("bld,edf->blef", x, params["up"])
+    return jnp.einsum("blef,efd,ble->bld", h, params["down"], w)
+
+
+@pytest.mark.parametrize("router, renormalize", [("softmax_topk", True), ("topk_softmax", True), ("topk_softmax", False)])
+def test_layer_and_router_gradients_equal_a_dense_reference(router, renormalize):
+    layer = _layer(router, renormalize=str(renormalize).lower())
+    graphdef, state = nnx.split(layer)
+    params = nnx.to_pure_dict(state)
+    x = jax.random.normal(jax.random.key(1), (2, 5, 16))
+    probe = jax.random.normal(jax.random.key(2), (2, 5, 16))
+
+    def ours(p: dict, x: jax.Array) -> jax.Array:
+        s = nnx.state(layer)
+        nnx.replace_by_pure_dict(s, p)
+        y, stats = nnx.merge(graphdef, s)(x)
+        return jnp.sum(y * probe) + stats[0]
+
+    def theirs(p: dict, x: jax.Array) -> jax.Array:
+        logits = jnp.einsum("bld,de->ble", x, p["router"])
+        probs = jax.nn.softmax(logits, axis=-1)
+        ids = jax.lax.top_k(logits, 2)[1]
+        share = jnp.mean(jax.nn.one_hot(ids, 4).sum(-2), axis=(0, 1)) / 2
+        return jnp.sum(_dense_reference(p, x, router, 2, renormalize) * probe) + 4 * jnp.sum(share * probs.mean((0, 1)))
+
+    np.testing.assert_allclose(ours(params, x), theirs(params, x), rtol=1e-5)
+    g_ours, g_theirs = jax.grad(ours, argnums=(0, 1))(params, x), jax.grad(theirs, argnums=(0, 1))(params, x)
+    assert np.abs(g_theirs[0]["router"]).max() > 1e-3  # the router really gets a gradient
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_theirs), jax.tree.leaves(g_ours)):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+# --- capacity mode ---------------------------------------------------------------------------
+
+
+def _experts(num: int, d: int = 4, f: int = 3) -> tuple[jax.Array, ...]:
+    keys = jax.random.split(jax.random.key(5), 3)
+    return (jax.random.normal(keys[0], (num, d, f)), jax.random.normal(keys[1], (num, d, f)),
+            jax.random.normal(keys[2], (num, f, d)))
+
+
+def _one_expert(x: jax.Array, e: int, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+    return (jax.nn.silu(x @ gate[e]) * (x @ up[e])) @ down[e]
+
+
+def test_capacity_drops_exactly_the_over_capacity_tokens():
+    """6 tokens, 2 experts, top-1, capacity ceil(1.0 x 6 / 2) = 3 per expert: expert 0 is chosen
+    by tokens 0, 1, 2, 3, 5, so tokens 3 and 5 (its 4th and 5th) are dropped."""
+    gate, up, down = _experts(2)
+    x = jax.random.normal(jax.random.key(0), (1, 6, 4))
+    ids = jnp.array([0, 0, 0, 0, 1, 0]).reshape(1, 6, 1)
+    weights = jnp.ones((1, 6, 1))
+    y, kept = local_dispatch(x, ids, weights, gate, up, down, 1.0)
+    np.testing.assert_array_equal(kept.reshape(-1), [True, True, True, False, True, False])
+    for t in range(6):
+        want = _one_expert(x[0, t], int(ids[0, t, 0]), gate, up, down) if kept[0, t, 0] else np.zeros(4)
+        np.testing.assert_allclose(y[0, t], want, rtol=1e-5, atol=1e-6)
+    y_free, kept_free = local_dispatch(x, ids, weights, gate, up, down, 0.0)  # dropless keeps all
+    assert kept_free.all() and np.abs(y_free[0, 3]).sum() > 0
+
+
+def test_capacity_under_expert_parallelism_counts_each_device_s_tokens():
+    """Two devices on `expert`, one row each (3 tokens), capacity ceil(1.0 x 3 / 2) = 2 per
+    expert and device: row 0 sends 3 tokens to expert 0 (the 3rd dropped), row 1 keeps all."""
+    gate, up, down = _experts(2)
+    sizes = resolve_mesh_shape(load_config(TINY, ["mesh.data=1", "mesh.expert=2", "mesh.fsdp=4",
+                                                  "model.moe.num_experts=2"]).mesh, 8)
+    mesh = make_mesh(sizes)
+    rules = (("batch", ("expert",)), ("expert", "expert"))
+    x = jax.random.normal(jax.random.key(0), (2, 3, 4))
+    ids = jnp.array([[0, 0, 0], [1, 1, 0]]).reshape(2, 3, 1)
+    weights = jnp.full((2, 3, 1), 0.5)
+    dispatch = expert_parallel(rules, 2)
+    rows = NamedSharding(mesh, PartitionSpec("expert"))
+    with activation_rules(mesh, rules):
+        y, kept = jax.jit(dispatch, static_argnums=6)(*(jax.device_put(a, rows) for a in (x, ids, weights, gate, up, down)),
+                                                      1.0)
+    np.testing.assert_array_equal(np.asarray(kept).reshape(2, 3), [[True, True, False], [True, True, True]])
+    for b in range(2):
+        for t in range(3):
+            want = 0.5 * _one_expert(x[b, t], int(ids[b, t, 0]), gate, up, down) if kept[b, t, 0] else np.zeros(4)
+            np.testing.assert_allclose(y[b, t], want, rtol=1e-5, atol=1e-6)
+
+
+# --- the load-balancing loss -----------------------------------------------------------------
+
+
+def test_the_aux_loss_falls_when_the_router_learns_on_a_skewed_batch():
+    """Tokens that share one direction, which the router scores high for experts 0 and 1, all
+    pick those two (imbalance E / k = 2); gradient steps on the router by the aux loss alone
+    spread them out (aux towards its minimum 1, imbalance towards 1)."""
+    direction = jax.random.normal(jax.random.key(8), (16,))
+    direction = direction / jnp.linalg.norm(direction)
+    x = 2.0 * direction + jax.random.normal(jax.random.key(9), (4, 16, 16))
+    router = _layer("softmax_topk").router[...] + 0.5 * jnp.outer(direction, jnp.array([1.0, 1.0, -1.0, -1.0]))
+
+    def stats(r: jax.Array) -> jax.Array:
+        logits = jnp.einsum("bld,de->ble", x, r)
+        ids = jax.lax.top_k(logits, 2)[1]
+        return router_stats(logits, ids, jnp.ones(ids.shape, bool))
+
+    first = stats(router)
+    assert first[0] > 1.5 and first[3] > 1.9, first  # nearly every token on experts 0 and 1
+    step = jax.jit(lambda r: r - 0.1 * jax.grad(lambda r: stats(r)[0])(r))
+    for _ in range(40):
+        router = step(router)
+    last = stats(router)
+    assert last[0] < 1.05 and last[3] < 1.3, (first, last)
+
+
+# --- checkpoints -----------------------------------------------------------------------------
+
+
+def test_checkpoints_move_between_expert_layouts(tmp_path, capsys):
+    common = [*MOE, "optim.schedule=constant", "optim.warmup_steps=0", "train.log_every=1", "checkpoint.every=2"]
+    second = LAYOUTS["expert=2 x fsdp=2 x tensor=2"]
+    straight = trainer.run(load_config(TINY, [*common, *second, "train.steps=4", f"run.dir={tmp_path / 'straight'}"]))
+    moved = tmp_path / "moved"
+    trainer.run(load_config(TINY, [*common, *LAYOUTS["expert=8"], "train.steps=2", f"run.dir={moved}"]))
+    resumed = trainer.run(load_config(TINY, [*common, *second, "train.steps=4", f"run.dir={moved}"]))
+    assert "resumed from step 2" in capsys.readouterr().out
+    losses = [r["loss"] for r in straight]
+    assert len(set(losses)) == 4 and straight[0]["moe_aux_loss"] > 1.0  # the steps really update
+    np.testing.assert_allclose([r["loss"] for r in resumed], losses[2:], rtol=2e-5)
+    np.testing.assert_allclose([r["moe_aux_loss"] for r in resumed], [r["moe_aux_loss"] for r in straight[2:]], rtol=2e-5)
+    # Hugging Face export refuses an MoE run in one line (not built yet) and writes nothing.
+    assert hf_cli.main(["export", "--run-dir", str(moved), "--out", str(tmp_path / "hf")]) == 2
+    assert "exporting MoE models to Hugging Face is not supported yet" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
