@@ -120,11 +120,12 @@ def buffer_bytes(kind: str, start: bool, type_text: str, line: str) -> int:
 def _dtypes(type_text: str, size: int) -> tuple[str, tuple[tuple[str, int], ...]]:
     """The op's dtype label ("bf16", "bf16+f32") and `size` bytes shared out in proportion to
     each element type's bytes in the op's type (both sides of an async tuple hold the same mix);
-    indices and tokens are not data."""
+    indices and tokens are not data, unless the op moves nothing else (an MoE dispatch's expert ids)."""
+    shapes = [(dt, dims) for dt, dims in _SHAPE.findall(type_text) if dt != "token"]
+    data = [(dt, dims) for dt, dims in shapes if dt not in ("u32", "s32")] or shapes
     raw: dict[str, float] = {}
-    for dt, dims in _SHAPE.findall(type_text):
-        if dt not in ("u32", "s32", "token"):
-            raw[dt] = raw.get(dt, 0.0) + dtype_bytes(dt) * math.prod(int(d) for d in dims.split(",") if d)
+    for dt, dims in data:
+        raw[dt] = raw.get(dt, 0.0) + dtype_bytes(dt) * math.prod(int(d) for d in dims.split(",") if d)
     total, names = sum(raw.values()), sorted(raw)
     parts = [round(size * raw[dt] / total) if total else 0 for dt in names[:-1]]
     return "+".join(names), tuple(zip(names, [*parts, size - sum(parts)])) if names else ()

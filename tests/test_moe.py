@@ -50,14 +50,14 @@ def step_outputs(cfg, devices=None) -> dict:
     state = init_state(cfg.model, program.tx, 0, program.state_sh)
     tokens = np.asarray(jax.random.randint(jax.random.key(7), (16, cfg.model.seq_len + 1), 0, 257))
     batch = {"tokens": jax.device_put(tokens, program.batch_sh)}
-    loss_fn = make_loss_fn(program.graphdef, program.runner, moe=cfg.model.moe, dispatch=expert_dispatcher(program.layout))
+    loss_fn = make_loss_fn(program.spec.model.graphdef, program.runner, moe=cfg.model.moe, dispatch=expert_dispatcher(program.spec.layout))
     fn = jax.jit(lambda p, b: accumulate_stats(loss_fn, p, b, cfg.train.grad_accum, program.grad_fn))
-    with activation_rules(program.mesh, program.layout.act_rules):
+    with activation_rules(program.mesh, program.spec.layout.act_rules):
         compiled = fn.lower(state.params, batch).compile()
     loss, grads, (count, stats) = compiled(state.params, batch)
     gate = state.params["layers"]["mlp"]["gate"]
     return {"loss": float(loss), "stats": np.asarray(stats) / float(count), "grads": jax.tree.map(np.asarray, grads),
-            "hlo": compiled.as_text(), "shard": gate.addressable_shards[0].data.shape, "sizes": program.layout.sizes}
+            "hlo": compiled.as_text(), "shard": gate.addressable_shards[0].data.shape, "sizes": program.spec.layout.sizes}
 
 
 @pytest.fixture(scope="module")

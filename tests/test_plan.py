@@ -65,6 +65,12 @@ def test_parser_on_known_hlo():
     widened = KNOWN_HLO.replace("  ROOT %a2a", PROMOTED + "  ROOT %a2a")
     extra = [c for c in collectives(widened, {"data": 2, "fsdp": 4}, 4)[0] if c not in ops]
     assert [(c.kind, c.axes, c.bytes) for c in extra] == [("all-reduce", ("data", "fsdp"), 8 * 16 * 2)]
+    # An all-to-all of integers alone (an MoE dispatch's expert ids) is labelled by them; beside
+    # floats, integers are loop counters and indices, not data.
+    ids = KNOWN_HLO.replace("ROOT %a2a = f32[8,16]", "ROOT %a2a = s32[8,16]")
+    labels = {c.kind: (c.dtype, c.by_dtype) for c in collectives(ids, {"data": 2, "fsdp": 4}, 4)[0]}
+    assert labels["all-to-all"] == ("s32", (("s32", 8 * 16 * 4),))
+    assert labels["all-reduce"][0] == "f32"  # (f32[8,16], f32[]): the scalar beside it counts as f32
 
 
 @pytest.mark.parametrize(
