@@ -271,7 +271,8 @@ def test_planner_tables_name_layouts_one_way_and_show_tiny_step_times(capsys):
     step time keeps its digits instead of printing 0.000."""
     from sharding.report import print_search
 
-    timed = {"step_s": 2.34e-5, "mfu": 0.01, "compute_s": 2.0e-5, "exposed_comm_s": 3.4e-6, "overlapped_comm_s": 0.0}
+    timed = {"step_s": 2.34e-5, "mfu": 0.01, "compute_s": 2.0e-5, "exposed_comm_s": 3.4e-6, "overlapped_comm_s": 0.0,
+             "bubble": 0.0}
     plan = {
         "compiler": "XLA CPU", "config": "tiny", "devices": 8,
         "hardware": {"name": "h100", "memory_budget": 76e9},
@@ -284,5 +285,5 @@ def test_planner_tables_name_layouts_one_way_and_show_tiny_step_times(capsys):
     }
     print_search(plan)
     ranked, refused = capsys.readouterr().out.splitlines()[4:6]
-    assert ranked.startswith("| 1 | data=8 fsdp=1 | none | fits | 0.00 | 2.34e-05 | 1.0% | 1.00 | 2e-05 | 3.4e-06 | 0 |"), ranked
+    assert ranked.startswith("| 1 | data=8 fsdp=1 | none | fits | 0.00 | 2.34e-05 | 1.0% | 1.00 | 2e-05 | 3.4e-06 | 0 | 0.000 |"), ranked
     assert refused.startswith("| - | data=1 fsdp=1 tensor=8 | "), refused
