@@ -103,12 +103,16 @@ def candidates(overrides: list[str], n: int, search: bool, remats: list[str]) ->
     searched = {f"mesh.{a}" for a in MESH_AXES} | {"model.remat", "pipeline.schedule"}
     base = [o for o in overrides if o.split("=", 1)[0] not in searched]  # mesh.nodes and mesh.across stay
 
+    repeats = int(pinned.get("pipeline.repeats", "1") or 1)
+
     def schedules(mesh: dict[str, int]) -> list[list[str]]:
-        """A pipelined mesh runs under each schedule (or the one given); others under none."""
+        """A pipelined mesh runs under each schedule that takes the repeats given (or the one
+        schedule given); others under none."""
         if mesh["pipeline"] == 1:
             return [[]]
+        runs = [s for s in PIPELINE_SCHEDULES if s == "gpipe" or (s == "interleaved_1f1b") == (repeats > 1)]
         return [[f"pipeline.schedule={s}"] for s in ([pinned["pipeline.schedule"]] if "pipeline.schedule" in pinned
-                                                     else PIPELINE_SCHEDULES)]
+                                                     else runs)]
 
     meshes = [{**fixed, **m} for m in meshes]
     return [

@@ -206,12 +206,15 @@ def test_bubble_formula_names_the_numbers_of_the_fraction():
     assert bubble_formula("1f1b", 4, 1, 16) == "(S - 1) / (M + S - 1) = 3 / (16 + 3)"
 
 
-def test_search_keeps_a_given_schedule_and_adds_none_to_unpipelined_meshes():
+def test_search_tries_the_schedules_the_repeats_allow_or_the_one_given():
     tried = candidates(["mesh.data=2", "pipeline.schedule=1f1b"], 4, True, ["none"])
     pipelined = [c for c in tried if "mesh.pipeline=2" in c]
     assert pipelined and all("pipeline.schedule=1f1b" in c for c in pipelined)
     assert all(not any(o.startswith("pipeline.schedule=") for o in c) for c in tried if "mesh.pipeline=1" in c)
     assert len(tried) == len({tuple(c) for c in tried})
+    circular = candidates(["mesh.data=2", "pipeline.repeats=2"], 4, True, ["none"])
+    assert {o for c in circular for o in c if o.startswith("pipeline.schedule=")} == {
+        "pipeline.schedule=gpipe", "pipeline.schedule=interleaved_1f1b"}
 
 
 def test_llama3_8b_data_parallel_is_refused_without_compiling(tmp_path, capsys):
