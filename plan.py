@@ -22,9 +22,11 @@ minimum (sharding/minimum.py); the step time is a roofline over the compiled ker
 (sharding/roofline.py) plus the collectives not overlapped (sharding/hardware.py).
 
 `--search` tries every factorization of N over pipeline x data x fsdp x tensor (axes named on
-the command line stay as given) and each remat policy of `--remat`, skips layouts the layout
-checks reject (with the reason) and, per mesh, policies that recompute more than one that
-already fits (they can only be slower); it ranks what fits by predicted step time.
+the command line stay as given), each pipeline schedule on a pipelined mesh (unless
+`pipeline.schedule` is given) and each remat policy of `--remat`, skips layouts the layout
+checks reject (with the reason) and, per mesh and schedule, policies that recompute more than one
+that already fits (they can only be slower); it ranks what fits by predicted step time, which
+divides the compute by 1 - the schedule's bubble (printed with its formula).
 
 Exit status: 0 fits (search: something fits); 1 does not fit; 2 bad input (one line, before
 any compile). An entry point above the trainer, like train.py; the HLO, roofline and hardware
@@ -47,7 +49,7 @@ import jax
 from jax.sharding import AbstractMesh
 
 from configs import Config, ConfigError, load_config
-from configs.schema import MESH_AXES, REMAT_POLICIES
+from configs.schema import MESH_AXES, PIPELINE_SCHEDULES, REMAT_POLICIES
 from sharding.hardware import HARDWARE, Hardware, check_quant, kernel_seconds
 from sharding.hlo import collectives
 from sharding.minimum import minimum
@@ -100,10 +102,24 @@ def candidates(overrides: list[str], n: int, search: bool, remats: list[str]) ->
         raise ConfigError(f"--devices={n}: the pinned mesh axes {fixed} do not divide it")
     meshes = _factorizations(n // rest, free) if free else [{}]
     policies = [pinned["model.remat"]] if "model.remat" in pinned else remats
-    searched = {f"mesh.{a}" for a in MESH_AXES} | {"model.remat"}
+    searched = {f"mesh.{a}" for a in MESH_AXES} | {"model.remat", "pipeline.schedule"}
     base = [o for o in overrides if o.split("=", 1)[0] not in searched]  # mesh.nodes and mesh.across stay
+
+    repeats = int(pinned.get("pipeline.repeats", "1") or 1)
+
+    def schedules(mesh: dict[str, int]) -> list[list[str]]:
+        """A pipelined mesh runs under each schedule that takes the repeats given (or the one
+        schedule given); others under none."""
+        if mesh["pipeline"] == 1:
+            return [[]]
+        runs = [s for s in PIPELINE_SCHEDULES if s == "gpipe" or (s == "interleaved_1f1b") == (repeats > 1)]
+        return [[f"pipeline.schedule={s}"] for s in ([pinned["pipeline.schedule"]] if "pipeline.schedule" in pinned
+                                                     else runs)]
+
+    meshes = [{**fixed, **m} for m in meshes]
     return [
-        base + [f"mesh.{a}={({**fixed, **m})[a]}" for a in MESH_AXES] + [f"model.remat={r}"] for m in meshes for r in policies
+        base + [f"mesh.{a}={m[a]}" for a in MESH_AXES] + s + [f"model.remat={r}"]
+        for m in meshes for s in schedules(m) for r in policies
     ]
 
 

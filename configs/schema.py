@@ -34,7 +34,7 @@ OPTIMIZERS = ("adamw", "muon", "adafactor", "lion")  # all from optax (trainer/o
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # trainer/trackers.py
 MESH_AXES = ("pipeline", "data", "fsdp", "expert", "context", "tensor")  # outermost first
 ROUTERS = ("softmax_topk", "topk_softmax")  # model.moe.router (model/moe.py)
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 # The logical dim names the model gives its parameters and activations (model/layers.py,
 # model/transformer.py, the pipeline runner): the only keys a rules table may have, since a rule
 # for any other name matches nothing. tests/test_config.py checks the model uses exactly these.
@@ -111,7 +111,8 @@ class PipelineConfig:
     microbatches: int = 0  # 0: as many as stages
     repeats: int = 1  # > 1: circular schedule, each stage holds `repeats` non-adjacent layer groups
     # gpipe: all forwards, then all backwards (activations of every microbatch live at once);
-    # 1f1b: one forward and one backward per tick (activations of at most 2S - 1 microbatches).
+    # 1f1b: one forward and one backward per tick (activations of at most 2S - 1 microbatches);
+    # interleaved_1f1b: the same over `repeats` layer groups per stage (at most 2RS - 1 stage inputs).
     schedule: str = "gpipe"
 
 
@@ -382,8 +383,8 @@ def _check_moe(cfg: Config) -> None:
         f"{cfg.mesh.expert} does not divide model.moe.num_experts={e.num_experts}",
     )
     # The 1F1B schedules differentiate stage by stage by hand; they carry no router losses yet.
-    _require(cfg.pipeline.schedule != "1f1b", "pipeline.schedule",
-             "1f1b does not carry the MoE router losses; use pipeline.schedule=gpipe with model.moe")
+    _require(cfg.pipeline.schedule == "gpipe", "pipeline.schedule",
+             f"{cfg.pipeline.schedule} does not carry the MoE router losses; use pipeline.schedule=gpipe with model.moe")
 
 
 def _check_logical_name(key: str, logical: str) -> None:

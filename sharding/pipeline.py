@@ -42,6 +42,16 @@ def bubble_fraction(stages: int, repeats: int, microbatches: int) -> float:
     return (stages - 1) / (repeats * microbatches + stages - 1)
 
 
+def bubble_formula(schedule: str, stages: int, repeats: int, microbatches: int) -> str:
+    """`bubble_fraction` as a schedule's formula with its numbers, for the planner's printout.
+    GPipe (with repeats: circular) and 1F1B idle the same S - 1 ticks of forwards and of
+    backwards; 1F1B runs each stage's layers once (R = 1), so its formula has no R."""
+    S, R, M = stages, repeats, microbatches
+    if schedule == "1f1b":
+        return f"(S - 1) / (M + S - 1) = {S - 1} / ({M} + {S - 1})"
+    return f"(S - 1) / (R x M + S - 1) = {S - 1} / ({R} x {M} + {S - 1})"
+
+
 def to_stages(a: Array, stages: int, repeats: int) -> Array:
     """[L, ...] -> [S, R, K, ...] with stage s, repeat r holding layer group r*S + s."""
     per_group = a.shape[0] // (stages * repeats)

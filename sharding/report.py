@@ -15,6 +15,7 @@ from configs.schema import MESH_AXES
 from model import flops_per_token
 from sharding.hardware import Hardware, predict
 from sharding.mesh import resolve_mesh_shape
+from sharding.pipeline import bubble_formula, bubble_fraction
 
 GB = 1e9
 
@@ -84,9 +85,15 @@ def _describe(cfg: Config | None, overrides: list[str], n: int) -> dict[str, Any
     if cfg is None:
         return {"overrides": overrides}
     layout = resolve_mesh_shape(cfg.mesh, n)
-    if cfg.mesh.pipeline > 1:
-        layout.update(microbatches=cfg.pipeline.microbatches, repeats=cfg.pipeline.repeats)
-    return {"overrides": overrides, "layout": layout, "remat": cfg.model.remat}
+    out = {"overrides": overrides, "layout": layout, "remat": cfg.model.remat}
+    if layout["pipeline"] > 1:
+        p = cfg.pipeline
+        layout.update(microbatches=p.microbatches, repeats=p.repeats, schedule=p.schedule)
+        # The idle share the predicted step time divides by, and where it comes from.
+        out["pipeline"] = {"schedule": p.schedule,
+                           "bubble": bubble_fraction(layout["pipeline"], p.repeats, p.microbatches),
+                           "bubble_formula": bubble_formula(p.schedule, layout["pipeline"], p.repeats, p.microbatches)}
+    return out
 
 
 def evaluate(
@@ -164,11 +171,13 @@ def _seconds(x: float) -> str:
 def _layout_text(p: dict) -> str:
     """`data=8 fsdp=1 tensor=2`, the same for a layout refused before compiling (read from its
     mesh overrides) as for one that was compiled."""
-    layout = p.get("layout") or {
-        key.removeprefix("mesh."): int(value)
-        for key, value in (o.split("=", 1) for o in p["overrides"])
-        if key.removeprefix("mesh.") in MESH_AXES and value.lstrip("-").isdigit()
-    }
+    layout = p.get("layout")
+    if layout is None:
+        given = dict(o.split("=", 1) for o in p["overrides"] if "=" in o)
+        layout = {key.removeprefix("mesh."): int(value) for key, value in given.items()
+                  if key.removeprefix("mesh.") in MESH_AXES and value.lstrip("-").isdigit()}
+        if "pipeline.schedule" in given:
+            layout["schedule"] = given["pipeline.schedule"]
     return " ".join(f"{k}={v}" for k, v in layout.items() if v != 1 or k in ("data", "fsdp"))
 
 
@@ -203,6 +212,9 @@ def print_plan(plan: dict) -> None:
         print(f"  {row['axes'] or '(none)':<20}{_size(row['sent']):>14} sent {_size(row['minimum']):>14} minimum  {ratio}")
     if tr["ratio"] is not None:
         print(f"  {'total':<20}{_size(tr['sent']):>14} sent {_size(tr['minimum']):>14} minimum  {tr['ratio']:.2f}x")
+    if "pipeline" in p:
+        pp = p["pipeline"]
+        print(f"pipeline schedule {pp['schedule']}: bubble {pp['bubble']:.3f} = {pp['bubble_formula']}")
     print(f"predicted step {_seconds(t['step_s'])} s, MFU {t['mfu']:.1%}: compute (roofline) {_seconds(t['compute_s'])} s, "
           f"overlapped comm {_seconds(t['overlapped_comm_s'])} s, exposed comm {_seconds(t['exposed_comm_s'])} s, "
           f"bubble {t['bubble']:.3f} (compile {p['compile_s']:.1f} s)")
@@ -212,8 +224,9 @@ def print_search(plan: dict) -> None:
     hw = plan["hardware"]
     print(f"compiled by: {plan['compiler']}")
     print(f"{plan['config']} on {plan['devices']} x {hw['name']} (budget {hw['memory_budget'] / GB:.1f} GB per device)")
-    print("| rank | layout | remat | status | GB/dev | step s | MFU | comm / minimum | compute s | exposed comm s | overlapped comm s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| rank | layout | remat | status | GB/dev | step s | MFU | comm / minimum | compute s | exposed comm s "
+          "| overlapped comm s | bubble |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for i, p in enumerate(plan["plans"]):
         rank = str(i + 1) if p["status"] == "fits" else "-"
         if "time" in p:
@@ -221,9 +234,9 @@ def print_search(plan: dict) -> None:
             ratio = p["traffic"]["ratio"]
             cols = [f"{p['memory']['total'] / GB:.2f}", _seconds(t["step_s"]), f"{t['mfu']:.1%}",
                     f"{ratio:.2f}" if ratio is not None else "-", _seconds(t["compute_s"]), _seconds(t["exposed_comm_s"]),
-                    _seconds(t["overlapped_comm_s"])]
+                    _seconds(t["overlapped_comm_s"]), f"{t['bubble']:.3f}"]
         else:
-            cols = [p.get("reason", "")] + [""] * 6
+            cols = [p.get("reason", "")] + [""] * 7
         print(f"| {rank} | {_layout_text(p)} | {p.get('remat', '')} | {p['status']} | " + " | ".join(cols) + " |")
     notes = {note for p in plan["plans"] for note in p.get("notes", [])}
     for note in sorted(notes):

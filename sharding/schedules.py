@@ -1,4 +1,5 @@
-"""The 1F1B pipeline schedule: explicit ticks, each stage's backward by hand, activations bounded.
+"""The 1F1B pipeline schedules (plain and interleaved): explicit ticks, each stage's backward by
+hand, activations bounded.
 
 GPipe (sharding/pipeline.py) is the autodiff of a forward scan: every microbatch's activations
 live until the backward pass starts, so memory grows with the number of microbatches M. In 1F1B
@@ -25,6 +26,18 @@ How, and why this way:
   trip to the last stage and back, one tick per hop), whatever M: the stash has 2S - 1 slots.
   Time: (S - 1) F + M (F + B) + (S - 1) B = (M + S - 1)(F + B), GPipe's bubble,
   (S - 1) / (M + S - 1), at a memory that no longer grows with M.
+- Interleaved (R repeats > 1): stage s holds layer groups s, S + s, ..., (R - 1)S + s, as in
+  the circular GPipe runner, and a tick runs one group (1/R of the stage's layers). Forward
+  passes go in groups of S microbatches through repeat 0, then repeat 1, ...: the u-th pass of
+  stage 0 is microbatch (u div SR) S + u mod S in repeat (u mod SR) div S, at stage s on tick
+  u + s, so the last stage's output for repeat r is stage 0's input for repeat r + 1 on the next
+  tick (the roll carries it round). Backward passes run the same order with the repeats
+  reversed, the first on tick T0 = RS - 1 (the last stage, as the last repeat of microbatch 0
+  leaves the head). A stage input waits at most 2RS - 2 ticks for its backward: 2RS - 1 stash
+  slots, indexed by the tick of the forward. Warm-up and cool-down take RS - 1 ticks of 1/R of a
+  stage each: the bubble is (S - 1) / (RM + S - 1). With R = 1 this is the plain 1F1B above.
+  The head and the embedding's backward run only on the ticks that need them (`lax.cond` on a
+  predicate every device computes alike).
 - The embedding runs where a microbatch enters (before stage 0) and the head and loss where it
   leaves (after stage S - 1), outside the stage `vmap`: every pipeline device computes them for
   one microbatch per tick (the head's share of the step is small next to the layers').
@@ -61,6 +74,7 @@ def _per_stage(mask: Array, a: Array) -> Array:
 
 def one_f_one_b(
     stages: int,
+    repeats: int,
     embed_fn: EmbedFn,
     stage_fn: StageFn,
     head_fn: HeadFn,
@@ -70,22 +84,49 @@ def one_f_one_b(
     stage_rules: Rules,
 ) -> tuple[tuple[Array, Array], tuple[Any, Any]]:
     """((loss sum, target count), (gradients of `outer`, gradients of `staged`)) over all M
-    microbatches of `micro` (leaves [M, mb, ...]) under the 1F1B schedule.
+    microbatches of `micro` (leaves [M, mb, ...]) under 1F1B (repeats 1) or interleaved 1F1B.
 
-    `staged` holds the layer stack as [S, K, ...] (stage s: layers [sK, (s+1)K)), sharded over
-    `pipeline` along its first dim; `outer` holds every other parameter. Gradients come back in
-    float32, with the trees and shapes of `outer` and `staged`."""
-    S = stages
+    `staged` holds the layer stack as [S, R, K, ...] (stage s, repeat r: layer group rS + s),
+    sharded over `pipeline` along its first dim; `outer` holds every other parameter. Gradients
+    come back in float32, with the trees and shapes of `outer` and `staged`."""
+    S, R = stages, repeats
     M = jax.tree.leaves(micro)[0].shape[0]
-    W = 2 * S - 1  # stash slots: the most microbatches a stage (stage 0) holds at once
+    U = R * M  # (microbatch, repeat) pairs: each passes every stage once forwards, once backwards
+    T0 = R * S - 1  # the tick of the first backward: the last stage's first microbatch of the last repeat
+    W = 2 * R * S - 1  # stash slots: the longest a stage input waits for its backward, in ticks, plus one
     ids = jnp.arange(S)
     pick = lambda m: jax.tree.map(lambda a: a[jnp.clip(m, 0, M - 1)], micro)  # noqa: E731 one [mb] or per-stage [S, mb]
 
-    def backward(p: Any, x: Array, mb: Micro, g: Array) -> tuple[Any, Array]:
-        _, vjp = jax.vjp(lambda p, x: stage_fn(p, x, mb), p, x)
-        return vjp(g)
+    def forward_item(u: Array) -> tuple[Array, Array]:
+        """(microbatch, repeat) of the u-th forward pass through a stage: groups of S microbatches
+        run through repeat 0, then 1, ..., so that the last stage's output for repeat r reaches
+        stage 0 for repeat r + 1 on the next tick."""
+        within = u % (S * R)
+        return (u // (S * R)) * S + within % S, within // S
 
-    forward_all = jax.vmap(stage_fn, spmd_axis_name="pipeline")
+    def backward_item(w: Array) -> tuple[Array, Array]:
+        """The same order mirrored: the w-th backward pass runs the repeats last to first."""
+        m, r = forward_item(w)
+        return m, R - 1 - r
+
+    def chunk(tree: Any, r: Array) -> Any:
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, jnp.clip(r, 0, R - 1), 0, keepdims=False), tree)
+
+    def forward(p: Any, r: Array, x: Array, mb: Micro) -> Array:
+        return stage_fn(chunk(p, r), x, mb)
+
+    def backward(p: Any, r: Array, x: Array, mb: Micro, g: Array, on: Array) -> tuple[Any, Array]:
+        p_r = chunk(p, r)
+        _, vjp = jax.vjp(lambda p, x: stage_fn(p, x, mb), p_r, x)
+        g_p, g_x = vjp(g)
+        # Scatter the repeat's gradients into a zero [R, K, ...] tree: only one chunk is touched.
+        full = jax.tree.map(
+            lambda a, gp: jax.lax.dynamic_update_index_in_dim(
+                jnp.zeros(a.shape, jnp.float32), jnp.where(on, gp, 0).astype(jnp.float32), jnp.clip(r, 0, R - 1), 0),
+            p, g_p)
+        return full, g_x
+
+    forward_all = jax.vmap(forward, spmd_axis_name="pipeline")
     backward_all = jax.vmap(backward, spmd_axis_name="pipeline")
     stash_put = jax.vmap(
         lambda st, x, i, on: jax.lax.dynamic_update_index_in_dim(
@@ -95,53 +136,73 @@ def one_f_one_b(
     )
     stash_get = jax.vmap(lambda st, i: jax.lax.dynamic_index_in_dim(st, i, 0, keepdims=False), spmd_axis_name="pipeline")
     add = lambda acc, g: acc + g.astype(jnp.float32)  # noqa: E731
+    zeros_like_f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)  # noqa: E731
 
     def tick(carry: dict, t: Array, forward: bool, backward: bool) -> tuple[dict, None]:
         c = dict(carry)
         if forward:
-            m_f = t - ids  # each stage's forward microbatch
-            on_f = (m_f >= 0) & (m_f < M)
-            inp = c["fwd"].at[0].set(embed_fn(outer, pick(t)))
-            c["stash"] = stash_put(c["stash"], inp, m_f % W, on_f)
-            out = forward_all(staged, inp, pick(m_f))
+            u = t - ids  # each stage's forward pass
+            on_f = (u >= 0) & (u < U)
+            m_f, r_f = forward_item(u)
+            # Stage 0 takes a fresh microbatch in repeat 0, else the last stage's output (rolled in).
+            inp = c["fwd"].at[0].set(jnp.where(r_f[0] == 0, embed_fn(outer, pick(m_f[0])), c["fwd"][0]))
+            c["stash"] = stash_put(c["stash"], inp, jnp.full((S,), t % W), on_f)
+            out = forward_all(staged, r_f, inp, pick(m_f))
             c["fwd"] = jnp.roll(out, 1, axis=0)
-        if forward and backward:  # the last stage's microbatch t - (S - 1) leaves through the head
-            done = pick(t - (S - 1))
-            total, head_vjp, count = jax.vjp(lambda o, h: head_fn(o, h, done), outer, out[S - 1], has_aux=True)
-            g_outer, g_x = head_vjp(jnp.ones_like(total))
+        if backward:
+            w = t - T0 - (S - 1 - ids)  # each stage's backward pass
+            on_b = (w >= 0) & (w < U)
+            m_b, r_b = backward_item(w)
+            g_out = c["bwd"]
+        if forward and backward:
+            # The last stage's forward of the last repeat leaves through the head, and its
+            # backward starts in the same tick (the same microbatch: see T0).
+            last = (r_f[S - 1] == R - 1) & on_f[S - 1]
+            done = pick(m_f[S - 1])
+
+            def head(_: None) -> tuple[Array, Array, Any, Array]:
+                total, head_vjp, count = jax.vjp(lambda o, h: head_fn(o, h, done), outer, out[S - 1], has_aux=True)
+                g_outer, g_x = head_vjp(jnp.ones_like(total))
+                return total, count, jax.tree.map(lambda g: g.astype(jnp.float32), g_outer), g_x
+
+            def no_head(_: None) -> tuple[Array, Array, Any, Array]:
+                zero = jnp.zeros((), jnp.float32)
+                return zero, zero, zeros_like_f32(outer), jnp.zeros_like(out[S - 1])
+
+            total, count, g_outer, g_x = jax.lax.cond(last, head, no_head, None)
             c["loss"], c["count"] = c["loss"] + total, c["count"] + count
             c["g_outer"] = jax.tree.map(add, c["g_outer"], g_outer)
-            c["bwd"] = c["bwd"].at[S - 1].set(g_x)
+            g_out = g_out.at[S - 1].set(jnp.where(last, g_x, g_out[S - 1]))
         if backward:
-            m_b = t - (2 * S - 2) + ids  # each stage's backward microbatch
-            on_b = (m_b >= 0) & (m_b < M)
-            g_p, g_in = backward_all(staged, stash_get(c["stash"], m_b % W), pick(m_b), c["bwd"])
-            c["g_staged"] = jax.tree.map(
-                lambda acc, g: acc + jnp.where(_per_stage(on_b, g), g, 0).astype(jnp.float32), c["g_staged"], g_p
-            )
-            _, embed_vjp = jax.vjp(lambda o: embed_fn(o, pick(m_b[0])), outer)
-            (g_embed,) = embed_vjp(g_in[0])
-            c["g_outer"] = jax.tree.map(lambda acc, g: acc + jnp.where(on_b[0], g, 0).astype(jnp.float32),
-                                        c["g_outer"], g_embed)
+            # The forward tick of each stage's backward item says where its input was stashed.
+            u_b = (w // (S * R)) * (S * R) + r_b * S + m_b % S
+            g_p, g_in = backward_all(staged, r_b, stash_get(c["stash"], (u_b + ids) % W), pick(m_b), g_out, on_b)
+            c["g_staged"] = jax.tree.map(add, c["g_staged"], g_p)
+            first = (r_b[0] == 0) & on_b[0]  # stage 0's backward of repeat 0 ends in the embedding
+
+            def embed_grads(_: None) -> Any:
+                _, embed_vjp = jax.vjp(lambda o: embed_fn(o, pick(m_b[0])), outer)
+                return jax.tree.map(lambda g: g.astype(jnp.float32), embed_vjp(g_in[0])[0])
+
+            c["g_outer"] = jax.tree.map(add, c["g_outer"],
+                                        jax.lax.cond(first, embed_grads, lambda _: zeros_like_f32(outer), None))
             c["bwd"] = jnp.roll(g_in, -1, axis=0)  # stage s takes the input gradient of stage s + 1
         return c, None
 
     with nn.logical_axis_rules(stage_rules):
         x_shape = jax.eval_shape(embed_fn, outer, pick(0))
         acts = _pin_stages(jnp.zeros((S,) + x_shape.shape, x_shape.dtype))
-        f32_zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)  # noqa: E731
         carry = {
             "fwd": acts,
             "bwd": acts,
             "stash": _pin_stages(jnp.zeros((S, W) + x_shape.shape, x_shape.dtype)),
             "loss": jnp.zeros((), jnp.float32),
             "count": jnp.zeros((), jnp.float32),
-            "g_outer": f32_zeros(outer),
-            "g_staged": jax.tree.map(_pin_stages, f32_zeros(staged)),
+            "g_outer": zeros_like_f32(outer),
+            "g_staged": jax.tree.map(_pin_stages, zeros_like_f32(staged)),
         }
-        for first, last, fwd, bwd in [(0, S - 1, True, False), (S - 1, M + S - 1, True, True),
-                                      (M + S - 1, M + 2 * S - 2, False, True)]:
+        for first, last, fwd, bwd in [(0, T0, True, False), (T0, U + S - 1, True, True),
+                                      (U + S - 1, U + T0 + S - 1, False, True)]:
             body = lambda c, t, fwd=fwd, bwd=bwd: tick(c, t, fwd, bwd)  # noqa: E731
             carry, _ = jax.lax.scan(body, carry, jnp.arange(first, last))
     return (carry["loss"], carry["count"]), (carry["g_outer"], carry["g_staged"])
-

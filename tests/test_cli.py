@@ -63,6 +63,9 @@ BAD = {
     "expert axis on a dense model": (["mesh.data=1", "mesh.expert=8"], "mesh.expert: 8 needs model.moe.num_experts > 0"),
     "MoE under 1f1b": (["mesh.pipeline=2", "mesh.data=4", "model.moe.num_experts=4", "pipeline.schedule=1f1b"],
                        "pipeline.schedule: 1f1b does not carry the MoE router losses"),
+    "MoE under interleaved 1f1b": (["mesh.pipeline=2", "mesh.data=4", "model.moe.num_experts=4", "pipeline.repeats=2",
+                                    "pipeline.schedule=interleaved_1f1b"],
+                                   "pipeline.schedule: interleaved_1f1b does not carry the MoE router losses"),
     "context vs load balancing": (["mesh.data=1", "mesh.context=8", "model.seq_len=40"],
                                   "model.seq_len=40 is not divisible by 2 x mesh.context=8 (context.load_balance=true)"),
     "context without load balancing": (["mesh.data=1", "mesh.context=8", "model.seq_len=36", "context.load_balance=false"],
@@ -76,6 +79,12 @@ BAD = {
     "optimizer name": (["optim.name=adam"], "optim.name"),
     "1f1b with a sequence split": (["mesh.pipeline=2", "mesh.context=2", "mesh.data=2", "pipeline.schedule=1f1b"],
                                    "pipeline.schedule=1f1b does not yet run the sequence split"),
+    "interleaved 1f1b with one repeat": (["mesh.pipeline=2", "mesh.data=4", "pipeline.schedule=interleaved_1f1b"],
+                                         "pipeline.schedule=interleaved_1f1b needs pipeline.repeats > 1"),
+    "interleaved 1f1b with a partial group": (["mesh.pipeline=2", "mesh.data=4", "pipeline.repeats=2",
+                                               "pipeline.microbatches=3", "train.global_batch=24",
+                                               "pipeline.schedule=interleaved_1f1b"],
+                                              "pipeline.microbatches=3 is not a multiple of it"),
     "tracker name": (["run.trackers=[tensorboard,wandbb]"], "run.trackers"),
     "tracker twice": (["run.trackers=[mlflow,mlflow]"], "run.trackers: names a tracker twice"),
     "fp8 gathers with nothing gathered": (["mesh.data=8", "model.gather_dtype=fp8"],
@@ -284,7 +293,8 @@ def test_planner_tables_name_layouts_one_way_and_show_tiny_step_times(capsys):
     step time keeps its digits instead of printing 0.000."""
     from sharding.report import print_search
 
-    timed = {"step_s": 2.34e-5, "mfu": 0.01, "compute_s": 2.0e-5, "exposed_comm_s": 3.4e-6, "overlapped_comm_s": 0.0}
+    timed = {"step_s": 2.34e-5, "mfu": 0.01, "compute_s": 2.0e-5, "exposed_comm_s": 3.4e-6, "overlapped_comm_s": 0.0,
+             "bubble": 0.0}
     plan = {
         "compiler": "XLA CPU", "config": "tiny", "devices": 8,
         "hardware": {"name": "h100", "memory_budget": 76e9},
@@ -297,5 +307,5 @@ def test_planner_tables_name_layouts_one_way_and_show_tiny_step_times(capsys):
     }
     print_search(plan)
     ranked, refused = capsys.readouterr().out.splitlines()[4:6]
-    assert ranked.startswith("| 1 | data=8 fsdp=1 | none | fits | 0.00 | 2.34e-05 | 1.0% | 1.00 | 2e-05 | 3.4e-06 | 0 |"), ranked
+    assert ranked.startswith("| 1 | data=8 fsdp=1 | none | fits | 0.00 | 2.34e-05 | 1.0% | 1.00 | 2e-05 | 3.4e-06 | 0 | 0.000 |"), ranked
     assert refused.startswith("| - | data=1 fsdp=1 tensor=8 | "), refused

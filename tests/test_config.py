@@ -127,7 +127,7 @@ EXPLICIT: dict[str, tuple[Any, list[str]]] = {
     "model.grad_reduce": ("bfloat16", []),
     "model.gather_dtype": ("fp8", []),
     "context.strategy": ("ring", []),
-    "pipeline.schedule": ("1f1b", []),
+    "pipeline.schedule": ("interleaved_1f1b", ["pipeline.repeats=2"]),
     "data.source": ("synthetic", []),
     "data.mixture": ("/a:0.5,/b:0.5", ["data.source=prepared"]),
     "data.packing": ("document", []),

@@ -34,6 +34,13 @@ PIPELINED = {
     "1f1b: pipeline=2 x fsdp=2 x tensor=2, remat, grad accum": [
         "mesh.pipeline=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "pipeline.microbatches=2",
         "model.remat=save_dots_no_batch", "train.grad_accum=2", "pipeline.schedule=1f1b"],
+    "interleaved 1f1b: pipeline=2 x data=4, 2 repeats, 2 groups of 2 microbatches": [
+        "mesh.pipeline=2", "mesh.data=4", "pipeline.repeats=2", "pipeline.microbatches=4",
+        "pipeline.schedule=interleaved_1f1b"],
+    "interleaved 1f1b: pipeline=2 x fsdp=2 x tensor=2, 2 repeats, remat, grad accum": [
+        "mesh.pipeline=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "pipeline.repeats=2",
+        "pipeline.microbatches=2", "model.remat=save_dots_no_batch", "train.grad_accum=2",
+        "pipeline.schedule=interleaved_1f1b"],
 }
 
 
@@ -62,7 +69,7 @@ def reference():
 @pytest.mark.parametrize("layout", list(PIPELINED))
 def test_pipelined_loss_and_gradients_equal_the_plain_scan(reference, layout):
     cfg = config(*PIPELINED[layout])
-    assert abstract_program(cfg).layout.pipelined
+    assert abstract_program(cfg).spec.layout.pipelined
     loss, grads = loss_and_grads(cfg)
     ref_loss, ref_grads = reference
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
@@ -129,9 +136,31 @@ def test_1f1b_temporaries_stay_flat_in_microbatches_while_gpipe_grows():
     assert flat < act  # twelve more microbatches cost 1F1B less than one activation (their token rows only)
 
 
+def test_interleaved_1f1b_temporaries_stay_flat_while_circular_gpipe_grows():
+    """Two stages of two repeats, 2 rows per microbatch and data replica, M = 4 and 16: the
+    circular GPipe schedule keeps every microbatch's activations of both repeats, interleaved
+    1F1B at most 2RS - 1 = 7 stage inputs."""
+    def temp_bytes(schedule: str, m: int) -> int:
+        cfg = config("mesh.pipeline=2", "mesh.data=4", "pipeline.repeats=2", f"pipeline.microbatches={m}",
+                     f"train.global_batch={8 * m}", f"pipeline.schedule={schedule}")
+        return abstract_program(cfg).lower().compile().memory_analysis().temp_size_in_bytes
+
+    act = 2 * 32 * 64 * 4
+    gpipe = temp_bytes("gpipe", 16) - temp_bytes("gpipe", 4)
+    flat = temp_bytes("interleaved_1f1b", 16) - temp_bytes("interleaved_1f1b", 4)
+    assert gpipe > 12 * act, gpipe
+    assert flat < act, flat
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["mesh.pipeline=2", "mesh.data=4", "pipeline.repeats=2", "pipeline.schedule=1f1b"],
-     "pipeline.schedule=1f1b runs each stage's layers once: pipeline.repeats=2 needs pipeline.schedule=gpipe"),
+     "pipeline.schedule=1f1b runs each stage's layers once: pipeline.repeats=2 needs pipeline.schedule=gpipe or "
+     "interleaved_1f1b"),
+    (["mesh.pipeline=2", "mesh.data=4", "pipeline.schedule=interleaved_1f1b"],
+     "pipeline.schedule=interleaved_1f1b needs pipeline.repeats > 1 (with one repeat: pipeline.schedule=1f1b)"),
+    (["mesh.pipeline=2", "mesh.data=4", "pipeline.repeats=2", "pipeline.microbatches=3", "train.global_batch=24",
+      "pipeline.schedule=interleaved_1f1b"],
+     "pipeline.schedule=interleaved_1f1b runs microbatches in groups of mesh.pipeline=2: pipeline.microbatches=3"),
     (["mesh.data=8", "pipeline.schedule=1f1b"], "pipeline.schedule=1f1b needs mesh.pipeline > 1"),
 ])
 def test_a_schedule_that_cannot_run_the_layout_is_refused_before_compiling(overrides, message):

@@ -1,6 +1,7 @@
 """The AOT planner (plan.py): the HLO collective parser on known text and on real
 compiles, predicted memory against real compiles and materialized state, fits / does not fit
-(the Llama-3-8B shape on 64 H100s), the --search ranking and plan.json, and bad input."""
+(the Llama-3-8B shape on 64 H100s), the --search ranking and plan.json, the pipeline schedules
+it tries and their bubble formulas, and bad input."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import pytest
 
 from configs import load_config
 from sharding.hlo import collectives, device_groups, static_counts
-from plan import main, state_bytes
+from plan import candidates, main, state_bytes
+from sharding.pipeline import bubble_formula, bubble_fraction
+from sharding.report import print_plan
 from conftest import ROOT
 from trainer.program import abstract_program, compiled_stats
 
@@ -97,7 +100,8 @@ def searched(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
     this process; tests/test_targets.py checks the real GPU and TPU compiles."""
     out = tmp_path_factory.mktemp("plan") / "plan.json"
     args = ["--config", TINY, "--devices", "4", "--search", "--remat", "none,full", "--out", str(out),
-            "mesh.pipeline=1", "mesh.tensor=1", "data.source=synthetic"]
+            "mesh.pipeline=1", "mesh.tensor=1", "data.source=synthetic",
+            "model.scan_unroll=1"]  # a scanned stack, as on GPU: XLA's cost analysis counts its body once
     env = dict(os.environ, MESHLM_COMPILERS=str(tmp_path_factory.mktemp("no-compilers")))
     done = subprocess.run([sys.executable, "plan.py", *args], cwd=ROOT, capture_output=True, text=True,
                           env=env)
@@ -163,6 +167,60 @@ def test_collectives_land_on_the_right_axes(searched):
     assert gathered["bytes"] >= param_bytes  # every weight gathered at least once per step
     layers = _tiny().model.num_layers
     assert gathered["count"] >= 2 * layers  # forward and backward of each scanned layer
+
+
+@pytest.fixture(scope="module")
+def pipelined_search(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
+    """`--search` on one pipelined mesh (pipeline=2 x data=2, 8 microbatches filled in) with no
+    schedule given: one compile per schedule, on the CPU fallback."""
+    out = tmp_path_factory.mktemp("plan_pipe") / "plan.json"
+    args = ["--config", TINY, "--devices", "4", "--search", "--remat", "none", "--out", str(out),
+            "mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1", "data.source=synthetic"]
+    env = dict(os.environ, MESHLM_COMPILERS=str(tmp_path_factory.mktemp("no-compilers")))
+    done = subprocess.run([sys.executable, "plan.py", *args], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    return done, json.loads(out.read_text())
+
+
+def test_search_tries_each_schedule_with_its_bubble(pipelined_search, searched):
+    done, plan = pipelined_search
+    fits = {p["pipeline"]["schedule"]: p for p in plan["plans"] if p["status"] == "fits"}
+    assert set(fits) == {"gpipe", "1f1b"}
+    for schedule, p in fits.items():
+        assert p["layout"]["schedule"] == schedule and p["layout"]["microbatches"] == 8
+        assert p["pipeline"]["bubble"] == p["time"]["bubble"] == 1 / 9  # (S - 1) / (M + S - 1), S = 2, M = 8
+        assert f"pipeline=2 data=2 fsdp=1 microbatches=8 schedule={schedule} | none | fits |" in done.stdout
+    # The two schedules are really different programs: GPipe keeps all 8 microbatches' activations.
+    assert fits["gpipe"]["memory"]["temps"] > fits["1f1b"]["memory"]["temps"]
+    assert "| 0.111 |" in done.stdout
+    _, unpipelined = searched
+    assert all("pipeline" not in p and "schedule" not in p["layout"] for p in unpipelined["plans"])
+
+
+def test_the_plan_prints_the_schedule_and_its_bubble_formula(pipelined_search, capsys):
+    _, plan = pipelined_search
+    for p in plan["plans"]:
+        print_plan({**plan, "plans": [p]})
+    out = capsys.readouterr().out
+    assert "pipeline schedule 1f1b: bubble 0.111 = (S - 1) / (M + S - 1) = 1 / (8 + 1)" in out
+    assert "pipeline schedule gpipe: bubble 0.111 = (S - 1) / (R x M + S - 1) = 1 / (1 x 8 + 1)" in out
+
+
+def test_bubble_formula_names_the_numbers_of_the_fraction():
+    assert bubble_formula("gpipe", 4, 2, 8) == "(S - 1) / (R x M + S - 1) = 3 / (2 x 8 + 3)"
+    assert bubble_fraction(4, 2, 8) == 3 / (2 * 8 + 3)
+    assert bubble_formula("1f1b", 4, 1, 16) == "(S - 1) / (M + S - 1) = 3 / (16 + 3)"
+
+
+def test_search_tries_the_schedules_the_repeats_allow_or_the_one_given():
+    tried = candidates(["mesh.data=2", "pipeline.schedule=1f1b"], 4, True, ["none"])
+    pipelined = [c for c in tried if "mesh.pipeline=2" in c]
+    assert pipelined and all("pipeline.schedule=1f1b" in c for c in pipelined)
+    assert all(not any(o.startswith("pipeline.schedule=") for o in c) for c in tried if "mesh.pipeline=1" in c)
+    assert len(tried) == len({tuple(c) for c in tried})
+    circular = candidates(["mesh.data=2", "pipeline.repeats=2"], 4, True, ["none"])
+    assert {o for c in circular for o in c if o.startswith("pipeline.schedule=")} == {
+        "pipeline.schedule=gpipe", "pipeline.schedule=interleaved_1f1b"}
 
 
 def test_llama3_8b_data_parallel_is_refused_without_compiling(tmp_path, capsys):

@@ -120,14 +120,21 @@ def _check_pipeline(cfg: Config, stages: int, repeats: int, micro: int, per_repl
         raise ConfigError(
             f"model.num_layers={layers} is not divisible by mesh.pipeline={stages} x pipeline.repeats={repeats}"
         )
-    if cfg.pipeline.schedule == "1f1b" and repeats > 1:
+    schedule = cfg.pipeline.schedule
+    if schedule == "1f1b" and repeats > 1:
         raise ConfigError(
             f"pipeline.schedule=1f1b runs each stage's layers once: pipeline.repeats={repeats} needs "
-            "pipeline.schedule=gpipe"
+            "pipeline.schedule=gpipe or interleaved_1f1b"
         )
-    if cfg.pipeline.schedule == "1f1b" and (cfg.mesh.context > 1 or cfg.model.attention == "splash"):
+    if schedule == "interleaved_1f1b" and repeats == 1:
+        raise ConfigError("pipeline.schedule=interleaved_1f1b needs pipeline.repeats > 1 (with one repeat: "
+                          "pipeline.schedule=1f1b)")
+    if schedule == "interleaved_1f1b" and micro % stages:
+        raise ConfigError(f"pipeline.schedule=interleaved_1f1b runs microbatches in groups of mesh.pipeline={stages}: "
+                          f"pipeline.microbatches={micro} is not a multiple of it")
+    if schedule != "gpipe" and (cfg.mesh.context > 1 or cfg.model.attention == "splash"):
         what = f"mesh.context={cfg.mesh.context}" if cfg.mesh.context > 1 else "model.attention=splash"
-        raise ConfigError(f"pipeline.schedule=1f1b does not yet run the sequence split or sharded attention that "
+        raise ConfigError(f"pipeline.schedule={schedule} does not yet run the sequence split or sharded attention that "
                           f"{what} needs; use pipeline.schedule=gpipe")
     if micro < stages:
         raise ConfigError(
@@ -173,7 +180,7 @@ def scheduled_grads(
     if not layout.pipelined or layout.schedule == "gpipe":
         return None
     return make_scheduled_grad_fn(
-        graphdef, layout.stages, layout.microbatches, remat_policy, layout.stage_rules, loss_chunk, cast
+        graphdef, layout.stages, layout.repeats, layout.microbatches, remat_policy, layout.stage_rules, loss_chunk, cast
     )
 
 

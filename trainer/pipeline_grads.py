@@ -26,6 +26,7 @@ Array = jax.Array
 def make_scheduled_grad_fn(
     graphdef: nnx.GraphDef,
     stages: int,
+    repeats: int,
     microbatches: int,
     remat_policy: str,
     stage_rules: Rules,
@@ -33,7 +34,8 @@ def make_scheduled_grad_fn(
     cast: Callable[[dict], dict] | None = None,
 ) -> GradFn:
     """grad_fn(params, batch) -> ((loss sum, target count), gradients), as
-    `jax.value_and_grad(loss_fn, has_aux=True)` gives them, computed by the 1F1B schedule."""
+    `jax.value_and_grad(loss_fn, has_aux=True)` gives them, computed by the 1F1B schedule
+    (interleaved with `repeats` > 1)."""
 
     def grad_fn(params: dict, batch: dict[str, Array]) -> tuple[tuple[Array, Array], dict]:
         # Gradients with respect to the compute-dtype view are those of the float32 parameters
@@ -60,11 +62,12 @@ def make_scheduled_grad_fn(
             m = model(o)
             return head_loss(m, m.final_norm(x), mb["targets"], mb["weights"], loss_chunk), jnp.sum(mb["weights"])
 
-        staged = jax.tree.map(lambda a: to_stages(a, stages, 1)[:, 0], stack)  # [S, K, ...]
+        staged = jax.tree.map(lambda a: to_stages(a, stages, repeats), stack)  # [S, R, K, ...]
         (total, count), (g_outer, g_staged) = one_f_one_b(
-            stages, embed_fn, stage_fn, head_fn, outer, staged, micro, stage_rules
+            stages, repeats, embed_fn, stage_fn, head_fn, outer, staged, micro, stage_rules
         )
-        g_stack = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]), g_staged)
+        # [S, R, K, ...] -> [R, S, K, ...] -> [L, ...]: layer group rS + s back in its place.
+        g_stack = jax.tree.map(lambda g: g.swapaxes(0, 1).reshape(-1, *g.shape[3:]), g_staged)
         return (total, count), {**g_outer, "layers": g_stack}
 
     return grad_fn
