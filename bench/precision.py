@@ -9,6 +9,7 @@ and `=int8` (no float32 run then), on the same real text, step by step.
                                                                  # (cuDNN attention has no float32 path)
 
     python -m bench.precision --steps 200 --quant fp8,int8      # issue 21: each mode against bf16
+    python -m bench.precision --steps 200 --grad-reduce         # float32 against bf16 gradient reductions
 
 Prints both losses at a few steps, the largest per-step relative gap, and the largest gap between
 their 10-step means; exits 1 if the windowed gap exceeds `--tolerance` (default 2%). Why windows:
@@ -16,7 +17,10 @@ both runs see the same batches, but once rounding has moved the weights their si
 wander apart and back (measured: 2.2% at one step, 0.02% at the last); a precision bug, such as a
 softmax or loss in bf16, shows as a sustained offset instead, which the windowed gap keeps.
 Each `--quant` mode is judged against the bfloat16 run with the same tolerance; on CPU its FP8
-and int8 matmuls are emulated (the same rounding, float32 arithmetic).
+and int8 matmuls are emulated (the same rounding, float32 arithmetic). `--grad-reduce` judges a
+float32 run with `model.grad_reduce=bfloat16` (every block weight gradient leaves its matmul
+rounded to bfloat16, the dtype its reduction over the batch shards then moves) against the plain
+float32 run; in a bfloat16 run that key changes nothing, the gradients are bfloat16 already.
 """
 
 from __future__ import annotations
@@ -34,11 +38,14 @@ from configs import ConfigError, load_config
 WINDOW = 10
 
 
-def losses(config: str | None, overrides: list[str], dtype: str, steps: int, root: str, quant: str = "none") -> np.ndarray:
-    """Per-step training losses of a fresh run with compute dtype `dtype` and `model.quant`."""
+def losses(config: str | None, overrides: list[str], dtype: str, steps: int, root: str, quant: str = "none",
+           grad_reduce: str = "compute") -> np.ndarray:
+    """Per-step training losses of a fresh run with compute dtype `dtype`, `model.quant` and
+    `model.grad_reduce`."""
     cfg = load_config(config, [
-        *overrides, f"model.dtype={dtype}", f"model.quant={quant}", f"train.steps={steps}", "train.log_every=1",
-        "eval.every=0", f"checkpoint.every={steps}", f"run.dir={os.path.join(root, f'{dtype}-{quant}')}",
+        *overrides, f"model.dtype={dtype}", f"model.quant={quant}", f"model.grad_reduce={grad_reduce}",
+        f"train.steps={steps}", "train.log_every=1", "eval.every=0", f"checkpoint.every={steps}",
+        f"run.dir={os.path.join(root, f'{dtype}-{quant}-{grad_reduce}')}",
     ])
     return np.array([r["loss"] for r in trainer.run(cfg)])
 
@@ -49,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--tolerance", type=float, default=0.02, help=f"largest allowed gap between {WINDOW}-step mean losses, relative")
     parser.add_argument("--quant", default="", help="comma-separated model.quant modes to compare against bfloat16 (fp8, int8)")
+    parser.add_argument("--grad-reduce", action="store_true",
+                        help="float32 against float32 with model.grad_reduce=bfloat16 (instead of the bfloat16 run)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
     modes = [q.strip() for q in args.quant.split(",") if q.strip()]
@@ -57,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         for q in modes:  # a bad mode fails before any run
             load_config(args.config, [*args.overrides, f"model.quant={q}"])
         f32 = None if modes else losses(args.config, args.overrides, "float32", args.steps, root)
+        if args.grad_reduce:
+            reduced = losses(args.config, args.overrides, "float32", args.steps, root, grad_reduce="bfloat16")
+            lines, ok = compare(f32, reduced, args.tolerance, ("float32", "float32, bf16 gradient reductions"))
+            print("\n".join(lines))
+            return 0 if ok else 1
         bf16 = losses(args.config, args.overrides, "bfloat16", args.steps, root)
         quantized = {q: losses(args.config, args.overrides, "bfloat16", args.steps, root, q) for q in modes}
     except ConfigError as e:
@@ -79,7 +93,7 @@ def compare(f32: np.ndarray, bf16: np.ndarray, tolerance: float,
     steps = len(f32)
     lines = [f"| step | {names[0]} loss | {names[1]} loss | relative gap |", "| --- | --- | --- | --- |"]
     for s in sorted({1, *range(10, steps + 1, 10), steps, int(np.argmax(gap)) + 1}):
-        lines.append(f"| {s} | {f32[s - 1]:.4f} | {bf16[s - 1]:.4f} | {gap[s - 1]:.2%} |")
+        lines.append(f"| {s} | {f32[s - 1]:.6f} | {bf16[s - 1]:.6f} | {gap[s - 1]:.3%} |")
     worst = int(np.argmax(gap))
     window = min(WINDOW, steps)
     mean = lambda x: np.convolve(x, np.ones(window) / window, mode="valid")  # noqa: E731

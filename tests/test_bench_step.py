@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from conftest import ROOT, stdlib_glob
 from trainer.xla_env import GPU_DEFAULTS, set_default_flags
@@ -51,13 +52,18 @@ def test_the_precision_check_passes_wandering_and_fails_a_sustained_offset():
     assert not ok and lines[-1].endswith("EXCEEDED")
 
 
-def test_the_precision_benchmark_runs_both_dtypes(tmp_path):
+@pytest.mark.parametrize("flags, header", [
+    ([], "| step | float32 loss | bfloat16 loss |"),
+    (["--grad-reduce"], "| step | float32 loss | float32, bf16 gradient reductions loss |"),
+], ids=["dtypes", "grad-reduce"])
+def test_the_precision_benchmark_runs_both_variants(tmp_path, flags, header):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    cmd = [sys.executable, "-m", "bench.precision", "--config", "tiny", "--steps", "3", "mesh.data=1",
+    cmd = [sys.executable, "-m", "bench.precision", "--config", "tiny", "--steps", "3", *flags, "mesh.data=1",
            "train.global_batch=8", f"data.path={stdlib_glob('json')}"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert any(line.startswith(header) for line in done.stdout.splitlines()), done.stdout[-600:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| 3 |")]
     assert len(rows) == 1
-    f32, bf16 = (float(x) for x in rows[0].split("|")[2:4])
-    assert f32 != bf16 and abs(f32 - bf16) < 0.02 * f32  # two real runs, bf16 close to float32
+    ref, other = (float(x) for x in rows[0].split("|")[2:4])
+    assert ref != other and abs(ref - other) < 0.02 * ref  # two real runs, close to each other
