@@ -64,7 +64,8 @@ def torch_peer(cfg: Config, steps: int, warmup: int) -> dict:
     cpu = (time.process_time() - cpu0) / steps
     step_s = statistics.median(times)
     return {"tokens_per_s": cfg.train.global_batch * m.seq_len / step_s, "step_ms": 1e3 * step_s,
-            "cpu_ms": 1e3 * cpu, "threads": torch.get_num_threads()}
+            "cpu_ms": 1e3 * cpu, "threads": torch.get_num_threads(),
+            "params": sum(p.numel() for p in model.parameters())}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,10 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU only: {os.cpu_count()} cores, load average {load:.1f} at the end; model {m.num_layers} layers, "
           f"d_model {m.d_model}, {m.num_heads}/{m.num_kv_heads} heads, d_ff {m.d_ff}, vocab {m.vocab_size}; "
           f"batch {cfg.train.global_batch} x {m.seq_len}; float32")
-    print("| side | tokens/s | step ms (median) | CPU ms per step |")
-    print("| --- | --- | --- | --- |")
-    print(f"| meshlm (XLA:CPU, compiled step) | {r['tokens_per_s']:,.0f} | {r['step_ms']:.0f} | {r['cpu_ms']:.0f} |")
-    print(f"| PyTorch eager ({p['threads']} threads, HF Llama) | {p['tokens_per_s']:,.0f} | {p['step_ms']:.0f} | {p['cpu_ms']:.0f} |")
+    print("| side | parameters | tokens/s | step ms (median) | CPU ms per step |")
+    print("| --- | --- | --- | --- | --- |")
+    print(f"| meshlm (XLA:CPU, compiled step) | {round(r['params_m'] * 1e6):,} | {r['tokens_per_s']:,.0f} | "
+          f"{r['step_ms']:.0f} | {r['cpu_ms']:.0f} |")
+    print(f"| PyTorch eager ({p['threads']} threads, HF Llama) | {p['params']:,} | {p['tokens_per_s']:,.0f} | "
+          f"{p['step_ms']:.0f} | {p['cpu_ms']:.0f} |")
     print(f"meshlm / PyTorch tokens/s: {r['tokens_per_s'] / p['tokens_per_s']:.2f}")
     return 0
 

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, stdlib_glob
+from conftest import ROOT, require, stdlib_glob
 from trainer.xla_env import GPU_DEFAULTS, set_default_flags
 
 
@@ -67,3 +67,21 @@ def test_the_precision_benchmark_runs_both_variants(tmp_path, flags, header):
     assert len(rows) == 1
     ref, other = (float(x) for x in rows[0].split("|")[2:4])
     assert ref != other and abs(ref - other) < 0.02 * ref  # two real runs, close to each other
+
+
+def test_the_cpu_peer_benchmark_times_both_sides():
+    """bench.cpu_peer runs our compiled step and Hugging Face Llama under torch on the same shape
+    (as many parameters) and prints a row for each (a 2-layer tiny shape, one timed step: this
+    checks the script, not the speed)."""
+    require("transformers", "hf")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    cmd = [sys.executable, "-m", "bench.cpu_peer", "--config", "tiny", "--steps", "1", "--warmup", "1",
+           "model.num_layers=2"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {line.split("|")[1].strip().split(" ")[0]: line for line in done.stdout.splitlines() if line.startswith("| ")}
+    assert {"meshlm", "PyTorch"} <= set(rows), done.stdout
+    params, speed = ({side: float(rows[side].split("|")[col].replace(",", "")) for side in ("meshlm", "PyTorch")}
+                     for col in (2, 3))
+    assert params["meshlm"] == params["PyTorch"] > 0  # the peer is the config's shape, parameter for parameter
+    assert speed["meshlm"] > 0 and speed["PyTorch"] > 0
