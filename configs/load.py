@@ -22,7 +22,8 @@ from typing import Any
 import pydantic
 import yaml
 
-from configs.schema import Config, ConfigError, closest, validate_static
+from configs.schema import Config, ConfigError, closest
+from configs.validate import validate_static
 
 PRESET_DIR = os.path.dirname(os.path.abspath(__file__))
 RULE_TABLES = ("sharding.params", "sharding.activations")  # dict fields: one key each, entries below
