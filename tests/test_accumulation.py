@@ -89,7 +89,7 @@ def test_accumulation_weighs_every_token_the_same(short_docs, reference, layout,
     assert grad_accum == 1 or len(set(counts)) > 1, counts
     cfg = config(short_docs, *LAYOUTS[layout], f"train.grad_accum={grad_accum}")
     devices = jax.devices()[:1] if layout == "one device" else None
-    assert abstract_program(cfg, devices).layout.pipelined == layout.startswith("pipeline")
+    assert abstract_program(cfg, devices).spec.layout.pipelined == layout.startswith("pipeline")
     loss, grads = loss_and_grads(cfg, batch, params, devices)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     for (path, r), g in zip(jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads)):
