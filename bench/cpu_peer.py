@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = ["mesh.data=1", *args.overrides]  # one device: the peer runs on one too
     try:
         cfg = load_config(args.config, [*overrides, "data.source=synthetic", "data.packing=concat"])
-        r = bench(args.config, overrides, args.steps, args.warmup, cpu_times=True)
+        r = bench(args.config, overrides, args.steps, args.warmup)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
