@@ -2,8 +2,10 @@
 
 Goodput is productive step time over the wall time of an invocation (from `trainer.run`'s
 start to its end; interpreter start-up and imports are not counted). The rest is split into:
-init (distributed start-up, checks, building or restoring the state), compile, checkpoint
-(the blocking part of saves and the final wait), eval, data wait (the loop waiting for a
+init (distributed start-up, checks, building or restoring the state), compile, first
+execution (the first step's time beyond a steady step: the compiler's one-time set-up of a
+program's first run: about 0.1 s of CPU time on XLA:CPU, five steps of the tiny preset), checkpoint (the blocking part
+of saves and the final wait), eval, data wait (the loop waiting for a
 batch), profile (finishing a trace), and recompute: steps this invocation ran again because an
 earlier one had reached them before it stopped (the highest step in metrics.jsonl beyond the
 checkpoint resumed from), estimated at this invocation's mean step time.
@@ -32,7 +34,7 @@ from trainer.metrics import MetricsLogger, log
 from trainer.observe import last_value, read_metrics
 
 SUMMARY = "summary.json"
-BUCKETS = ("init", "compile", "checkpoint", "eval", "data_wait", "profile", "recompute")
+BUCKETS = ("init", "compile", "first_execution", "checkpoint", "eval", "data_wait", "profile", "recompute")
 
 
 def invocation_outcome(error: BaseException | None) -> str:
@@ -53,6 +55,7 @@ class Goodput:
         self.start = 0
         self.last_step: int | None = None  # the last step run (set by observe.instrument)
         self.high_water = 0  # the highest step logged before this invocation
+        self.first_step_s: float | None = None  # the invocation's first step, dispatch to completion (the loop)
         self.cleanup: list[Callable[[], None]] = []  # run by `finish` first (e.g. stop an open trace)
 
     def lap(self, name: str) -> None:
@@ -98,13 +101,23 @@ class Goodput:
             log(line)
         return summary
 
+    def _first_execution(self, steps_s: float, ran: int) -> float:
+        """The first step's seconds beyond the mean of the others (0 with one step, or when the
+        loop did not time it): a cost of the program's first run, not of training, which would
+        otherwise make a short run's tokens/s understate its speed."""
+        if self.first_step_s is None or ran < 2:
+            return 0.0
+        return max(0.0, self.first_step_s - (steps_s - self.first_step_s) / (ran - 1))
+
     def _invocation(self, cfg: Config, logger: MetricsLogger, error: BaseException | None) -> dict[str, Any]:
         wall = time.perf_counter() - self.t0
         end = self.start if self.last_step is None else self.last_step
         seconds = {k: self.seconds.get(k, 0.0) for k in BUCKETS}
         seconds["data_wait"] = logger.data_wait_total
-        steps_s = max(self.seconds.get("loop", 0.0) - seconds["data_wait"], 0.0)  # productive + recompute
         ran, again = end - self.start, max(0, min(self.high_water, end) - self.start)
+        steps_s = max(self.seconds.get("loop", 0.0) - seconds["data_wait"], 0.0)
+        seconds["first_execution"] = self._first_execution(steps_s, ran)
+        steps_s -= seconds["first_execution"]  # productive + recompute, every step at its steady cost
         seconds["recompute"] = steps_s * again / ran if ran else 0.0
         seconds["productive"] = steps_s - seconds["recompute"]
         outcome = invocation_outcome(error)  # a run with nothing to do writes no summary (trainer.loop)
