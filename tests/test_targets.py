@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, real_target_env
 from sharding.hardware import HARDWARE
 from sharding.targets import has_compiler, tpu_slice_shape
 
@@ -35,7 +35,7 @@ def _need(name: str) -> None:
 def plan(tmp_path_factory: pytest.TempPathFactory, *args: str) -> tuple[dict, str, int]:
     """Runs `python plan.py ARGS --out FILE`; (the JSON plan, stdout, exit status)."""
     out = tmp_path_factory.mktemp("plan") / "plan.json"
-    done = subprocess.run([sys.executable, "plan.py", *args, "--out", str(out)], cwd=ROOT,
+    done = subprocess.run([sys.executable, "plan.py", *args, "--out", str(out)], cwd=ROOT, env=real_target_env(),
                           capture_output=True, text=True, timeout=900)
     assert done.returncode in (0, 1), done.stderr[-3000:]
     return json.loads(out.read_text()), done.stdout, done.returncode
