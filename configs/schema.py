@@ -167,6 +167,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
+    # RMSNorm (a learned scale per head_dim entry) on every head of q and k, before the rotary
+    # embedding, as Qwen3 and Qwen3-MoE do; off: Llama, Mixtral.
+    qk_norm: bool = False
     init_std: float = 0.02
     dtype: str = "float32"  # compute dtype; parameters are always float32
     remat: str = "none"
