@@ -54,7 +54,7 @@ def _ours(cfg: ModelConfig, name: str) -> Any:
 def check_compatible(cfg: ModelConfig, hf_dir: str, key: str = "init.from_hf") -> None:
     """`cfg` must describe the network stored in `hf_dir`; ConfigError names the first key that does not."""
     keys = model_keys(read_hf_config(hf_dir, key), key)
-    if keys["moe.num_experts"]:  # every layer is an MoE: the dense d_ff is used nowhere
+    if keys["moe.num_experts"] and keys.get("moe.every", 1) == 1:  # no dense layer: d_ff is used nowhere
         del keys["d_ff"]
     for name, value in keys.items():
         ours = _ours(cfg, name)
@@ -77,13 +77,24 @@ def _set_path(tree: dict, path: tuple[str, ...], value: Any) -> None:
     tree[path[-1]] = value
 
 
-def _names(name: str, shape: tuple[int, ...]) -> np.ndarray:
+def _names(path: tuple[str, ...], name: str, shape: tuple[int, ...], every: int) -> np.ndarray:
     """The tensor names of one parameter, an array over its stacked dims: [layers] for "{i}",
-    [layers, expert] for "{i}" and "{j}", a 0-d array for a single tensor."""
-    stacked = shape[: ("{i}" in name) + ("{j}" in name)]
+    [layers, expert] for "{i}" and "{j}", a 0-d array for a single tensor. Under layer groups
+    of `every` (model/hf_arch.py `entries`) the layer dims are [group, every - 1] for the dense
+    layers (layer g x every + s) and [group] for the MoE ones (layer g x every + every - 1)."""
+    group = path[1] if path[:2] in (("layers", "dense"), ("layers", "moe")) else None
+    stacked = shape[: ("{i}" in name) * (2 if group == "dense" else 1) + ("{j}" in name)]
     names = np.empty(stacked, dtype=object)
     for index in np.ndindex(stacked):
-        names[index] = name.format(**dict(zip("ij", index)))
+        fields, rest = {}, index
+        if "{i}" in name:
+            if group == "dense":
+                fields["i"], rest = index[0] * every + index[1], index[2:]
+            else:
+                fields["i"], rest = index[0] * every + (every - 1 if group else 0), index[1:]
+        if "{j}" in name:
+            fields["j"] = rest[0]
+        names[index] = name.format(**fields)
     return names
 
 
@@ -137,7 +148,7 @@ def load_params(
     files, shapes, params = SafetensorsDir(hf_dir, key), param_shapes(cfg), {}
     for path, name, n_in in entries(arch, cfg):
         shape = _get_path(shapes, path).shape
-        names = _names(name, shape)
+        names = _names(path, name, shape, cfg.moe.every)
         for n in names.reshape(-1):  # every tensor present with the right shape, before anything is placed
             files.get(n, _hf_shape(shape[names.ndim:], n_in))
         placement = _get_path(sharding, path) if isinstance(sharding, dict) else sharding
@@ -151,6 +162,6 @@ def to_hf_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
     out = {}
     for path, name, n_in in entries(architecture(cfg), cfg):
         a = np.asarray(jax.device_get(_get_path(params, path)))
-        names = _names(name, a.shape)
+        names = _names(path, name, a.shape, cfg.moe.every)
         out.update({names[index]: _from_ours(a[index], n_in) for index in np.ndindex(names.shape)})
     return out

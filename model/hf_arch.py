@@ -64,7 +64,7 @@ UNSUPPORTED_DEFAULTS: dict[str, dict[str, Any]] = {
               "sliding_window": None},
     "mixtral": {"hidden_act": "silu", "rope_scaling": None, "sliding_window": None},
     "qwen3_moe": {"hidden_act": "silu", "attention_bias": False, "rope_scaling": None, "use_sliding_window": False,
-                  "decoder_sparse_step": 1, "mlp_only_layers": []},
+                  "mlp_only_layers": []},
 }
 
 
@@ -95,9 +95,9 @@ def model_keys(hf: dict[str, Any], key: str) -> dict[str, Any]:
         keys.update({"moe.experts_per_token": hf["num_experts_per_tok"], "moe.shared_experts": 0})
     if arch == "mixtral":  # intermediate_size is each expert's
         keys.update({"moe.router": "softmax_topk", "moe.d_ff": hf["intermediate_size"]})
-    if arch == "qwen3_moe":
+    if arch == "qwen3_moe":  # layer i is an MoE iff (i + 1) % decoder_sparse_step == 0: our model.moe.every
         keys.update({"moe.router": "topk_softmax", "moe.renormalize": bool(hf.get("norm_topk_prob", False)),
-                     "moe.d_ff": hf["moe_intermediate_size"]})
+                     "moe.d_ff": hf["moe_intermediate_size"], "moe.every": hf.get("decoder_sparse_step", 1)})
     return keys | {
         "num_layers": hf["num_hidden_layers"],
         "d_model": hf["hidden_size"],
@@ -125,6 +125,9 @@ def architecture(cfg: ModelConfig) -> str:
                           "ungated shared experts; such a model cannot be exported to Hugging Face")
     if cfg.qk_norm:
         return "qwen3_moe"
+    if e.every > 1:
+        raise ConfigError(f"model.moe.every={e.every}: Mixtral has an MoE in every layer, and Qwen3-MoE (whose "
+                          "decoder_sparse_step it is) needs model.qk_norm=true")
     if e.router == "topk_softmax" and not e.renormalize:
         raise ConfigError("model.moe.renormalize=false needs Qwen3-MoE, whose attention has q/k norms: "
                           "export needs model.qk_norm=true (or a renormalized router, as Mixtral)")
@@ -132,7 +135,22 @@ def architecture(cfg: ModelConfig) -> str:
 
 
 def entries(arch: str, cfg: ModelConfig) -> list[Entry]:
-    return [e for e in TENSORS[arch] if not (cfg.tie_embeddings and e[0] == ("lm_head",))]
+    """The tensors of `arch` that `cfg`'s parameters hold. Under layer groups (`model.moe.every`
+    > 1, model/transformer.py BlockGroup) a layer's parameters sit under ("layers", "dense") or
+    ("layers", "moe"): the attention's in both, the dense SwiGLU's (Llama's names) in the first."""
+    out = [e for e in TENSORS[arch] if not (cfg.tie_embeddings and e[0] == ("lm_head",))]
+    if not (cfg.moe.enabled and cfg.moe.every > 1):
+        return out
+    grouped = []
+    for path, name, n_in in out:
+        if path[0] != "layers":
+            grouped.append((path, name, n_in))
+            continue
+        grouped.append((("layers", "moe", *path[1:]), name, n_in))
+        if path[1] != "mlp":
+            grouped.append((("layers", "dense", *path[1:]), name, n_in))
+    return grouped + [(("layers", "dense", *path[1:]), name, n_in) for path, name, n_in in TENSORS["llama"]
+                      if path[:2] == ("layers", "mlp")]
 
 
 def hf_config(cfg: ModelConfig, source: dict[str, Any] | None = None, dtype: str = "float32") -> dict[str, Any]:
@@ -171,7 +189,7 @@ def hf_config(cfg: ModelConfig, source: dict[str, Any] | None = None, dtype: str
     if arch == "mixtral":
         return out | moe | {"intermediate_size": e.d_ff or cfg.d_ff, "sliding_window": None}
     return out | moe | {
-        "num_experts": e.num_experts, "moe_intermediate_size": e.d_ff or cfg.d_ff, "decoder_sparse_step": 1,
+        "num_experts": e.num_experts, "moe_intermediate_size": e.d_ff or cfg.d_ff, "decoder_sparse_step": e.every,
         "mlp_only_layers": [], "norm_topk_prob": e.router == "softmax_topk" or e.renormalize,
         "attention_bias": False, "use_sliding_window": False, "sliding_window": None,
     }

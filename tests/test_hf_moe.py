@@ -42,16 +42,17 @@ def logits(cfg, params: dict) -> np.ndarray:  # noqa: ANN001 (a ModelConfig)
 CLASSES = {"mixtral": transformers.MixtralForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM}
 
 
-def make_hf(path: str, arch: str, *, norm_topk: bool = False, tied: bool = False, seed: int = 0) -> torch.nn.Module:
-    """A random 2-layer, 4-expert, top-2 model of `arch` saved to `path`."""
+def make_hf(path: str, arch: str, *, norm_topk: bool = False, tied: bool = False, seed: int = 0,
+            sparse_step: int = 1) -> torch.nn.Module:
+    """A random 2-layer (Qwen3-MoE with a sparse step: 2 x step layers), 4-expert, top-2 model of `arch` saved to `path`."""
     torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2 * sparse_step, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=8, num_experts_per_tok=2, rms_norm_eps=1e-6, tie_word_embeddings=tied)
     if arch == "mixtral":
         config = transformers.MixtralConfig(intermediate_size=24, num_local_experts=4, rope_theta=1e6, **common)
     else:
         config = transformers.Qwen3MoeConfig(intermediate_size=40, moe_intermediate_size=24, num_experts=4,
-                                             norm_topk_prob=norm_topk, **common)
+                                             norm_topk_prob=norm_topk, decoder_sparse_step=sparse_step, **common)
     model = CLASSES[arch](config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -78,12 +79,17 @@ def export_and_load(params: dict, cfg, out: str, arch: str) -> torch.nn.Module: 
     return model.eval()
 
 
-@pytest.mark.parametrize("arch, norm_topk, tied", [("mixtral", False, False), ("qwen3_moe", False, True),
-                                                   ("qwen3_moe", True, False)])
-def test_import_matches_transformers_and_export_round_trips(tmp_path, arch, norm_topk, tied):
-    theirs = make_hf(str(tmp_path / "hf"), arch, norm_topk=norm_topk, tied=tied)
+@pytest.mark.parametrize("arch, norm_topk, tied, sparse_step", [
+    ("mixtral", False, False, 1),
+    ("qwen3_moe", False, True, 1),
+    ("qwen3_moe", True, False, 1),
+    ("qwen3_moe", True, False, 2),  # layers 1 and 3 are MoE, 0 and 2 dense: model.moe.every=2
+])
+def test_import_matches_transformers_and_export_round_trips(tmp_path, arch, norm_topk, tied, sparse_step):
+    theirs = make_hf(str(tmp_path / "hf"), arch, norm_topk=norm_topk, tied=tied, sparse_step=sparse_step)
     cfg = hf_cli.import_config(str(tmp_path / "hf"), str(tmp_path / "run"), "tiny-moe", []).model
     assert (cfg.moe.num_experts, cfg.moe.experts_per_token, cfg.moe.d_ff, cfg.qk_norm) == (4, 2, 24, arch != "mixtral")
+    assert cfg.moe.every == sparse_step and cfg.num_layers == 2 * sparse_step
     assert cfg.moe.capacity_factor == 0
     params = hf.load_params(str(tmp_path / "hf"), cfg, CPU0)
     ref = their_logits(theirs, TOKENS)
@@ -170,10 +176,9 @@ def test_import_fine_tune_on_expert_layout_then_export(tmp_path, capsys):
 
 def test_what_cannot_be_expressed_names_itself(tmp_path, tiny):
     config = transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                         decoder_sparse_step=2, mlp_only_layers=[0], attention_bias=True)
+                                         mlp_only_layers=[0], attention_bias=True)
     config.save_pretrained(str(tmp_path / "q"))
-    with pytest.raises(ConfigError, match=r"cannot express: attention_bias=True, decoder_sparse_step=2, "
-                                          r"mlp_only_layers=\[0\]$"):
+    with pytest.raises(ConfigError, match=r"cannot express: attention_bias=True, mlp_only_layers=\[0\]$"):
         hf_cli.import_config(str(tmp_path / "q"), str(tmp_path / "run"), "tiny-moe", [])
     transformers.MixtralConfig(sliding_window=4096).save_pretrained(str(tmp_path / "m"))
     with pytest.raises(ConfigError, match=r"cannot express: sliding_window=4096$"):
@@ -186,7 +191,8 @@ def test_what_cannot_be_expressed_names_itself(tmp_path, tiny):
         hf.check_compatible(tiny("model.moe.num_experts=4").model, str(tmp_path / "qwen"))
     refusals = {"model.moe.shared_experts=1": r"^model.moe.shared_experts=1: neither Mixtral nor Qwen3-MoE",
                 "model.moe.router=topk_softmax model.moe.renormalize=false": r"^model.moe.renormalize=false needs",
-                "model.qk_norm=true model.moe.num_experts=0": r"^model.qk_norm=true on a dense model"}
+                "model.qk_norm=true model.moe.num_experts=0": r"^model.qk_norm=true on a dense model",
+                "model.moe.every=2": r"^model.moe.every=2: Mixtral has an MoE in every layer"}
     for overrides, message in refusals.items():
         with pytest.raises(ConfigError, match=message):
             hf_arch.architecture(load_config("tiny-moe", overrides.split()).model)
