@@ -107,16 +107,17 @@ def test_import_matches_transformers_and_export_round_trips(tmp_path, arch, norm
     assert rel_diff(their_logits(exported, TOKENS), ref) < TOL
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-def test_our_random_moe_exports_and_generates_as_transformers(tmp_path, arch):
-    """Our own random init (norm scales drawn too) -> export -> transformers: logits and greedy decoding equal."""
+@pytest.mark.parametrize("arch, every", [("mixtral", 1), ("qwen3_moe", 1), ("qwen3_moe", 2)])
+def test_our_random_moe_exports_and_generates_as_transformers(tmp_path, arch, every):
+    """Our own random init (norm scales drawn too) -> export -> transformers: logits and greedy
+    decoding equal (every=2: layer 0 dense, layer 1 MoE, Qwen3-MoE's decoder_sparse_step=2)."""
     qwen = arch == "qwen3_moe"
-    cfg = load_config("tiny-moe", ["model.num_layers=2", "model.d_model=32", "model.num_heads=4", "model.d_ff=40",
+    cfg = load_config("tiny-moe", [f"model.moe.every={every}", "model.num_layers=2", "model.d_model=32", "model.num_heads=4", "model.d_ff=40",
                                    "model.moe.num_experts=4", "model.moe.d_ff=24", "model.init_std=0.2",
                                    f"model.qk_norm={qwen}", f"model.tie_embeddings={qwen}",
                                    f"model.moe.router={'topk_softmax' if qwen else 'softmax_topk'}",
                                    "model.moe.renormalize=false"]).model
-    params = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(3))))
+    params = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(every + 2))))
     keys = iter(jax.random.split(jax.random.key(4), 64))
     params = jax.tree_util.tree_map_with_path(
         lambda path, a: 1 + 0.2 * jax.random.normal(next(keys), a.shape) if path[-1].key == "scale" else a, params)
@@ -124,6 +125,7 @@ def test_our_random_moe_exports_and_generates_as_transformers(tmp_path, arch):
     assert hf_arch.architecture(cfg) == arch
     theirs = export_and_load(params, cfg, str(tmp_path / "out"), arch)
     assert theirs.config.num_experts_per_tok == 2 and theirs.config.num_local_experts == 4
+    assert getattr(theirs.config, "decoder_sparse_step", 1) == every
     ours = np.asarray(model(jax.numpy.asarray(TOKENS)))
     assert rel_diff(their_logits(theirs, TOKENS), ours) < TOL
 
