@@ -253,9 +253,11 @@ def test_checkpoints_move_between_expert_layouts(tmp_path, capsys):
     assert len(set(losses)) == 4 and straight[0]["moe_aux_loss"] > 1.0  # the steps really update
     np.testing.assert_allclose([r["loss"] for r in resumed], losses[2:], rtol=2e-5)
     np.testing.assert_allclose([r["moe_aux_loss"] for r in resumed], [r["moe_aux_loss"] for r in straight[2:]], rtol=2e-5)
-    # Hugging Face export refuses an MoE run in one line (not built yet) and writes nothing.
+    # Hugging Face export refuses shared experts (neither Mixtral nor Qwen3-MoE has ungated ones)
+    # in one line and writes nothing.
     assert hf_cli.main(["export", "--run-dir", str(moved), "--out", str(tmp_path / "hf")]) == 2
-    assert "exporting MoE models to Hugging Face is not supported yet" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("error: model.moe.shared_experts=1: neither Mixtral nor Qwen3-MoE") and err.count("\n") == 1
     assert not (tmp_path / "hf").exists()
 
 
