@@ -1,4 +1,4 @@
-"""Hugging Face Llama checkpoints in and out of a run directory.
+"""Hugging Face checkpoints (Llama, Mixtral, Qwen3-MoE) in and out of a run directory.
 
     python hf.py import --hf-dir DIR --run-dir RUN [--config PRESET] [key=value ...]
     python hf.py export --run-dir RUN --out DIR [--step N] [--dtype bfloat16] [--overwrite]
@@ -6,8 +6,9 @@
 `import` writes RUN/config.yaml (the checkpoint's model keys, then the user's overrides) and a
 step-0 checkpoint holding the Hugging Face weights, a fresh optimizer state and data position, so
 `python train.py --config RUN/config.yaml` fine-tunes. `export` writes a run's checkpoint as
-config.json + model.safetensors (and the tokenizer files of an imported checkpoint). The weight
-mapping itself is model/hf.py; this entry point sits above the trainer, like train.py.
+config.json + model.safetensors (and the tokenizer files of an imported checkpoint), as the
+architecture that holds the run's network (model/hf_arch.py). The weight mapping itself is
+model/hf.py; this entry point sits above the trainer, like train.py.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import jax
 
 from configs import dump_config, load_config
 from configs.schema import ConfigError, MeshConfig, PipelineConfig
-from model.hf import check_compatible, hf_config, model_keys, read_hf_config, to_hf_tensors
+from model.hf import check_compatible, read_hf_config, to_hf_tensors
+from model.hf_arch import hf_config, model_keys
 from model.safetensors_files import EXPORT_DTYPES, write_safetensors
 from trainer.checkpoint import has_checkpoints, restore_params
 from trainer.loop import make_session
@@ -50,18 +52,16 @@ def export(run_dir: str, out: str, step: int | None = None, dtype: str = "float3
     except RuntimeError:  # JAX_PLATFORMS names no cpu backend
         device = jax.devices()[0]
     cfg, step, params = restore_params(run_dir, step, device=device)
-    if cfg.model.moe.enabled:
-        raise ConfigError(f"--run-dir: {run_dir} holds a mixture of experts (model.moe.num_experts="
-                          f"{cfg.model.moe.num_experts}); exporting MoE models to Hugging Face is not supported yet")
     imported = bool(cfg.init.from_hf) and os.path.exists(os.path.join(cfg.init.from_hf, "config.json"))
     if imported:
         source = read_hf_config(cfg.init.from_hf, "init.from_hf")
     else:  # the byte tokenizer ends documents with 256 (data/tokenizer.py)
         source = {"eos_token_id": 256} if cfg.data.tokenizer == "byte" else {}
+    config = hf_config(cfg.model, source, dtype)  # ConfigError, before anything is written, if none fits
     os.makedirs(out, exist_ok=True)
     write_safetensors(to_hf_tensors(params, cfg.model), os.path.join(out, "model.safetensors"), dtype)
     with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(hf_config(cfg.model, source, dtype), f, indent=2)
+        json.dump(config, f, indent=2)
     for name in TOKENIZER_FILES if imported else ():
         src = os.path.join(cfg.init.from_hf, name)
         if os.path.exists(src):
@@ -104,9 +104,9 @@ def import_(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python hf.py", description="Hugging Face Llama checkpoints in/out.")
+    parser = argparse.ArgumentParser(prog="python hf.py", description="Hugging Face checkpoints (Llama, Mixtral, Qwen3-MoE) in/out.")
     sub = parser.add_subparsers(dest="command", required=True)
-    imp = sub.add_parser("import", help="a Hugging Face Llama directory -> a run directory with a step-0 checkpoint")
+    imp = sub.add_parser("import", help="a Hugging Face Llama, Mixtral or Qwen3-MoE directory -> a run directory with a step-0 checkpoint")
     imp.add_argument("--hf-dir", required=True, help="config.json + model.safetensors (or a sharded index)")
     imp.add_argument("--run-dir", required=True, help="the new run directory")
     imp.add_argument("--config", help="preset for everything but the model keys (data, optim, mesh ...)")

@@ -38,7 +38,9 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 # The logical dim names the model gives its parameters and activations (model/layers.py,
 # model/transformer.py, the pipeline runner): the only keys a rules table may have, since a rule
 # for any other name matches nothing. tests/test_config.py checks the model uses exactly these.
-LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", "expert")
+# `sublayers`: the dense layers inside one group of `model.moe.every` layers (model/transformer.py).
+LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", "expert",
+                "sublayers")
 
 
 class ConfigError(ValueError):
@@ -133,9 +135,12 @@ class ContextConfig:
 
 @dataclass(kw_only=True)
 class MoEConfig:
-    """A mixture of experts in place of every block's SwiGLU (model/moe.py); num_experts 0: dense."""
+    """A mixture of experts in place of the blocks' SwiGLU (model/moe.py); num_experts 0: dense."""
 
     num_experts: int = 0
+    # Every k-th layer is an MoE (layers k-1, 2k-1, ...: Qwen3-MoE's decoder_sparse_step), the
+    # others dense SwiGLU; 1: every layer. model.num_layers must be a multiple.
+    every: int = 1
     experts_per_token: int = 2  # top-k
     d_ff: int = 0  # per expert; 0: model.d_ff
     shared_experts: int = 0  # always-on experts (one SwiGLU of shared_experts x d_ff beside the routed ones)
@@ -167,6 +172,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
+    # RMSNorm (a learned scale per head_dim entry) on every head of q and k, before the rotary
+    # embedding, as Qwen3 and Qwen3-MoE do; off: Llama, Mixtral.
+    qk_norm: bool = False
     init_std: float = 0.02
     dtype: str = "float32"  # compute dtype; parameters are always float32
     remat: str = "none"

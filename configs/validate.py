@@ -70,8 +70,14 @@ def _check_moe(cfg: Config) -> None:
     _require(e.num_experts >= 0, "model.moe.num_experts", f"must be >= 0 (0: dense), got {e.num_experts}")
     _require(cfg.mesh.expert == 1 or e.enabled, "mesh.expert", f"{cfg.mesh.expert} needs model.moe.num_experts > 0")
     _one_of(e.router, "model.moe.router", ROUTERS)
+    _require(e.every >= 1, "model.moe.every", f"must be >= 1 (1: every layer is an MoE), got {e.every}")
     if not e.enabled:
         return
+    _require(cfg.model.num_layers % e.every == 0, "model.moe.every",
+             f"{e.every} does not divide model.num_layers={cfg.model.num_layers}")
+    # The pipeline splits the stack by layers; a group of `every` layers is one scanned step.
+    _require(e.every == 1 or cfg.mesh.pipeline == 1, "model.moe.every",
+             f"{e.every} with mesh.pipeline={cfg.mesh.pipeline}: layer groups are not split into stages yet")
     _require(
         1 <= e.experts_per_token <= e.num_experts,
         "model.moe.experts_per_token",

@@ -18,11 +18,13 @@ Array = jax.Array
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool | None = None):
+        """moe: an MoE feed-forward (None: if `model.moe` is enabled), else the dense SwiGLU."""
+        moe = cfg.moe.enabled if moe is None else moe
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
-        self.mlp = MoE(cfg, rngs=rngs) if cfg.moe.enabled else MLP(cfg, rngs=rngs)
+        self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
 
     def feed_forward(self, x: Array) -> tuple[Array, Array]:
         """The feed-forward of normed x [b, l, d] -> (out [b, l, d], router stats float32)."""

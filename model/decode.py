@@ -19,7 +19,7 @@ from flax import nnx
 
 from model.attention import masked_attention
 from model.block import Block
-from model.transformer import Transformer
+from model.transformer import BlockGroup, Transformer
 
 Array = jax.Array
 
@@ -59,15 +59,39 @@ def forward(model: Transformer, tokens: Array, cache: Cache, start: Array | int)
     """tokens [batch, t] at positions start..start+t-1 -> (logits [batch, t, vocab] float32, cache)."""
     positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
     x = jnp.take(model.embedding[...], tokens, axis=0).astype(jnp.dtype(model.cfg.dtype))
+    every = model.cfg.moe.every if isinstance(model.layers, BlockGroup) else 1
+    if every == 1:
+        x, k, v = _scan_blocks(model.layers, x, positions, start, cache.k, cache.v)
+        return model.logits(model.final_norm(x)), Cache(k, v)
+    # Layer groups (model.moe.every): the cache's layers as [groups, every, ...], the group's
+    # dense layers first, its MoE layer last.
     graphdef, stacked = nnx.split(model.layers)
+    grouped = lambda a: a.reshape(-1, every, *a.shape[1:])  # noqa: E731
+
+    def group(h: Array, layer: tuple[nnx.State, Array, Array]) -> tuple[Array, tuple[Array, Array]]:
+        state, k_cache, v_cache = layer
+        g = nnx.merge(graphdef, state)
+        h, k_dense, v_dense = _scan_blocks(g.dense, h, positions, start, k_cache[:-1], v_cache[:-1])
+        h, k_moe, v_moe = _block(g.moe, h, positions, start, k_cache[-1], v_cache[-1])
+        return h, (jnp.concatenate([k_dense, k_moe[None]]), jnp.concatenate([v_dense, v_moe[None]]))
+
+    x, (k, v) = jax.lax.scan(group, x, (stacked, grouped(cache.k), grouped(cache.v)))
+    return model.logits(model.final_norm(x)), Cache(k.reshape(cache.k.shape), v.reshape(cache.v.shape))
+
+
+def _scan_blocks(
+    stack: Block, x: Array, positions: Array, start: Array | int, k_cache: Array, v_cache: Array
+) -> tuple[Array, Array, Array]:
+    """The stacked blocks in order over x, each with its slice [layer] of the caches."""
+    graphdef, stacked = nnx.split(stack)
 
     def body(h: Array, layer: tuple[nnx.State, Array, Array]) -> tuple[Array, tuple[Array, Array]]:
-        state, k_cache, v_cache = layer
-        h, k_cache, v_cache = _block(nnx.merge(graphdef, state), h, positions, start, k_cache, v_cache)
-        return h, (k_cache, v_cache)
+        state, k_layer, v_layer = layer
+        h, k_layer, v_layer = _block(nnx.merge(graphdef, state), h, positions, start, k_layer, v_layer)
+        return h, (k_layer, v_layer)
 
-    x, (k, v) = jax.lax.scan(body, x, (stacked, cache.k, cache.v))
-    return model.logits(model.final_norm(x)), Cache(k, v)
+    x, (k, v) = jax.lax.scan(body, x, (stacked, k_cache, v_cache))
+    return x, k, v
 
 
 def sample(logits: Array, key: Array, temperature: float, top_k: int) -> Array:

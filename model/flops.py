@@ -15,12 +15,17 @@ from configs.schema import ModelConfig
 def matmul_params(cfg: ModelConfig) -> int:
     d, hd = cfg.d_model, cfg.resolved_head_dim
     attn = d * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)  # q, o and k, v
-    mlp = 3 * d * cfg.d_ff
-    if cfg.moe.enabled:
-        e = cfg.moe
-        mlp = 3 * d * (e.d_ff or cfg.d_ff) * (e.experts_per_token + e.shared_experts) + d * e.num_experts
+    dense = 3 * d * cfg.d_ff
+    moe_layers = moe_layer_count(cfg)
+    e = cfg.moe
+    moe = 3 * d * (e.d_ff or cfg.d_ff) * (e.experts_per_token + e.shared_experts) + d * e.num_experts
     head = d * cfg.vocab_size
-    return cfg.num_layers * (attn + mlp) + head
+    return cfg.num_layers * attn + (cfg.num_layers - moe_layers) * dense + moe_layers * moe + head
+
+
+def moe_layer_count(cfg: ModelConfig) -> int:
+    """How many layers are MoE layers (`model.moe.every`: one in each group of that many)."""
+    return cfg.num_layers // cfg.moe.every if cfg.moe.enabled else 0
 
 
 def flops_per_token(cfg: ModelConfig) -> float:

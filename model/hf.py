@@ -1,10 +1,12 @@
-"""The Hugging Face Llama weight mapping: its config and tensors to ours and back.
+"""The Hugging Face weight mapping: config.json and tensors to ours and back (Llama, Mixtral,
+Qwen3-MoE; which tensor is which per architecture: model/hf_arch.py).
 
-The commands that use it (`python hf.py import|export`) live beside train.py. The two layouts hold the same numbers: a Hugging Face projection `W` ([out, in], applied as
-`x @ W.T`) is our `W.T` reshaped to named dims (q: [embed, heads, head_dim]; o: [heads,
-head_dim, embed]), and the per-layer tensors are stacked on a leading `layers` dim. Rotary
-embeddings use the same half-split convention (`rotate_half`), so q and k need no permutation;
-the oracle tests in tests/test_hf.py check all of it against `transformers` logits.
+The commands that use it (`python hf.py import|export`) live beside train.py. The two layouts
+hold the same numbers: a Hugging Face projection `W` ([out, in], applied as `x @ W.T`) is our
+`W.T` reshaped to named dims (q: [embed, heads, head_dim]; o: [heads, head_dim, embed]); the
+per-layer tensors are stacked on a leading `layers` dim and the per-expert ones on `expert`
+after it. Rotary embeddings use the same half-split convention (`rotate_half`), so q and k need
+no permutation; the oracle tests in tests/test_hf.py check all of it against `transformers` logits.
 
 Safetensors files are read and written through the `safetensors` library
 (model/safetensors_files.py), memory-mapped, with numpy (no torch), bfloat16 files included;
@@ -21,35 +23,9 @@ import jax
 import numpy as np
 
 from configs.schema import ConfigError, ModelConfig
+from model.hf_arch import architecture, entries, model_keys
 from model.safetensors_files import SafetensorsDir
 from model.transformer import param_shapes
-
-# (our parameter path, Hugging Face tensor name, input dims). "{i}" is the layer index. A
-# projection with n input dims is stored by Hugging Face as [prod(other dims), prod(input dims)]
-# (torch's [out, in]); ours keeps the dims named, input first. 0: stored as is (norms, embedding).
-TENSORS: tuple[tuple[tuple[str, ...], str, int], ...] = (
-    (("embedding",), "model.embed_tokens.weight", 0),
-    (("final_norm", "scale"), "model.norm.weight", 0),
-    (("lm_head",), "lm_head.weight", 1),
-    (("layers", "attn_norm", "scale"), "model.layers.{i}.input_layernorm.weight", 0),
-    (("layers", "attn", "q"), "model.layers.{i}.self_attn.q_proj.weight", 1),
-    (("layers", "attn", "k"), "model.layers.{i}.self_attn.k_proj.weight", 1),
-    (("layers", "attn", "v"), "model.layers.{i}.self_attn.v_proj.weight", 1),
-    (("layers", "attn", "o"), "model.layers.{i}.self_attn.o_proj.weight", 2),
-    (("layers", "mlp_norm", "scale"), "model.layers.{i}.post_attention_layernorm.weight", 0),
-    (("layers", "mlp", "gate"), "model.layers.{i}.mlp.gate_proj.weight", 1),
-    (("layers", "mlp", "up"), "model.layers.{i}.mlp.up_proj.weight", 1),
-    (("layers", "mlp", "down"), "model.layers.{i}.mlp.down_proj.weight", 1),
-)
-
-# Options whose non-default values change the network in ways ModelConfig cannot express.
-UNSUPPORTED_DEFAULTS = {
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "mlp_bias": False,
-    "rope_scaling": None,
-    "sliding_window": None,
-}
 
 
 def read_hf_config(hf_dir: str, key: str) -> dict[str, Any]:
@@ -63,48 +39,25 @@ def read_hf_config(hf_dir: str, key: str) -> dict[str, Any]:
         raise ConfigError(f"{key}: {path} is not valid JSON ({e})") from None
 
 
-def _rope_theta(hf: dict[str, Any]) -> tuple[float, list[str]]:
-    """The rotary base and the rope options we cannot express. transformers 5 writes
-    `rope_parameters`; 4.x writes `rope_theta` and `rope_scaling`."""
-    params = hf.get("rope_parameters") or {}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    bad = [] if rope_type == "default" else [f"rope_parameters.rope_type={rope_type!r}"]
-    return float(theta), bad
-
-
-def model_keys(hf: dict[str, Any], key: str) -> dict[str, Any]:
-    """A Hugging Face Llama config.json -> our `model.*` values. Raises ConfigError naming every
-    option the model cannot express."""
-    path = f"{key}/config.json"
-    if hf.get("model_type") != "llama":
-        raise ConfigError(f"{key}: {path} has model_type={hf.get('model_type')!r}; only 'llama' can be read")
-    theta, bad = _rope_theta(hf)
-    bad += [f"{n}={hf[n]!r}" for n, default in UNSUPPORTED_DEFAULTS.items() if hf.get(n, default) != default]
-    if bad:
-        raise ConfigError(f"{key}: {path} uses options this model cannot express: {', '.join(bad)}")
-    heads = hf["num_attention_heads"]
-    return {
-        "num_layers": hf["num_hidden_layers"],
-        "d_model": hf["hidden_size"],
-        "num_heads": heads,
-        "num_kv_heads": hf.get("num_key_value_heads") or heads,
-        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
-        "d_ff": hf["intermediate_size"],
-        "vocab_size": hf["vocab_size"],
-        "rope_theta": theta,
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-    }
+def _ours(cfg: ModelConfig, name: str) -> Any:
+    """The value of `model.<name>` (dotted) as the network sees it (0 = default resolved)."""
+    if name == "head_dim":
+        return cfg.resolved_head_dim
+    if name == "moe.d_ff":
+        return cfg.moe.d_ff or cfg.d_ff
+    value = cfg
+    for part in name.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def check_compatible(cfg: ModelConfig, hf_dir: str, key: str = "init.from_hf") -> None:
     """`cfg` must describe the network stored in `hf_dir`; ConfigError names the first key that does not."""
-    if cfg.moe.enabled:
-        raise ConfigError(f"model.moe.num_experts={cfg.moe.num_experts}: {key} reads dense Llama checkpoints only "
-                          "(Hugging Face MoE models are not supported yet)")
-    for name, value in model_keys(read_hf_config(hf_dir, key), key).items():
-        ours = cfg.resolved_head_dim if name == "head_dim" else getattr(cfg, name)
+    keys = model_keys(read_hf_config(hf_dir, key), key)
+    if keys["moe.num_experts"] and keys.get("moe.every", 1) == 1:  # no dense layer: d_ff is used nowhere
+        del keys["d_ff"]
+    for name, value in keys.items():
+        ours = _ours(cfg, name)
         if ours != value:
             raise ConfigError(
                 f"model.{name}={ours!r} but the Hugging Face checkpoint {key}={hf_dir} has {value!r}; "
@@ -124,8 +77,25 @@ def _set_path(tree: dict, path: tuple[str, ...], value: Any) -> None:
     tree[path[-1]] = value
 
 
-def _entries(cfg: ModelConfig) -> list[tuple[tuple[str, ...], str, int]]:
-    return [e for e in TENSORS if not (cfg.tie_embeddings and e[0] == ("lm_head",))]
+def _names(path: tuple[str, ...], name: str, shape: tuple[int, ...], every: int) -> np.ndarray:
+    """The tensor names of one parameter, an array over its stacked dims: [layers] for "{i}",
+    [layers, expert] for "{i}" and "{j}", a 0-d array for a single tensor. Under layer groups
+    of `every` (model/hf_arch.py `entries`) the layer dims are [group, every - 1] for the dense
+    layers (layer g x every + s) and [group] for the MoE ones (layer g x every + every - 1)."""
+    group = path[1] if path[:2] in (("layers", "dense"), ("layers", "moe")) else None
+    stacked = shape[: ("{i}" in name) * (2 if group == "dense" else 1) + ("{j}" in name)]
+    names = np.empty(stacked, dtype=object)
+    for index in np.ndindex(stacked):
+        fields, rest = {}, index
+        if "{i}" in name:
+            if group == "dense":
+                fields["i"], rest = index[0] * every + index[1], index[2:]
+            else:
+                fields["i"], rest = index[0] * every + (every - 1 if group else 0), index[1:]
+        if "{j}" in name:
+            fields["j"] = rest[0]
+        names[index] = name.format(**fields)
+    return names
 
 
 def _hf_shape(ours: tuple[int, ...], n_in: int) -> tuple[int, ...]:
@@ -144,12 +114,12 @@ def _from_ours(a: np.ndarray, n_in: int) -> np.ndarray:
     return np.ascontiguousarray(a.reshape(int(np.prod(a.shape[:n_in])), -1).T if n_in else a)
 
 
-def _reader(files: SafetensorsDir, names: list[str], shape: tuple[int, ...], n_in: int, stacked: bool) -> Callable:
+def _reader(files: SafetensorsDir, names: np.ndarray, shape: tuple[int, ...], n_in: int) -> Callable:
     """The callback that reads the block `index` of one parameter for one device. A tensor
     stored as is (n_in 0: embedding, norms) is read block by block; a projection, whose stored
-    layout is transposed, one layer's tensor at a time (a stacked parameter, [layers, ...] with
-    one tensor name per layer, reads only the layers in the block)."""
-    one = shape[1:] if stacked else shape
+    layout is transposed, one tensor at a time (a stacked parameter, [layers, (expert,) ...]
+    with one tensor per layer (and expert), reads only the tensors in the block)."""
+    one = shape[names.ndim:]
 
     def tensor(name: str, index: tuple) -> np.ndarray:
         lazy = files.get(name, _hf_shape(one, n_in))
@@ -158,9 +128,11 @@ def _reader(files: SafetensorsDir, names: list[str], shape: tuple[int, ...], n_i
         return _to_ours(lazy[:], one, n_in)[index]
 
     def read(index: tuple) -> np.ndarray:
-        if not stacked:
-            return tensor(names[0], index)
-        return np.stack([tensor(n, index[1:]) for n in names[index[0]]])
+        if not names.ndim:
+            return tensor(names[()], index)
+        block = names[index[: names.ndim]]
+        parts = [tensor(n, index[names.ndim:]) for n in block.reshape(-1)]
+        return np.stack(parts).reshape(block.shape + parts[0].shape)
 
     return read
 
@@ -170,59 +142,26 @@ def load_params(
 ) -> dict:
     """The Hugging Face checkpoint in `hf_dir` as our parameters, placed by `sharding` (one for
     all, or a tree like the parameters). Each device's block is read from the lazy slices, so
-    no host holds more than one layer's tensor whole."""
+    no host holds more than one layer's (or expert's) tensor whole."""
     check_compatible(cfg, hf_dir, key)
+    arch = read_hf_config(hf_dir, key)["model_type"]
     files, shapes, params = SafetensorsDir(hf_dir, key), param_shapes(cfg), {}
-    for path, name, n_in in _entries(cfg):
+    for path, name, n_in in entries(arch, cfg):
         shape = _get_path(shapes, path).shape
-        stacked = path[0] == "layers"
-        names = [name.format(i=i) for i in range(cfg.num_layers)] if stacked else [name]
-        for n in names:  # every tensor present with the right shape, before anything is placed
-            files.get(n, _hf_shape(shape[1:] if stacked else shape, n_in))
+        names = _names(path, name, shape, cfg.moe.every)
+        for n in names.reshape(-1):  # every tensor present with the right shape, before anything is placed
+            files.get(n, _hf_shape(shape[names.ndim:], n_in))
         placement = _get_path(sharding, path) if isinstance(sharding, dict) else sharding
-        read = _reader(files, names, shape, n_in, stacked)
-        _set_path(params, path, jax.make_array_from_callback(shape, placement, read))
+        _set_path(params, path, jax.make_array_from_callback(shape, placement, _reader(files, names, shape, n_in)))
     return params
 
 
 def to_hf_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """Our parameters (any arrays) -> Hugging Face tensor names and float32 [out, in] layouts."""
+    """Our parameters (any arrays) -> Hugging Face tensor names and float32 [out, in] layouts,
+    in the architecture `cfg` describes (ConfigError if none)."""
     out = {}
-    for path, name, n_in in _entries(cfg):
+    for path, name, n_in in entries(architecture(cfg), cfg):
         a = np.asarray(jax.device_get(_get_path(params, path)))
-        if path[0] == "layers":
-            out.update({name.format(i=i): _from_ours(a[i], n_in) for i in range(cfg.num_layers)})
-        else:
-            out[name] = _from_ours(a, n_in)
+        names = _names(path, name, a.shape, cfg.moe.every)
+        out.update({names[index]: _from_ours(a[index], n_in) for index in np.ndindex(names.shape)})
     return out
-
-
-def hf_config(cfg: ModelConfig, source: dict[str, Any] | None = None, dtype: str = "float32") -> dict[str, Any]:
-    """config.json for LlamaForCausalLM. Token ids and the context length come from `source`:
-    the config.json of the checkpoint the run was imported from, or just the tokenizer's ids."""
-    source = source or {}
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.d_ff,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.resolved_head_dim,
-        "vocab_size": cfg.vocab_size,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,  # read by transformers 4.x
-        "rope_parameters": rope,  # read by transformers 5
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "max_position_embeddings": max(cfg.seq_len, source.get("max_position_embeddings", 0)),
-        "bos_token_id": source.get("bos_token_id"),
-        "eos_token_id": source.get("eos_token_id"),
-        "pad_token_id": source.get("pad_token_id"),
-        "torch_dtype": dtype,  # transformers 4.x
-        "dtype": dtype,  # transformers 5
-    }

@@ -59,8 +59,8 @@ def project(spec: str, x: Array, p: nnx.Param, cfg: ModelConfig) -> Array:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs):
-        self.scale = param(rngs, nnx.initializers.ones, (dim,), ("embed",))
+    def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs, axis: str = "embed"):
+        self.scale = param(rngs, nnx.initializers.ones, (dim,), (axis,))
         self.eps = eps
 
     def __call__(self, x: Array) -> Array:
@@ -91,6 +91,9 @@ class Attention(nnx.Module):
         self.k = param(rngs, init, (d, kv, hd), ("embed", "kv_heads", "head_dim"))
         self.v = param(rngs, init, (d, kv, hd), ("embed", "kv_heads", "head_dim"))
         self.o = param(rngs, init, (h, hd, d), ("heads", "head_dim", "embed"))
+        if cfg.qk_norm:  # one scale shared by all heads (Qwen3)
+            self.q_norm = RMSNorm(hd, cfg.norm_eps, rngs=rngs, axis="head_dim")
+            self.k_norm = RMSNorm(hd, cfg.norm_eps, rngs=rngs, axis="head_dim")
         self.cfg = cfg
 
     def __call__(self, x: Array, positions: Array, segment_ids: Array | None) -> Array:
@@ -104,6 +107,8 @@ class Attention(nnx.Module):
         q = project("bld,dhk->blhk", x, self.q, self.cfg)
         k = project("bld,dhk->blhk", x, self.k, self.cfg)
         v = project("bld,dhk->blhk", x, self.v, self.cfg)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = constrain(rotary(q, positions, self.cfg.rope_theta), ("batch", "length", "heads", "head_dim"))
         k = constrain(rotary(k, positions, self.cfg.rope_theta), ("batch", "length", "kv_heads", "head_dim"))
         return q, k, constrain(v, ("batch", "length", "kv_heads", "head_dim"))

@@ -1,7 +1,9 @@
 """The Llama-style decoder: embedding, a stack of identical blocks, final norm, output head.
 
 The blocks are created once with `nnx.vmap` as one stacked module (every parameter gains a
-leading `layers` axis) and applied by a *layer runner*. The default runner scans over the
+leading `layers` axis) and applied by a *layer runner*. With `model.moe.every` = k > 1 the
+stacked unit is a `BlockGroup` of k layers (k - 1 dense ones stacked on `sublayers`, then an
+MoE one), so the stack stays one scan over num_layers / k identical groups. The default runner scans over the
 stack, so compile time stays flat in depth; the trainer may hand in another one (a pipeline
 schedule) without the model knowing about meshes or devices. A runner returns the hidden states
 and the layers' router statistics (model/moe.py `STATS`), summed over the layers (and averaged
@@ -19,6 +21,7 @@ from flax import nnx
 
 from configs.schema import REMAT_SAVES, ModelConfig
 from model.block import Block
+from model.flops import moe_layer_count
 from model.layers import RMSNorm, constrain, param
 from model.moe import STATS
 
@@ -58,6 +61,29 @@ def scan_layers(
     return x, stats
 
 
+class BlockGroup(nnx.Module):
+    """`model.moe.every` = k > 1 layers: k - 1 dense ones (stacked on `sublayers`, applied by an
+    inner scan), then one MoE layer. Called like a Block, so every layer runner takes it."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        @nnx.split_rngs(splits=cfg.moe.every - 1)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "sublayers"})
+        def make_dense(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, rngs=rngs, moe=False)
+
+        self.dense = make_dense(rngs)
+        self.moe = Block(cfg, rngs=rngs, moe=True)
+
+    def __call__(self, x: Array, positions: Array, segment_ids: Array | None) -> tuple[Array, Array]:
+        graphdef, stacked = nnx.split(self.dense)
+
+        def body(h: Array, layer_state: nnx.State) -> tuple[Array, None]:
+            return nnx.merge(graphdef, layer_state)(h, positions, segment_ids)[0], None  # dense: no router stats
+
+        x, _ = jax.lax.scan(body, x, stacked)
+        return self.moe(x, positions, segment_ids)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def head_logits(x: Array, w: Array, w_dims: str) -> Array:
     """Output-head logits in float32 from x [batch, length, embed] and the head weight in the
@@ -91,10 +117,12 @@ class Transformer(nnx.Module):
         init = nnx.initializers.normal(cfg.init_std)
         self.embedding = param(rngs, init, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
 
-        @nnx.split_rngs(splits=cfg.num_layers)
+        grouped = cfg.moe.enabled and cfg.moe.every > 1
+
+        @nnx.split_rngs(splits=cfg.num_layers // cfg.moe.every if grouped else cfg.num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_stack(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, rngs=rngs)
+        def make_stack(rngs: nnx.Rngs) -> Block | BlockGroup:
+            return BlockGroup(cfg, rngs=rngs) if grouped else Block(cfg, rngs=rngs)
 
         self.layers = make_stack(rngs)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
@@ -118,7 +146,7 @@ class Transformer(nnx.Module):
         segment_ids: Array | None = None,
         runner: LayerRunner | None = None,
     ) -> tuple[Array, Array]:
-        """As `features`, with the router statistics averaged over the layers ([len(STATS)]
+        """As `features`, with the router statistics averaged over the MoE layers ([len(STATS)]
         float32: model/moe.py; zeros for a dense model)."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
@@ -127,7 +155,7 @@ class Transformer(nnx.Module):
             x, stats = scan_layers(self.layers, x, positions, segment_ids, remat_policy=self.cfg.remat)
         else:
             x, stats = runner(self.layers, x, positions, segment_ids)
-        return self.final_norm(x), stats / self.cfg.num_layers
+        return self.final_norm(x), stats / max(1, moe_layer_count(self.cfg))
 
     def embed(self, tokens: Array) -> Array:
         """tokens [batch, length] int -> embeddings [batch, length, embed] in the compute dtype

@@ -80,6 +80,7 @@ def test_resolved_config_round_trips(tmp_path):
         (["sharding.params.routing=null"], "sharding.params.routing: unknown logical name; the model's names are batch, "),
         (["model.moe.router=top1"], "model.moe.router: 'top1' is not one of softmax_topk, topk_softmax"),
         (["model.moe.num_experts=-2"], "model.moe.num_experts: must be >= 0 (0: dense), got -2"),
+        (["model.moe.every=-1"], "model.moe.every: must be >= 1 (1: every layer is an MoE), got -1"),
         (["steps"], "override 'steps' is not of the form key=value"),
     ],
 )

@@ -81,8 +81,10 @@ def test_the_model_names_exactly_the_logical_axes_a_rules_table_may_use(monkeypa
 
     monkeypatch.setattr(nn, "with_logical_constraint", recording)
     param_names: set[str] = set()
-    # A dense model and a mixture of experts (its expert weights name the `expert` dim).
-    for cfg in (small(tie_embeddings=False), small(moe=MoEConfig(num_experts=4, shared_experts=1))):
+    # A dense model and mixtures of experts (expert weights name the `expert` dim; groups of
+    # `moe.every` layers stack their dense layers on `sublayers`).
+    for cfg in (small(tie_embeddings=False), small(moe=MoEConfig(num_experts=4, shared_experts=1)),
+                small(qk_norm=True, moe=MoEConfig(num_experts=4, every=2))):
         graphdef, state = nnx.split(abstract_transformer(cfg))
         x = jax.ShapeDtypeStruct((2, cfg.seq_len), jnp.int32)
         jax.eval_shape(lambda st, t: nnx.merge(graphdef, st)(t), state, x)

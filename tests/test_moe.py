@@ -253,7 +253,62 @@ def test_checkpoints_move_between_expert_layouts(tmp_path, capsys):
     assert len(set(losses)) == 4 and straight[0]["moe_aux_loss"] > 1.0  # the steps really update
     np.testing.assert_allclose([r["loss"] for r in resumed], losses[2:], rtol=2e-5)
     np.testing.assert_allclose([r["moe_aux_loss"] for r in resumed], [r["moe_aux_loss"] for r in straight[2:]], rtol=2e-5)
-    # Hugging Face export refuses an MoE run in one line (not built yet) and writes nothing.
+    # Hugging Face export refuses shared experts (neither Mixtral nor Qwen3-MoE has ungated ones)
+    # in one line and writes nothing.
     assert hf_cli.main(["export", "--run-dir", str(moved), "--out", str(tmp_path / "hf")]) == 2
-    assert "exporting MoE models to Hugging Face is not supported yet" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("error: model.moe.shared_experts=1: neither Mixtral nor Qwen3-MoE") and err.count("\n") == 1
     assert not (tmp_path / "hf").exists()
+
+
+def _grouped(num_layers: int):
+    return load_config(TINY, [*MOE, f"model.num_layers={num_layers}", "model.moe.every=2", "model.d_ff=48"]).model
+
+
+def test_every_second_layer_equals_a_layer_by_layer_reference_and_stays_scanned():
+    """model.moe.every=2: the grouped, scanned stack equals the layers run one by one in order
+    (dense, MoE, dense, MoE), logits and router statistics; its program does not grow with depth."""
+    from model.block import Block
+    from model.decode import forward, init_cache
+    from model.flops import moe_layer_count
+    from model.transformer import Transformer, transformer_from_params
+
+    cfg = _grouped(4)
+    params = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(1))))
+    assert params["layers"]["dense"]["mlp"]["gate"].shape[:2] == (2, 1) and "router" in params["layers"]["moe"]["mlp"]
+    tokens = jax.random.randint(jax.random.key(2), (2, 16), 0, 257)
+    model = transformer_from_params(cfg, params)
+    logits, (x, stats) = model(tokens), model.features_and_stats(tokens)
+
+    def reference(order: tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
+        positions = jnp.broadcast_to(jnp.arange(16), tokens.shape)
+        h, total = model.embed(tokens), jnp.zeros(4)
+        for group in range(2):
+            for kind in order:
+                p = jax.tree.map(lambda a: a[group, 0] if kind == "dense" else a[group], params["layers"][kind])
+                graphdef, state = nnx.split(nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0), moe=kind == "moe")))
+                nnx.replace_by_pure_dict(state, p)
+                h, s = nnx.merge(graphdef, state)(h, positions, None)
+                total = total + s
+        return model.logits(model.final_norm(h)), total / moe_layer_count(cfg)
+
+    ref_logits, ref_stats = reference(("dense", "moe"))
+    swapped, _ = reference(("moe", "dense"))
+    assert float(jnp.abs(swapped - ref_logits).max()) > 1e-2  # the order of the layers shows
+    np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(stats, ref_stats, rtol=1e-5)
+    assert moe_layer_count(cfg) == 2 and stats[0] > 0.5  # a real aux loss, averaged over the 2 MoE layers
+    cached, _ = forward(model, tokens, init_cache(model, 2, 20), 0)  # KV-cache decoding walks the groups too
+    np.testing.assert_allclose(cached, ref_logits, rtol=1e-5, atol=1e-5)
+
+    def program(num_layers: int) -> jax.core.ClosedJaxpr:
+        c = _grouped(num_layers)
+        p = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: Transformer(c, rngs=nnx.Rngs(0)))))
+        return jax.make_jaxpr(lambda p, t: transformer_from_params(c, p)(t))(p, tokens)
+
+    shallow, deep = program(4), program(16)
+    scans = [e for e in deep.jaxpr.eqns if e.primitive.name == "scan"]
+    assert len(scans) == 1 and scans[0].params["length"] == 8  # one scan over the 8 groups ...
+    inner = [e for e in scans[0].params["jaxpr"].jaxpr.eqns if e.primitive.name == "scan"]
+    assert len(inner) == 1  # ... whose body scans the group's dense layers
+    assert len(deep.jaxpr.eqns) == len(shallow.jaxpr.eqns)

@@ -28,7 +28,7 @@ from optax.contrib import MuonDimensionNumbers
 
 from configs.schema import OptimConfig
 
-STACK_DIMS = ("layers", "expert")  # dims that stack independent matrices: Muon's batch dims
+STACK_DIMS = ("layers", "sublayers", "expert")  # dims that stack independent matrices: Muon's batch dims
 
 
 def lr_schedule(cfg: OptimConfig, total_steps: int, peak: float | None = None) -> optax.Schedule:
@@ -64,7 +64,7 @@ def _tree(axes: dict, fn: Callable) -> dict:
 
 def decay_mask(axes: dict) -> dict:
     """Weight decay on matrices only; norm scales (one dim besides `layers`) are left alone."""
-    return _tree(axes, lambda names: len([n for n in names if n != "layers"]) >= 2)
+    return _tree(axes, lambda names: len([n for n in names if n not in ("layers", "sublayers")]) >= 2)
 
 
 def muon_dims(names: tuple[str, ...]) -> MuonDimensionNumbers | None:
