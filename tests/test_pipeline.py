@@ -5,6 +5,7 @@ checkpoints that move freely between pipeline layouts."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 import trainer
+from bench.procs import two_processes
 from configs import ConfigError, load_config
 from conftest import ROOT, stdlib_glob
 from test_context import packed_batch
@@ -119,6 +121,22 @@ def test_training_curve_equals_data_parallelism(tmp_path, data_parallel_losses, 
     history = trainer.run(config(*PIPELINED[layout], f"train.steps={STEPS}", "train.log_every=1", f"run.dir={tmp_path}"))
     assert data_parallel_losses[-1] < data_parallel_losses[0]
     np.testing.assert_allclose([r["loss"] for r in history], data_parallel_losses, rtol=2e-5)
+
+
+def test_zero_bubble_with_a_stage_per_process_trains_like_one_process(tmp_path):
+    """2 processes x 4 fake devices, pipeline=2 outermost (one stage per process: every tick's
+    activations and input gradients cross between them) against 1 process x 8 devices."""
+    layout = ["mesh.pipeline=2", "mesh.data=2", "mesh.tensor=2", "pipeline.microbatches=4",
+              "pipeline.schedule=zero_bubble", "train.steps=3", "train.log_every=1", f"data.path={stdlib_glob('json')}"]
+    reference = trainer.run(config(*layout, f"run.dir={tmp_path / 'one'}"))
+    procs = two_processes("--config", TINY, f"run.dir={tmp_path / 'two'}", *layout)
+    codes = [p.finish(240) for p in procs]
+    assert codes == [0, 0], procs[0].output + procs[1].output
+    assert "2 process(es)" in procs[0].output
+    with open(tmp_path / "two" / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in reference], rtol=2e-5)
 
 
 @pytest.mark.parametrize(
