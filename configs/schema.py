@@ -34,7 +34,7 @@ OPTIMIZERS = ("adamw", "muon", "adafactor", "lion")  # all from optax (trainer/o
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # trainer/trackers.py
 MESH_AXES = ("pipeline", "data", "fsdp", "expert", "context", "tensor")  # outermost first
 ROUTERS = ("softmax_topk", "topk_softmax")  # model.moe.router (model/moe.py)
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 # The logical dim names the model gives its parameters and activations (model/layers.py,
 # model/transformer.py, the pipeline runner): the only keys a rules table may have, since a rule
 # for any other name matches nothing. tests/test_config.py checks the model uses exactly these.
@@ -114,7 +114,8 @@ class PipelineConfig:
     repeats: int = 1  # > 1: circular schedule, each stage holds `repeats` non-adjacent layer groups
     # gpipe: all forwards, then all backwards (activations of every microbatch live at once);
     # 1f1b: one forward and one backward per tick (activations of at most 2S - 1 microbatches);
-    # interleaved_1f1b: the same over `repeats` layer groups per stage (at most 2RS - 1 stage inputs).
+    # interleaved_1f1b: the same over `repeats` layer groups per stage (at most 2RS - 1 stage inputs);
+    # zero_bubble: 1f1b with each backward split, the weight-gradient half deferred into the bubble.
     schedule: str = "gpipe"
 
 

@@ -31,24 +31,35 @@ from jax.sharding import PartitionSpec
 
 from model.moe import STATS
 from sharding.rules import Rules
+from sharding.ticks import COSTS
 
 Array = jax.Array
 # (sub-stack, x, positions, segment_ids) -> (x, router statistics summed over the sub-stack)
 StageFn = Callable[[nnx.Module, Array, Array, "Array | None"], tuple[Array, Array]]
 
 
-def bubble_fraction(stages: int, repeats: int, microbatches: int) -> float:
-    """Idle share of the schedule: (S - 1) / (R * M + S - 1)."""
-    return (stages - 1) / (repeats * microbatches + stages - 1)
+def bubble_fraction(stages: int, repeats: int, microbatches: int, schedule: str = "gpipe") -> float:
+    """Idle share of the schedule: (S - 1) / (R * M + S - 1), or for zero_bubble
+    (S - 1)(F + B) / ((M + S - 1)(F + B) + M W) with sharding/ticks.py's costs (F 1, B 2, W 3)."""
+    S, R, M = stages, repeats, microbatches
+    if schedule == "zero_bubble":
+        c = COSTS["zero_bubble"]
+        return (S - 1) * (c["F"] + c["B"]) / ((M + S - 1) * (c["F"] + c["B"]) + M * c["W"])
+    return (S - 1) / (R * M + S - 1)
 
 
 def bubble_formula(schedule: str, stages: int, repeats: int, microbatches: int) -> str:
     """`bubble_fraction` as a schedule's formula with its numbers, for the planner's printout.
     GPipe (with repeats: circular) and 1F1B idle the same S - 1 ticks of forwards and of
-    backwards; 1F1B runs each stage's layers once (R = 1), so its formula has no R."""
+    backwards; 1F1B runs each stage's layers once (R = 1), so its formula has no R. Zero-bubble
+    idles S - 1 ticks of F and of B, and none of W (costs: sharding/ticks.py)."""
     S, R, M = stages, repeats, microbatches
     if schedule == "1f1b":
         return f"(S - 1) / (M + S - 1) = {S - 1} / ({M} + {S - 1})"
+    if schedule == "zero_bubble":
+        c = COSTS["zero_bubble"]
+        return (f"(S - 1)(F + B) / ((M + S - 1)(F + B) + M W), F {c['F']} B {c['B']} W {c['W']} = "
+                f"{S - 1} x {c['F'] + c['B']} / ({M + S - 1} x {c['F'] + c['B']} + {M} x {c['W']})")
     return f"(S - 1) / (R x M + S - 1) = {S - 1} / ({R} x {M} + {S - 1})"
 
 

@@ -91,7 +91,7 @@ def _describe(cfg: Config | None, overrides: list[str], n: int) -> dict[str, Any
         layout.update(microbatches=p.microbatches, repeats=p.repeats, schedule=p.schedule)
         # The idle share the predicted step time divides by, and where it comes from.
         out["pipeline"] = {"schedule": p.schedule,
-                           "bubble": bubble_fraction(layout["pipeline"], p.repeats, p.microbatches),
+                           "bubble": bubble_fraction(layout["pipeline"], p.repeats, p.microbatches, p.schedule),
                            "bubble_formula": bubble_formula(p.schedule, layout["pipeline"], p.repeats, p.microbatches)}
     return out
 

@@ -1,5 +1,5 @@
-"""The 1F1B pipeline schedules (plain and interleaved): explicit ticks, each stage's backward by
-hand, activations bounded.
+"""The 1F1B pipeline schedules (plain, interleaved and zero-bubble): explicit ticks, each stage's
+backward by hand, activations bounded.
 
 GPipe (sharding/pipeline.py) is the autodiff of a forward scan: every microbatch's activations
 live until the backward pass starts, so memory grows with the number of microbatches M. In 1F1B
@@ -38,6 +38,17 @@ How, and why this way:
   stage each: the bubble is (S - 1) / (RM + S - 1). With R = 1 this is the plain 1F1B above.
   The head and the embedding's backward run only on the ticks that need them (`lax.cond` on a
   predicate every device computes alike).
+- Zero-bubble (ZB-H1, R = 1): each backward splits into B, the input gradient (on the critical
+  path: sent to the previous stage at once) and W, the weight gradient, deferred. The B wavefront
+  (ticks S - 1 to 2S - 3, the last stage's first B down to stage 0's) runs without W slots; from
+  tick 2S - 2 on, every tick has a W slot, and stage s runs microbatch t - (2S - 2)'s W in it, s
+  ticks after its B: the last stage's W's fill the ticks that 1F1B's cool-down spends on stage
+  0's. Stage s holds s deferred output cotangents (S slots) and its inputs s ticks longer (still
+  within the 2S - 1 slots). Lockstep, a tick costs its slots on every stage, so the bubble is
+  (S - 1)(F + B) / ((M + S - 1)(F + B) + M W) against 1F1B's (S - 1)(F + B + W) / ((M + S - 1)
+  (F + B + W)): the W of S - 1 ticks saved; the paper's (S - 1)(F + B - W) needs stages running
+  different passes at once, which one SPMD program per tick does not do. sharding/ticks.py has
+  the tick table and the cost model.
 - The embedding runs where a microbatch enters (before stage 0) and the head and loss where it
   leaves (after stage S - 1), outside the stage `vmap`: every pipeline device computes them for
   one microbatch per tick (the head's share of the step is small next to the layers').
@@ -53,6 +64,7 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec
 
 from sharding.rules import Rules
+from sharding.ticks import backward_item, forward_item, passes, phases
 
 Array = jax.Array
 Micro = dict[str, Array]  # one microbatch's inputs; with a leading [M] dim: all of them
@@ -82,35 +94,31 @@ def one_f_one_b(
     staged: Any,
     micro: Micro,
     stage_rules: Rules,
+    schedule: str = "1f1b",
 ) -> tuple[tuple[Array, Array], tuple[Any, Any]]:
     """((loss sum, target count), (gradients of `outer`, gradients of `staged`)) over all M
-    microbatches of `micro` (leaves [M, mb, ...]) under 1F1B (repeats 1) or interleaved 1F1B.
+    microbatches of `micro` (leaves [M, mb, ...]) under 1F1B (repeats 1), interleaved 1F1B or
+    zero_bubble (repeats 1, the backward split into B and W).
 
     `staged` holds the layer stack as [S, R, K, ...] (stage s, repeat r: layer group rS + s),
     sharded over `pipeline` along its first dim; `outer` holds every other parameter. Gradients
     come back in float32, with the trees and shapes of `outer` and `staged`."""
     S, R = stages, repeats
     M = jax.tree.leaves(micro)[0].shape[0]
-    U = R * M  # (microbatch, repeat) pairs: each passes every stage once forwards, once backwards
-    T0 = R * S - 1  # the tick of the first backward: the last stage's first microbatch of the last repeat
     W = 2 * R * S - 1  # stash slots: the longest a stage input waits for its backward, in ticks, plus one
+    split = schedule == "zero_bubble"
     ids = jnp.arange(S)
     pick = lambda m: jax.tree.map(lambda a: a[jnp.clip(m, 0, M - 1)], micro)  # noqa: E731 one [mb] or per-stage [S, mb]
 
-    def forward_item(u: Array) -> tuple[Array, Array]:
-        """(microbatch, repeat) of the u-th forward pass through a stage: groups of S microbatches
-        run through repeat 0, then 1, ..., so that the last stage's output for repeat r reaches
-        stage 0 for repeat r + 1 on the next tick."""
-        within = u % (S * R)
-        return (u // (S * R)) * S + within % S, within // S
-
-    def backward_item(w: Array) -> tuple[Array, Array]:
-        """The same order mirrored: the w-th backward pass runs the repeats last to first."""
-        m, r = forward_item(w)
-        return m, R - 1 - r
-
     def chunk(tree: Any, r: Array) -> Any:
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, jnp.clip(r, 0, R - 1), 0, keepdims=False), tree)
+
+    def scatter(p: Any, g_p: Any, r: Array, on: Array) -> Any:
+        """The repeat's gradients in a zero [R, K, ...] tree: only one chunk is touched."""
+        return jax.tree.map(
+            lambda a, gp: jax.lax.dynamic_update_index_in_dim(
+                jnp.zeros(a.shape, jnp.float32), jnp.where(on, gp, 0).astype(jnp.float32), jnp.clip(r, 0, R - 1), 0),
+            p, g_p)
 
     def forward(p: Any, r: Array, x: Array, mb: Micro) -> Array:
         return stage_fn(chunk(p, r), x, mb)
@@ -119,15 +127,28 @@ def one_f_one_b(
         p_r = chunk(p, r)
         _, vjp = jax.vjp(lambda p, x: stage_fn(p, x, mb), p_r, x)
         g_p, g_x = vjp(g)
-        # Scatter the repeat's gradients into a zero [R, K, ...] tree: only one chunk is touched.
-        full = jax.tree.map(
-            lambda a, gp: jax.lax.dynamic_update_index_in_dim(
-                jnp.zeros(a.shape, jnp.float32), jnp.where(on, gp, 0).astype(jnp.float32), jnp.clip(r, 0, R - 1), 0),
-            p, g_p)
-        return full, g_x
+        return scatter(p, g_p, r, on), g_x
+
+    # zero_bubble's halves. B is the vjp w.r.t. the stage input with the parameters closed over
+    # (constants: no weight-gradient matmuls are traced); W the vjp w.r.t. the parameters with the
+    # input closed over. Each recomputes the stage forward from the stashed input, and W also
+    # the input-gradient chain through the stage's later layers (a layer's weight gradient needs
+    # the cotangent of its output). Why not save residuals instead: splitting one vjp at the
+    # matmuls (B keeps each matmul's input and output cotangent, W only multiplies them) needs a
+    # hook in the model's matmuls or a jaxpr rewrite of the transposed layer scan; closed-over
+    # vjps need neither and keep 1F1B's stash (stage inputs) plus one output cotangent per
+    # deferred W. The cost is in sharding/ticks.py's model: B = 2, W = 3 stage forwards.
+    def backward_input(p: Any, x: Array, mb: Micro, g: Array) -> Array:
+        return jax.vjp(lambda x: stage_fn(chunk(p, 0), x, mb), x)[1](g)[0]
+
+    def backward_weights(p: Any, x: Array, mb: Micro, g: Array, on: Array) -> Any:
+        g_p = jax.vjp(lambda p: stage_fn(p, x, mb), chunk(p, 0))[1](g)[0]
+        return scatter(p, g_p, jnp.zeros((), jnp.int32), on)
 
     forward_all = jax.vmap(forward, spmd_axis_name="pipeline")
     backward_all = jax.vmap(backward, spmd_axis_name="pipeline")
+    input_all = jax.vmap(backward_input, spmd_axis_name="pipeline")
+    weights_all = jax.vmap(backward_weights, spmd_axis_name="pipeline")
     stash_put = jax.vmap(
         lambda st, x, i, on: jax.lax.dynamic_update_index_in_dim(
             st, jnp.where(on, x, jax.lax.dynamic_index_in_dim(st, i, 0, keepdims=False)), i, 0
@@ -138,21 +159,20 @@ def one_f_one_b(
     add = lambda acc, g: acc + g.astype(jnp.float32)  # noqa: E731
     zeros_like_f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)  # noqa: E731
 
-    def tick(carry: dict, t: Array, forward: bool, backward: bool) -> tuple[dict, None]:
+    def tick(carry: dict, t: Array, slots: str) -> tuple[dict, None]:
         c = dict(carry)
+        forward, backward = "F" in slots, "B" in slots
         if forward:
-            u = t - ids  # each stage's forward pass
-            on_f = (u >= 0) & (u < U)
-            m_f, r_f = forward_item(u)
+            u, on_f = passes("F", t, ids, S, R, M)  # each stage's forward pass
+            m_f, r_f = forward_item(u, S, R)
             # Stage 0 takes a fresh microbatch in repeat 0, else the last stage's output (rolled in).
             inp = c["fwd"].at[0].set(jnp.where(r_f[0] == 0, embed_fn(outer, pick(m_f[0])), c["fwd"][0]))
             c["stash"] = stash_put(c["stash"], inp, jnp.full((S,), t % W), on_f)
             out = forward_all(staged, r_f, inp, pick(m_f))
             c["fwd"] = jnp.roll(out, 1, axis=0)
         if backward:
-            w = t - T0 - (S - 1 - ids)  # each stage's backward pass
-            on_b = (w >= 0) & (w < U)
-            m_b, r_b = backward_item(w)
+            w, on_b = passes("B", t, ids, S, R, M)  # each stage's backward pass
+            m_b, r_b = backward_item(w, S, R)
             g_out = c["bwd"]
         if forward and backward:
             # The last stage's forward of the last repeat leaves through the head, and its
@@ -176,8 +196,14 @@ def one_f_one_b(
         if backward:
             # The forward tick of each stage's backward item says where its input was stashed.
             u_b = (w // (S * R)) * (S * R) + r_b * S + m_b % S
-            g_p, g_in = backward_all(staged, r_b, stash_get(c["stash"], (u_b + ids) % W), pick(m_b), g_out, on_b)
-            c["g_staged"] = jax.tree.map(add, c["g_staged"], g_p)
+            x_b = stash_get(c["stash"], (u_b + ids) % W)
+            if split:
+                g_in = input_all(staged, x_b, pick(m_b), g_out)
+                # Stage s runs this microbatch's W s ticks later (passes("W")): keep its output cotangent.
+                c["cots"] = stash_put(c["cots"], g_out, m_b % S, on_b)
+            else:
+                g_p, g_in = backward_all(staged, r_b, x_b, pick(m_b), g_out, on_b)
+                c["g_staged"] = jax.tree.map(add, c["g_staged"], g_p)
             first = (r_b[0] == 0) & on_b[0]  # stage 0's backward of repeat 0 ends in the embedding
 
             def embed_grads(_: None) -> Any:
@@ -187,6 +213,11 @@ def one_f_one_b(
             c["g_outer"] = jax.tree.map(add, c["g_outer"],
                                         jax.lax.cond(first, embed_grads, lambda _: zeros_like_f32(outer), None))
             c["bwd"] = jnp.roll(g_in, -1, axis=0)  # stage s takes the input gradient of stage s + 1
+        if "W" in slots:
+            m_w, on_w = passes("W", t, ids, S, R, M)  # one microbatch on every stage (R = 1: u is m)
+            x_w = stash_get(c["stash"], (m_w + ids) % W)  # its forward at stage s ran on tick m + s
+            g_p = weights_all(staged, x_w, pick(m_w), stash_get(c["cots"], m_w % S), on_w)
+            c["g_staged"] = jax.tree.map(add, c["g_staged"], g_p)
         return c, None
 
     with nn.logical_axis_rules(stage_rules):
@@ -201,8 +232,9 @@ def one_f_one_b(
             "g_outer": zeros_like_f32(outer),
             "g_staged": jax.tree.map(_pin_stages, zeros_like_f32(staged)),
         }
-        for first, last, fwd, bwd in [(0, T0, True, False), (T0, U + S - 1, True, True),
-                                      (U + S - 1, U + T0 + S - 1, False, True)]:
-            body = lambda c, t, fwd=fwd, bwd=bwd: tick(c, t, fwd, bwd)  # noqa: E731
-            carry, _ = jax.lax.scan(body, carry, jnp.arange(first, last))
+        if split:  # the output cotangents of deferred W's: stage s defers s of them
+            carry["cots"] = _pin_stages(jnp.zeros((S, S) + x_shape.shape, x_shape.dtype))
+        for first, end, slots in phases(schedule, S, R, M):
+            body = lambda c, t, slots=slots: tick(c, t, slots)  # noqa: E731
+            carry, _ = jax.lax.scan(body, carry, jnp.arange(first, end))
     return (carry["loss"], carry["count"]), (carry["g_outer"], carry["g_staged"])

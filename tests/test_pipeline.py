@@ -4,6 +4,8 @@ checkpoints that move freely between pipeline layouts."""
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import re
 
@@ -12,8 +14,10 @@ import numpy as np
 import pytest
 
 import trainer
+from bench.procs import two_processes
 from configs import ConfigError, load_config
 from conftest import ROOT, stdlib_glob
+from test_context import packed_batch
 from sharding import activation_rules
 from trainer import abstract_program, collective_counts
 from trainer.state import init_state
@@ -34,13 +38,20 @@ PIPELINED = {
     "1f1b: pipeline=2 x fsdp=2 x tensor=2, remat, grad accum": [
         "mesh.pipeline=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "pipeline.microbatches=2",
         "model.remat=save_dots_no_batch", "train.grad_accum=2", "pipeline.schedule=1f1b"],
-    "interleaved 1f1b: pipeline=2 x data=4, 2 repeats, 2 groups of 2 microbatches": [
+    "interleaved 1f1b: pipeline=2 x data=4, 2 repeats, 2 groups of 2 microbatches, packed documents": [
         "mesh.pipeline=2", "mesh.data=4", "pipeline.repeats=2", "pipeline.microbatches=4",
         "pipeline.schedule=interleaved_1f1b"],
     "interleaved 1f1b: pipeline=2 x fsdp=2 x tensor=2, 2 repeats, remat, grad accum": [
         "mesh.pipeline=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "pipeline.repeats=2",
         "pipeline.microbatches=2", "model.remat=save_dots_no_batch", "train.grad_accum=2",
         "pipeline.schedule=interleaved_1f1b"],
+    "zero bubble: pipeline=4 x data=2, packed documents": ["mesh.pipeline=4", "mesh.data=2", "pipeline.microbatches=8",
+                                                           "pipeline.schedule=zero_bubble"],
+    "zero bubble: pipeline=4 x data=2, 4 microbatches (M = S)": [
+        "mesh.pipeline=4", "mesh.data=2", "pipeline.microbatches=4", "pipeline.schedule=zero_bubble"],
+    "zero bubble: pipeline=2 x fsdp=2 x tensor=2, remat, grad accum": [
+        "mesh.pipeline=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "pipeline.microbatches=4",
+        "model.remat=save_dots_no_batch", "train.grad_accum=2", "pipeline.schedule=zero_bubble"],
 }
 
 
@@ -48,12 +59,16 @@ def config(*overrides: str):
     return load_config(TINY, [f"data.path={stdlib_glob('json')}", *overrides])
 
 
-def loss_and_grads(cfg, devices=None):
-    """Loss and gradients of one batch under cfg's layout, gathered to the host."""
+def loss_and_grads(cfg, devices=None, documents: bool = False):
+    """Loss and gradients of one batch under cfg's layout, gathered to the host; with
+    `documents`, rows of packed documents (segment ids and positions)."""
     program = abstract_program(cfg, devices)
     state = init_state(cfg.model, program.tx, 0, program.state_sh)
-    tokens = np.asarray(jax.random.randint(jax.random.key(7), (16, cfg.model.seq_len + 1), 0, 257))
-    batch = {"tokens": jax.device_put(tokens, program.batch_sh)}
+    if documents:
+        rows = packed_batch(cfg.model.seq_len, True)
+    else:
+        rows = {"tokens": np.asarray(jax.random.randint(jax.random.key(7), (16, cfg.model.seq_len + 1), 0, 257))}
+    batch = {k: jax.device_put(v, program.batch_sh) for k, v in rows.items()}
     loss_fn = make_loss_fn(program.spec.model.graphdef, program.runner)
     fn = jax.jit(lambda params, batch: accumulate(loss_fn, params, batch, cfg.train.grad_accum, program.grad_fn))
     with activation_rules(program.mesh, program.spec.layout.act_rules):
@@ -63,15 +78,19 @@ def loss_and_grads(cfg, devices=None):
 
 @pytest.fixture(scope="module")
 def reference():
-    return loss_and_grads(config("mesh.data=1"), jax.devices()[:1])
+    """The plain scan's loss and gradients on one device: random rows, and packed documents."""
+    out = {documents: loss_and_grads(config("mesh.data=1"), jax.devices()[:1], documents) for documents in (False, True)}
+    assert abs(out[True][0] - out[False][0]) > 1e-3  # else the packed cases test nothing more
+    return out
 
 
 @pytest.mark.parametrize("layout", list(PIPELINED))
 def test_pipelined_loss_and_gradients_equal_the_plain_scan(reference, layout):
     cfg = config(*PIPELINED[layout])
     assert abstract_program(cfg).spec.layout.pipelined
-    loss, grads = loss_and_grads(cfg)
-    ref_loss, ref_grads = reference
+    documents = layout.endswith("packed documents")
+    loss, grads = loss_and_grads(cfg, documents=documents)
+    ref_loss, ref_grads = reference[documents]
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     flat_ref, flat = jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads)
     for (path, r), g in zip(flat_ref, flat):
@@ -104,6 +123,23 @@ def test_training_curve_equals_data_parallelism(tmp_path, data_parallel_losses, 
     np.testing.assert_allclose([r["loss"] for r in history], data_parallel_losses, rtol=2e-5)
 
 
+def test_zero_bubble_with_a_stage_per_process_trains_like_one_process(tmp_path):
+    """2 processes x 4 fake devices, pipeline=2 outermost (one stage per process: every tick's
+    activations and input gradients cross between them) against GPipe in 1 process x 8 devices."""
+    layout = ["mesh.pipeline=2", "mesh.data=2", "mesh.tensor=2", "pipeline.microbatches=4", "train.steps=3",
+              "train.log_every=1", f"data.path={stdlib_glob('json')}"]
+    reference = trainer.run(config(*layout, f"run.dir={tmp_path / 'one'}"))
+    assert reference[-1]["loss"] < reference[0]["loss"] - 0.1, "a comparison of flat curves proves nothing"
+    procs = two_processes("--config", TINY, f"run.dir={tmp_path / 'two'}", *layout, "pipeline.schedule=zero_bubble")
+    codes = [p.finish(240) for p in procs]
+    assert codes == [0, 0], procs[0].output + procs[1].output
+    assert "2 process(es)" in procs[0].output
+    with open(tmp_path / "two" / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in reference], rtol=2e-5)
+
+
 @pytest.mark.parametrize(
     "first, second",
     [
@@ -122,18 +158,26 @@ def test_checkpoints_move_between_pipeline_layouts(tmp_path, capsys, first, seco
     np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in straight[2:]], rtol=2e-5)
 
 
-def test_1f1b_temporaries_stay_flat_in_microbatches_while_gpipe_grows():
-    """Same microbatch size (2 rows per data replica), M = 4 and 16: GPipe keeps every
-    microbatch's activations until its backward, 1F1B at most 2S - 1 stage inputs."""
-    def temp_bytes(schedule: str, m: int) -> int:
-        cfg = config("mesh.pipeline=4", "mesh.data=2", f"pipeline.microbatches={m}", f"train.global_batch={4 * m}",
-                     f"pipeline.schedule={schedule}")
-        return abstract_program(cfg).lower().compile().memory_analysis().temp_size_in_bytes
+@functools.cache
+def four_stage_temp_bytes(schedule: str, m: int) -> int:
+    cfg = config("mesh.pipeline=4", "mesh.data=2", f"pipeline.microbatches={m}", f"train.global_batch={4 * m}",
+                 f"pipeline.schedule={schedule}")
+    return abstract_program(cfg).lower().compile().memory_analysis().temp_size_in_bytes
 
+
+@pytest.mark.parametrize("schedule, fewest", [("1f1b", 4), ("zero_bubble", 8)])
+def test_1f1b_temporaries_stay_flat_in_microbatches_while_gpipe_grows(schedule, fewest):
+    """Same microbatch size (2 rows per data replica), M = `fewest` and 16: GPipe keeps every
+    microbatch's activations until its backward, 1F1B at most 2S - 1 stage inputs, zero-bubble
+    those and S output cotangents of deferred weight gradients. (Zero-bubble from M = 8: at
+    M = S = 4 its W-and-F scan runs one trip, which XLA inlines, 67 KB below M = 5, 6, 8, 16.)"""
+    temp_bytes = four_stage_temp_bytes
     act = 2 * 32 * 64 * 4  # one microbatch's [rows, seq_len, d_model] float32 activation per device
-    gpipe, flat = temp_bytes("gpipe", 16) - temp_bytes("gpipe", 4), temp_bytes("1f1b", 16) - temp_bytes("1f1b", 4)
-    assert gpipe > 12 * act  # the two schedules really differ: GPipe grows by more than an activation each
-    assert flat < act  # twelve more microbatches cost 1F1B less than one activation (their token rows only)
+    more = 16 - fewest
+    gpipe = temp_bytes("gpipe", 16) - temp_bytes("gpipe", fewest)
+    flat = temp_bytes(schedule, 16) - temp_bytes(schedule, fewest)
+    assert gpipe > more * act  # the two schedules really differ: GPipe grows by more than an activation each
+    assert flat < act  # the extra microbatches cost 1F1B less than one activation (their token rows only)
 
 
 def test_interleaved_1f1b_temporaries_stay_flat_while_circular_gpipe_grows():
@@ -162,6 +206,10 @@ def test_interleaved_1f1b_temporaries_stay_flat_while_circular_gpipe_grows():
       "pipeline.schedule=interleaved_1f1b"],
      "pipeline.schedule=interleaved_1f1b runs microbatches in groups of mesh.pipeline=2: pipeline.microbatches=3"),
     (["mesh.data=8", "pipeline.schedule=1f1b"], "pipeline.schedule=1f1b needs mesh.pipeline > 1"),
+    (["mesh.pipeline=2", "mesh.data=4", "pipeline.repeats=2", "pipeline.schedule=zero_bubble"],
+     "pipeline.schedule=zero_bubble runs each stage's layers once: pipeline.repeats=2 needs pipeline.schedule=gpipe "
+     "or interleaved_1f1b"),
+    (["mesh.data=8", "pipeline.schedule=zero_bubble"], "pipeline.schedule=zero_bubble needs mesh.pipeline > 1"),
 ])
 def test_a_schedule_that_cannot_run_the_layout_is_refused_before_compiling(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -170,4 +218,4 @@ def test_a_schedule_that_cannot_run_the_layout_is_refused_before_compiling(overr
 
 def test_an_unknown_schedule_is_refused():
     with pytest.raises(ConfigError, match="pipeline.schedule"):
-        config("pipeline.schedule=zero_bubble")
+        config("pipeline.schedule=zero_bubble_v")

@@ -26,7 +26,7 @@ COMMON = ["mesh.pipeline=4", "mesh.data=1", "pipeline.microbatches=16", "train.g
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """Per-step losses of gpipe and 1f1b over STEPS, 1f1b stopped at HALF and resumed, and each
+    """Per-step losses of gpipe, 1f1b and zero_bubble over STEPS, 1f1b stopped at HALF and resumed, and each
     schedule's compiled temporaries per device. Short random documents: a row of 32 targets
     packs several, so microbatches hold different numbers of targets."""
     root = tmp_path_factory.mktemp("pipeline_train")
@@ -48,7 +48,7 @@ def runs(tmp_path_factory) -> dict:
     temps = {s: abstract_program(cfg(s, STEPS, "unused"), devices).compile()[0].memory_analysis().temp_size_in_bytes
              for s in ("gpipe", "1f1b")}
     out = {"temps": temps}
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in ("gpipe", "1f1b", "zero_bubble"):
         out[schedule] = losses(trainer.run(cfg(schedule, STEPS, schedule), devices))
     out["first half"] = losses(trainer.run(cfg("1f1b", HALF, "resumed"), devices))
     out["second half"] = trainer.run(cfg("1f1b", STEPS, "resumed"), devices)
@@ -60,10 +60,11 @@ def test_the_two_schedules_are_different_programs(runs):
     assert runs["temps"]["gpipe"] > 2 * runs["temps"]["1f1b"], runs["temps"]
 
 
-def test_1f1b_trains_with_the_losses_of_gpipe(runs):
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_1f1b_trains_with_the_losses_of_gpipe(runs, schedule):
     assert len(runs["gpipe"]) == STEPS
     assert runs["gpipe"][-1] < runs["gpipe"][0] - 0.1, "a comparison of flat curves proves nothing"
-    np.testing.assert_allclose(runs["1f1b"], runs["gpipe"], rtol=2e-5)
+    np.testing.assert_allclose(runs[schedule], runs["gpipe"], rtol=2e-5)
 
 
 def test_a_1f1b_checkpoint_resumes_exactly(runs):

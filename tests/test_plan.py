@@ -17,6 +17,7 @@ from configs import load_config
 from sharding.hlo import collectives, device_groups, static_counts
 from plan import candidates, main, state_bytes
 from sharding.pipeline import bubble_formula, bubble_fraction
+from sharding.ticks import measured_bubble, tick_table
 from sharding.report import print_plan
 from conftest import ROOT
 from trainer.program import abstract_program, compiled_stats
@@ -185,11 +186,13 @@ def pipelined_search(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dic
 def test_search_tries_each_schedule_with_its_bubble(pipelined_search, searched):
     done, plan = pipelined_search
     fits = {p["pipeline"]["schedule"]: p for p in plan["plans"] if p["status"] == "fits"}
-    assert set(fits) == {"gpipe", "1f1b"}
+    assert set(fits) == {"gpipe", "1f1b", "zero_bubble"}
     for schedule, p in fits.items():
         assert p["layout"]["schedule"] == schedule and p["layout"]["microbatches"] == 8
-        assert p["pipeline"]["bubble"] == p["time"]["bubble"] == 1 / 9  # (S - 1) / (M + S - 1), S = 2, M = 8
+        assert p["pipeline"]["bubble"] == p["time"]["bubble"] == bubble_fraction(2, 1, 8, schedule)
         assert f"pipeline=2 data=2 fsdp=1 microbatches=8 schedule={schedule} | none | fits |" in done.stdout
+    assert fits["gpipe"]["pipeline"]["bubble"] == 1 / 9  # (S - 1) / (M + S - 1), S = 2, M = 8
+    assert fits["zero_bubble"]["pipeline"]["bubble"] == 3 / 51  # 1 x (1 + 2) / (9 x (1 + 2) + 8 x 3)
     # The two schedules are really different programs: GPipe keeps all 8 microbatches' activations.
     assert fits["gpipe"]["memory"]["temps"] > fits["1f1b"]["memory"]["temps"]
     assert "| 0.111 |" in done.stdout
@@ -204,12 +207,35 @@ def test_the_plan_prints_the_schedule_and_its_bubble_formula(pipelined_search, c
     out = capsys.readouterr().out
     assert "pipeline schedule 1f1b: bubble 0.111 = (S - 1) / (M + S - 1) = 1 / (8 + 1)" in out
     assert "pipeline schedule gpipe: bubble 0.111 = (S - 1) / (R x M + S - 1) = 1 / (1 x 8 + 1)" in out
+    assert ("pipeline schedule zero_bubble: bubble 0.059 = (S - 1)(F + B) / ((M + S - 1)(F + B) + M W), "
+            "F 1 B 2 W 3 = 1 x 3 / (9 x 3 + 8 x 3)") in out
 
 
 def test_bubble_formula_names_the_numbers_of_the_fraction():
     assert bubble_formula("gpipe", 4, 2, 8) == "(S - 1) / (R x M + S - 1) = 3 / (2 x 8 + 3)"
     assert bubble_fraction(4, 2, 8) == 3 / (2 * 8 + 3)
     assert bubble_formula("1f1b", 4, 1, 16) == "(S - 1) / (M + S - 1) = 3 / (16 + 3)"
+    assert bubble_fraction(4, 1, 16, "zero_bubble") == 9 / (19 * 3 + 16 * 3)
+
+
+@pytest.mark.parametrize("schedule, shapes", [
+    ("gpipe", [(2, 2, 1), (4, 16, 1), (3, 5, 1), (4, 8, 2), (2, 6, 3)]),
+    ("1f1b", [(2, 2, 1), (4, 4, 1), (4, 16, 1), (3, 5, 1)]),
+    ("interleaved_1f1b", [(2, 4, 2), (4, 8, 2), (2, 6, 3)]),
+    ("zero_bubble", [(2, 2, 1), (4, 4, 1), (4, 16, 1), (3, 5, 1), (8, 8, 1)]),
+])
+def test_the_bubble_measured_on_the_tick_table_is_the_formula(schedule, shapes):
+    """The schedule's own ticks (sharding/ticks.py: the phases its scans run, which stage runs
+    which pass), masked slots costed by the cost model, give the printed fraction."""
+    for S, M, R in shapes:
+        table = tick_table(schedule, S, R, M)
+        for kind in "FBW":  # every stage runs every microbatch's pass of each slot kind once
+            ran = [sorted(i for row in table if kind in row for i in [row[kind][s]] if i is not None) for s in range(S)]
+            assert all(r == ran[0] for r in ran) and ran[0] in ([], list(range(R * M)))
+        assert measured_bubble(schedule, S, R, M) == pytest.approx(bubble_fraction(S, R, M, schedule), rel=1e-12)
+    if schedule == "zero_bubble":  # below 1F1B's, by the W of S - 1 ticks
+        for S, M, _ in shapes:
+            assert measured_bubble("zero_bubble", S, 1, M) < measured_bubble("1f1b", S, 1, M)
 
 
 def test_search_tries_the_schedules_the_repeats_allow_or_the_one_given():

@@ -42,7 +42,7 @@ class Layout:
 
     @property
     def bubble(self) -> float:
-        return bubble_fraction(self.stages, self.repeats, self.microbatches)
+        return bubble_fraction(self.stages, self.repeats, self.microbatches, self.schedule)
 
 
 def _with_batch_axis(rules: Rules, axis: str) -> Rules:
@@ -121,9 +121,9 @@ def _check_pipeline(cfg: Config, stages: int, repeats: int, micro: int, per_repl
             f"model.num_layers={layers} is not divisible by mesh.pipeline={stages} x pipeline.repeats={repeats}"
         )
     schedule = cfg.pipeline.schedule
-    if schedule == "1f1b" and repeats > 1:
+    if schedule in ("1f1b", "zero_bubble") and repeats > 1:
         raise ConfigError(
-            f"pipeline.schedule=1f1b runs each stage's layers once: pipeline.repeats={repeats} needs "
+            f"pipeline.schedule={schedule} runs each stage's layers once: pipeline.repeats={repeats} needs "
             "pipeline.schedule=gpipe or interleaved_1f1b"
         )
     if schedule == "interleaved_1f1b" and repeats == 1:
@@ -180,7 +180,8 @@ def scheduled_grads(
     if not layout.pipelined or layout.schedule == "gpipe":
         return None
     return make_scheduled_grad_fn(
-        graphdef, layout.stages, layout.repeats, layout.microbatches, remat_policy, layout.stage_rules, loss_chunk, cast
+        graphdef, layout.stages, layout.repeats, layout.microbatches, remat_policy, layout.stage_rules, loss_chunk, cast,
+        layout.schedule,
     )
 
 

@@ -32,10 +32,11 @@ def make_scheduled_grad_fn(
     stage_rules: Rules,
     loss_chunk: int = 0,
     cast: Callable[[dict], dict] | None = None,
+    schedule: str = "1f1b",
 ) -> GradFn:
     """grad_fn(params, batch) -> ((loss sum, target count), gradients), as
-    `jax.value_and_grad(loss_fn, has_aux=True)` gives them, computed by the 1F1B schedule
-    (interleaved with `repeats` > 1)."""
+    `jax.value_and_grad(loss_fn, has_aux=True)` gives them, computed by `schedule`: 1f1b,
+    interleaved_1f1b (`repeats` > 1) or zero_bubble."""
 
     def grad_fn(params: dict, batch: dict[str, Array]) -> tuple[tuple[Array, Array], dict]:
         # Gradients with respect to the compute-dtype view are those of the float32 parameters
@@ -64,7 +65,7 @@ def make_scheduled_grad_fn(
 
         staged = jax.tree.map(lambda a: to_stages(a, stages, repeats), stack)  # [S, R, K, ...]
         (total, count), (g_outer, g_staged) = one_f_one_b(
-            stages, repeats, embed_fn, stage_fn, head_fn, outer, staged, micro, stage_rules
+            stages, repeats, embed_fn, stage_fn, head_fn, outer, staged, micro, stage_rules, schedule
         )
         # [S, R, K, ...] -> [R, S, K, ...] -> [L, ...]: layer group rS + s back in its place.
         g_stack = jax.tree.map(lambda g: g.swapaxes(0, 1).reshape(-1, *g.shape[3:]), g_staged)
