@@ -61,7 +61,8 @@ def test_int8_einsum_scales_per_row_and_per_output_channel():
     # function no pass computed, left int8 3.7% above bf16 after 200 steps: BENCHMARKS.md).
     g = jax.random.normal(jax.random.key(2), out.shape)
     got = jax.grad(lambda a, b: jnp.sum(int8_einsum(SPEC, a, b) * g), argnums=(0, 1))(x, w)
-    dx, dw = jnp.einsum("blhk,dhk->bld", g, jnp.round(w / sw) * sw), jnp.einsum("bld,blhk->dhk", jnp.round(x / sx) * sx, g)
+    dx = jnp.einsum("blhk,dhk->bld", g, jnp.round(w / sw) * sw)
+    dw = jnp.einsum("bld,blhk->dhk", jnp.round(x / sx) * sx, g)
     unrounded = jax.grad(lambda a, b: jnp.sum(jnp.einsum(SPEC, a, b) * g), argnums=(0, 1))(x, w)
     for a, b, c in zip(got, (dx, dw), unrounded):
         assert not np.allclose(b, c, rtol=1e-4, atol=0), "the rounding must move the gradient"
