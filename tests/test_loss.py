@@ -58,18 +58,20 @@ def _barrier_shapes(jaxpr: jcore.Jaxpr) -> list[list[tuple[int, ...]]]:
     return found
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_the_head_weight_gradient_is_computed_with_its_input_gradient(tiny, tied):
-    """The output head's backward ties its weight gradient to its input gradient: libtpu otherwise
-    schedules that [embed, vocab] matmul after the layers' whole backward pass, and the logits'
-    gradient it reads, [batch, length, vocab], stays alive through it (BENCHMARKS.md, issue 20)."""
+@pytest.mark.parametrize("tied, chunk", [(True, 0), (False, 0), (False, 8)])
+def test_the_head_weight_gradient_is_computed_with_its_input_gradient(tiny, tied, chunk):
+    """The whole-sequence output head's backward ties its weight gradient to its input gradient:
+    libtpu otherwise schedules that [embed, vocab] matmul after the layers' whole backward pass,
+    and the logits' gradient it reads, [batch, length, vocab], stays alive through it. The
+    chunked loss leaves them untied: tying them there cost memory (BENCHMARKS.md, issue 20)."""
     cfg = tiny(f"model.tie_embeddings={str(tied).lower()}")
     program = abstract_program(cfg)
-    loss_fn = make_loss_fn(program.spec.model.graphdef, program.runner)
+    loss_fn = make_loss_fn(program.spec.model.graphdef, program.runner, chunk)
     params = program.abstract_state().params
     batch = {"tokens": jax.ShapeDtypeStruct((2, cfg.model.seq_len + 1), np.int32)}
     with activation_rules(program.mesh, program.spec.layout.act_rules):
         jaxpr = jax.make_jaxpr(lambda p, b: accumulate(loss_fn, p, b, 1))(params, batch).jaxpr
     m = cfg.model
     head = (m.vocab_size, m.d_model) if tied else (m.d_model, m.vocab_size)
-    assert [(2, m.seq_len, m.d_model), head] in _barrier_shapes(jaxpr)
+    length = chunk or m.seq_len
+    assert ([(2, length, m.d_model), head] in _barrier_shapes(jaxpr)) == (chunk == 0)
