@@ -84,18 +84,19 @@ class BlockGroup(nnx.Module):
         return self.moe(x, positions, segment_ids)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def head_logits(x: Array, w: Array, w_dims: str) -> Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def head_logits(x: Array, w: Array, w_dims: str, tied_grads: bool = True) -> Array:
     """Output-head logits in float32 from x [batch, length, embed] and the head weight in the
-    compute dtype (`w_dims` "dv", or "vd" for the tied embedding table)."""
+    compute dtype (`w_dims` "dv", or "vd" for the tied embedding table). `tied_grads`: the
+    backward pass computes the weight gradient together with the input gradient."""
     return jnp.einsum(f"bld,{w_dims}->blv", x, w, preferred_element_type=jnp.float32)
 
 
-def _head_fwd(x: Array, w: Array, w_dims: str) -> tuple[Array, tuple[Array, Array]]:
-    return head_logits(x, w, w_dims), (x, w)
+def _head_fwd(x: Array, w: Array, w_dims: str, tied_grads: bool) -> tuple[Array, tuple[Array, Array]]:
+    return head_logits(x, w, w_dims, tied_grads), (x, w)
 
 
-def _head_bwd(w_dims: str, res: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
+def _head_bwd(w_dims: str, tied_grads: bool, res: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
     # The float32 logit gradient is rounded to the compute dtype before both matmuls, as every
     # other layer's is: the weight gradient then comes out of its matmul in the compute dtype,
     # so its reduction over the batch shards moves that dtype (autodiff's own transpose emits
@@ -105,7 +106,12 @@ def _head_bwd(w_dims: str, res: tuple[Array, Array], g: Array) -> tuple[Array, A
     g = g.astype(x.dtype)
     dx = jnp.einsum(f"blv,{w_dims}->bld", g, w)
     dw = jnp.einsum(f"bld,blv->{w_dims}", x, g)
-    return dx, dw
+    if not tied_grads:
+        return dx, dw
+    # Both products before dx flows on into the layers: nothing else orders dw, and libtpu
+    # schedules it after the layers' whole backward pass, keeping g ([batch, length, vocab],
+    # 2.1 GB a device for Llama-3-8B at 8192 tokens) alive through it (BENCHMARKS.md, issue 20).
+    return jax.lax.optimization_barrier((dx, dw))
 
 
 head_logits.defvjp(_head_fwd, _head_bwd)
@@ -168,13 +174,15 @@ class Transformer(nnx.Module):
         x = jnp.take(table, tokens, axis=0)
         return constrain(x, ("batch", "length", "embed"))
 
-    def logits(self, x: Array) -> Array:
-        """Hidden states [batch, length, embed] -> logits [batch, length, vocab] in float32."""
+    def logits(self, x: Array, tied_grads: bool = True) -> Array:
+        """Hidden states [batch, length, embed] -> logits [batch, length, vocab] in float32.
+        `tied_grads=False` lets the compiler order the head's two gradients freely: the chunked
+        loss, where tying them cost memory on TPU (BENCHMARKS.md, issue 20)."""
         dt = x.dtype
         if self.cfg.tie_embeddings:
-            out = head_logits(x, self.embedding[...].astype(dt), "vd")
+            out = head_logits(x, self.embedding[...].astype(dt), "vd", tied_grads)
         else:
-            out = head_logits(x, self.lm_head[...].astype(dt), "dv")
+            out = head_logits(x, self.lm_head[...].astype(dt), "dv", tied_grads)
         return constrain(out, ("batch", "length", "vocab"))
 
     def __call__(

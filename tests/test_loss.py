@@ -1,11 +1,13 @@
-"""The chunked output head and loss (`model.loss_chunk`): the same loss and gradients as the
-whole-sequence one, with document masks and with the vocabulary sharded over `tensor`."""
+"""The output head and loss: the chunked head and loss (`model.loss_chunk`) give the same loss and
+gradients as the whole-sequence one, with document masks and with the vocabulary sharded over
+`tensor`; the head's backward computes its weight gradient with its input gradient."""
 
 from __future__ import annotations
 
 import jax
 import numpy as np
 import pytest
+from jax.extend import core as jcore
 
 from configs import ConfigError
 from sharding import activation_rules
@@ -43,3 +45,33 @@ def test_chunked_loss_equals_the_whole_one(tiny, documents):
 def test_a_chunk_must_divide_the_sequence(tiny):
     with pytest.raises(ConfigError, match="model.loss_chunk: 5 must be 0"):
         tiny("model.loss_chunk=5")
+
+
+def _barrier_shapes(jaxpr: jcore.Jaxpr) -> list[list[tuple[int, ...]]]:
+    """The operand shapes of every optimization_barrier in `jaxpr` and the jaxprs inside it."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "optimization_barrier":
+            found.append([tuple(v.aval.shape) for v in eqn.invars])
+        for sub in jcore.jaxprs_in_params(eqn.params):
+            found += _barrier_shapes(sub)
+    return found
+
+
+@pytest.mark.parametrize("tied, chunk", [(True, 0), (False, 0), (False, 8)])
+def test_the_head_weight_gradient_is_computed_with_its_input_gradient(tiny, tied, chunk):
+    """The whole-sequence output head's backward ties its weight gradient to its input gradient:
+    libtpu otherwise schedules that [embed, vocab] matmul after the layers' whole backward pass,
+    and the logits' gradient it reads, [batch, length, vocab], stays alive through it. The
+    chunked loss leaves them untied: tying them there cost memory (BENCHMARKS.md, issue 20)."""
+    cfg = tiny(f"model.tie_embeddings={str(tied).lower()}")
+    program = abstract_program(cfg)
+    loss_fn = make_loss_fn(program.spec.model.graphdef, program.runner, chunk)
+    params = program.abstract_state().params
+    batch = {"tokens": jax.ShapeDtypeStruct((2, cfg.model.seq_len + 1), np.int32)}
+    with activation_rules(program.mesh, program.spec.layout.act_rules):
+        jaxpr = jax.make_jaxpr(lambda p, b: accumulate(loss_fn, p, b, 1))(params, batch).jaxpr
+    m = cfg.model
+    head = (m.vocab_size, m.d_model) if tied else (m.d_model, m.vocab_size)
+    length = chunk or m.seq_len
+    assert ([(2, length, m.d_model), head] in _barrier_shapes(jaxpr)) == (chunk == 0)

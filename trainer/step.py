@@ -48,7 +48,7 @@ def chunked_cross_entropy_sum(model: nnx.Module, x: Array, targets: Array, weigh
     @jax.checkpoint
     def body(total: Array, piece: tuple[Array, Array, Array]) -> tuple[Array, None]:
         xc, tc, wc = piece
-        return total + cross_entropy_sum(model.logits(xc), tc, wc), None
+        return total + cross_entropy_sum(model.logits(xc, tied_grads=False), tc, wc), None
 
     total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (split(x), split(targets), split(weights)))
     return total
