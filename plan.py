@@ -25,8 +25,9 @@ minimum (sharding/minimum.py); the step time is a roofline over the compiled ker
 the command line stay as given), each pipeline schedule on a pipelined mesh (unless
 `pipeline.schedule` is given) and each remat policy of `--remat`, skips layouts the layout
 checks reject (with the reason) and, per mesh and schedule, policies that recompute more than one
-that already fits (they can only be slower); it ranks what fits by predicted step time, which
-divides the compute by 1 - the schedule's bubble (printed with its formula).
+that already fits (they can only be slower); it ranks what fits by predicted step time (a
+pipelined plan prints its schedule's bubble with the formula; the compiled compute already
+holds it, as every stage computes on every tick).
 
 Exit status: 0 fits (search: something fits); 1 does not fit; 2 bad input (one line, before
 any compile). An entry point above the trainer, like train.py; the HLO, roofline and hardware

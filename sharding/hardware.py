@@ -16,7 +16,9 @@ The step-time model, per device (inputs from sharding/roofline.py and sharding/h
                reductions, which the latency-hiding scheduler runs beside the layers' compute
     exposed  = every other collective (tensor: activations on the critical path; pipeline:
                stage hand-offs)
-    step     = max(compute, overlap) / (1 - pipeline bubble) + exposed
+    step     = max(compute, overlap) + exposed
+               (no bubble term: every pipeline schedule here runs each stage on every tick, idle
+               ones on masked inputs, so the compiled compute already holds the bubble)
     MFU      = model FLOPs / (step x peak)
 
 `peak` in the compute term is the rate of the kernel's matmul operands (`low_precision_flops`:
@@ -146,7 +148,7 @@ def predict(*, hw: Hardware, model_flops: float, compute_s: float, collectives: 
             overlap += c["seconds"]
         else:
             exposed += c["seconds"]
-    step = max(compute_s, overlap) / (1 - bubble) + exposed
+    step = max(compute_s, overlap) + exposed  # `bubble` is reported only: compute_s already holds it
     return {
         "compute_s": compute_s,
         "overlapped_comm_s": overlap,
