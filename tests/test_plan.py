@@ -211,6 +211,18 @@ def test_the_plan_prints_the_schedule_and_its_bubble_formula(pipelined_search, c
             "F 1 B 2 W 3 = 1 x 3 / (9 x 3 + 8 x 3)") in out
 
 
+def test_the_predicted_step_does_not_charge_the_bubble_again():
+    """The pipeline programs compute on every tick (idle stages on masked inputs), so the roofline
+    compute already holds the bubble: the step is compute plus exposed communication."""
+    from sharding.hardware import HARDWARE, predict
+
+    hw = HARDWARE["h100"]
+    comm = [{"axes": ["pipeline"], "wire_bytes": 1e9, "inter_node": False}]
+    t = predict(hw=hw, model_flops=1e15, compute_s=1.0, collectives=comm, bubble=0.5)
+    assert t["exposed_comm_s"] > 0 and t["bubble"] == 0.5
+    assert t["step_s"] == pytest.approx(1.0 + t["exposed_comm_s"])
+
+
 def test_bubble_formula_names_the_numbers_of_the_fraction():
     assert bubble_formula("gpipe", 4, 2, 8) == "(S - 1) / (R x M + S - 1) = 3 / (2 x 8 + 3)"
     assert bubble_fraction(4, 2, 8) == 3 / (2 * 8 + 3)
