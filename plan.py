@@ -163,6 +163,10 @@ def measure(cfg: Config, hw: Hardware, target: Hardware | None, n: int, topology
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=fused))
         notes.append(f"model.attention=splash is a TPU kernel: planned with {fused} attention"
                      + (" (temporaries: an upper bound)" if target is None else ""))
+    if cfg.model.moe.grouped_matmul == "megablox" and (target is None or target.platform != "tpu"):
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, moe=dataclasses.replace(cfg.model.moe, grouped_matmul="ragged_dot")))
+        notes.append("model.moe.grouped_matmul=megablox is a TPU kernel: planned with ragged_dot")
     if target is not None and target.platform == "cuda":
         notes += attention_notes(cfg)
     if target is None and cfg.mesh.nodes > 1:

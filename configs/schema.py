@@ -34,6 +34,7 @@ OPTIMIZERS = ("adamw", "muon", "adafactor", "lion")  # all from optax (trainer/o
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # trainer/trackers.py
 MESH_AXES = ("pipeline", "data", "fsdp", "expert", "context", "tensor")  # outermost first
 ROUTERS = ("softmax_topk", "topk_softmax")  # model.moe.router (model/moe.py)
+GROUPED_MATMULS = ("auto", "ragged_dot", "megablox")  # model.moe.grouped_matmul (trainer/layout.py)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 # The logical dim names the model gives its parameters and activations (model/layers.py,
 # model/transformer.py, the pipeline runner): the only keys a rules table may have, since a rule
@@ -154,6 +155,12 @@ class MoEConfig:
     # 0: dropless (every chosen expert computes every token). > 0: each expert takes at most
     # ceil(capacity_factor x tokens x top-k / experts) of a device's tokens; the rest are dropped.
     capacity_factor: float = 0.0
+    # The dropless experts' grouped matmuls: ragged_dot (jax.lax.ragged_dot, what XLA makes of it),
+    # megablox (the Pallas TPU kernel in jax.experimental.pallas.ops.tpu.megablox: on TPU compiled,
+    # on CPU interpreted, for tests; needs model.d_model, the expert d_ff and each device's rows
+    # (model.seq_len / mesh.context x experts_per_token) in multiples of 128, its tile), auto:
+    # megablox on TPU where those divide, else ragged_dot.
+    grouped_matmul: str = "auto"
 
     @property
     def enabled(self) -> bool:

@@ -12,6 +12,7 @@ from configs.schema import (
     DTYPES,
     GATHER_DTYPES,
     GRAD_REDUCE_DTYPES,
+    GROUPED_MATMULS,
     LOGICAL_AXES,
     MESH_AXES,
     OPTIMIZERS,
@@ -70,6 +71,7 @@ def _check_moe(cfg: Config) -> None:
     _require(e.num_experts >= 0, "model.moe.num_experts", f"must be >= 0 (0: dense), got {e.num_experts}")
     _require(cfg.mesh.expert == 1 or e.enabled, "mesh.expert", f"{cfg.mesh.expert} needs model.moe.num_experts > 0")
     _one_of(e.router, "model.moe.router", ROUTERS)
+    _one_of(e.grouped_matmul, "model.moe.grouped_matmul", GROUPED_MATMULS)
     _require(e.every >= 1, "model.moe.every", f"must be >= 1 (1: every layer is an MoE), got {e.every}")
     if not e.enabled:
         return

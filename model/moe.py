@@ -6,7 +6,8 @@ Each token's router logits (float32, whatever the compute dtype) pick `experts_p
 logical dim `expert`, which the rules may shard over the `expert` mesh axis.
 
 Dropless (`capacity_factor` 0): the (token, expert) assignments are sorted by expert and the
-experts run as grouped matmuls (`jax.lax.ragged_dot`), every assignment computed. Capacity mode:
+experts run as grouped matmuls, every assignment computed: `jax.lax.ragged_dot`, or a kernel the
+trainer picks for the platform (`megablox_matmul`, TPU) and binds into the dispatcher. Capacity mode:
 each expert takes its first `capacity` assignments in token order; later ones are dropped (their
 weight counts 0) and counted, and the experts run as one batched matmul over [expert, capacity]
 slots. Under expert parallelism the trainer installs a dispatcher
@@ -39,6 +40,10 @@ STATS = ("aux_loss", "z_loss", "dropped", "imbalance")
 # (x [b, l, d], expert ids [b, l, k], weights [b, l, k], gate, up, down, capacity_factor)
 #   -> (y [b, l, d], kept [b, l, k] bool)
 DispatchFn = Callable[[Array, Array, Array, Array, Array, Array, float], tuple[Array, Array]]
+# (rows [m, k] sorted by group, weights [G, k, n], group sizes [G] int32) -> [m, n]; rows past
+# the groups (sum of sizes .. m), and their gradients, may come back as anything: `expert_rows` masks them.
+GroupedMatmul = Callable[[Array, Array, Array], Array]
+MEGABLOX_TILES = (512, 256, 128)  # the tile sizes megablox_matmul picks from, largest first
 
 _DISPATCH: contextvars.ContextVar[DispatchFn | None] = contextvars.ContextVar("expert_dispatch", default=None)
 
@@ -67,12 +72,32 @@ def capacity_keep(ids: Array, num_experts: int, cap: int) -> Array:
     return rank < cap
 
 
-def expert_rows(rows: Array, ids: Array, gate: Array, up: Array, down: Array, cap: int = 0) -> Array:
+def megablox_tile(size: int) -> int:
+    """The largest of MEGABLOX_TILES that divides `size` (0: none does)."""
+    return next((t for t in MEGABLOX_TILES if size % t == 0), 0)
+
+
+def megablox_matmul(lhs: Array, rhs: Array, sizes: Array, *, interpret: bool = False) -> Array:
+    """`jax.lax.ragged_dot` as the megablox Pallas kernel (TPU; `interpret`: any platform, as
+    slow reference code). Its grid visits only the row tiles a group touches, so the work is the
+    rows given, not every group over every row. Every dim must be a multiple of 128 (the tiles,
+    trainer/layout.py checks the config)."""
+    # Imported here: loading Pallas and its TPU kernels costs every other run start-up time.
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+    tiles = (megablox_tile(lhs.shape[0]), megablox_tile(lhs.shape[1]), megablox_tile(rhs.shape[2]))
+    assert all(tiles), f"megablox tiles of 128 do not divide rows x k x n = {lhs.shape} x {rhs.shape[2]}"
+    return gmm(lhs, rhs, sizes.astype(jnp.int32), lhs.dtype, tiles, interpret=interpret)
+
+
+def expert_rows(rows: Array, ids: Array, gate: Array, up: Array, down: Array, cap: int = 0,
+                matmul: GroupedMatmul = jax.lax.ragged_dot) -> Array:
     """rows [m, d], ids [m] in [0, G] (G = gate.shape[0]; id G: padding, output 0) -> [m, d]:
     row i through SwiGLU expert ids[i]. Dropless (cap 0): grouped matmuls over the rows sorted
     by expert. cap > 0, when no expert has more than `cap` rows: one batched matmul over
     [G, cap] slots (GShard's layout), so the work is G x cap rows whatever the compiler makes
-    of a grouped matmul (XLA's GPU compiler computes every group over every row)."""
+    of a grouped matmul (XLA's GPU compiler computes every group over every row). `matmul`: the
+    dropless grouped matmul."""
     groups = gate.shape[0]
     if cap:
         one_hot = jax.nn.one_hot(ids, groups, dtype=jnp.int32)  # padding: a row of zeros
@@ -83,14 +108,18 @@ def expert_rows(rows: Array, ids: Array, gate: Array, up: Array, down: Array, ca
         return jnp.where((ids < groups)[:, None], y[jnp.minimum(ids, groups - 1), jnp.minimum(slot, cap - 1)], 0)
     order = jnp.argsort(ids, stable=True)
     sizes = jnp.bincount(ids, length=groups + 1)[:groups].astype(jnp.int32)  # padding sorts last, beyond every group
-    x = rows[order]
-    h = jax.nn.silu(jax.lax.ragged_dot(x, gate, sizes)) * jax.lax.ragged_dot(x, up, sizes)
-    y = jax.lax.ragged_dot(h, down, sizes)
+    # Rows past the groups (padding) are 0 going in and out of each matmul, and so are their
+    # gradients: a kernel may leave anything there (megablox interpreted leaves NaN), both ways.
+    valid = (jnp.arange(rows.shape[0]) < jnp.sum(sizes))[:, None]
+    mask = lambda a: jnp.where(valid, a, 0)  # noqa: E731
+    x = mask(rows[order])
+    h = mask(jax.nn.silu(matmul(x, gate, sizes)) * matmul(x, up, sizes))
+    y = mask(matmul(h, down, sizes))
     return jnp.zeros_like(y).at[order].set(y)
 
 
 def local_dispatch(x: Array, ids: Array, weights: Array, gate: Array, up: Array, down: Array,
-                   capacity_factor: float) -> tuple[Array, Array]:
+                   capacity_factor: float, matmul: GroupedMatmul = jax.lax.ragged_dot) -> tuple[Array, Array]:
     """The dispatcher without expert parallelism: every expert on every device."""
     b, l, d = x.shape
     k, num_experts = ids.shape[-1], gate.shape[0]
@@ -98,7 +127,7 @@ def local_dispatch(x: Array, ids: Array, weights: Array, gate: Array, up: Array,
     cap = capacity(b * l, num_experts, k, capacity_factor)
     kept = capacity_keep(flat, num_experts, cap)
     rows = jnp.repeat(x.reshape(b * l, d), k, axis=0)  # assignment a is token a // k
-    y = expert_rows(rows, jnp.where(kept, flat, num_experts), gate, up, down, cap).reshape(b, l, k, d)
+    y = expert_rows(rows, jnp.where(kept, flat, num_experts), gate, up, down, cap, matmul).reshape(b, l, k, d)
     return combine(y, weights, kept.reshape(ids.shape)), kept.reshape(ids.shape)
 
 

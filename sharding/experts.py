@@ -26,14 +26,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from model.moe import DispatchFn, capacity, capacity_keep, combine, expert_rows
+from model.moe import DispatchFn, GroupedMatmul, capacity, capacity_keep, combine, expert_rows
 from sharding.rules import Rules, logical_to_spec, mesh_axes
 
 Array = jax.Array
 
 
 def _dispatch_local(x: Array, ids: Array, weights: Array, gate: Array, up: Array, down: Array, *,
-                    axis: str, shards: int, capacity_factor: float) -> tuple[Array, Array]:
+                    axis: str, shards: int, capacity_factor: float, matmul: GroupedMatmul) -> tuple[Array, Array]:
     """One device's part (inside shard_map): x [b, l, d], ids and weights [b, l, k] local,
     gate/up [E/P, d, f], down [E/P, f, d] this device's experts."""
     b, l, d = x.shape
@@ -56,16 +56,17 @@ def _dispatch_local(x: Array, ids: Array, weights: Array, gate: Array, up: Array
     recv = jax.lax.all_to_all(send, axis, 0, 0)  # [source device, rows, d]
     recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0)
     # No expert receives more than `cap` rows from each of the `shards` devices.
-    y = expert_rows(recv.reshape(shards * rows, d), recv_ids.reshape(-1), gate, up, down, shards * cap)
+    y = expert_rows(recv.reshape(shards * rows, d), recv_ids.reshape(-1), gate, up, down, shards * cap, matmul)
     back = jax.lax.all_to_all(y.reshape(shards, rows, d), axis, 0, 0)  # [destination device, rows, d]
     y = back[jnp.minimum(dest, shards - 1), slot].reshape(b, l, k, d)
     kept = kept.reshape(ids.shape)
     return combine(y, weights, kept), kept
 
 
-def expert_parallel(rules: Rules, shards: int) -> DispatchFn:
+def expert_parallel(rules: Rules, shards: int, matmul: GroupedMatmul = jax.lax.ragged_dot) -> DispatchFn:
     """The MoE dispatcher for `shards` devices on the mesh axis of the `expert` dim (rules: the
-    activation rules inside the layer stack, which split `batch` over it too)."""
+    activation rules inside the layer stack, which split `batch` over it too); `matmul`: the
+    dropless experts' grouped matmul (a Pallas kernel runs per device here, as it must)."""
     axis = mesh_axes("expert", rules)
     assert len(axis) == 1, f"the expert dim must map to one mesh axis, got {axis}"
     x_spec = logical_to_spec(("batch", "length", "embed"), rules)
@@ -76,7 +77,7 @@ def expert_parallel(rules: Rules, shards: int) -> DispatchFn:
                  capacity_factor: float) -> tuple[Array, Array]:
         def fn(x: Array, ids: Array, weights: Array, gate: Array, up: Array, down: Array) -> tuple[Array, Array]:
             return _dispatch_local(x, ids, weights, gate, up, down, axis=axis[0], shards=shards,
-                                   capacity_factor=capacity_factor)
+                                   capacity_factor=capacity_factor, matmul=matmul)
 
         # check_vma off, as for the sequence split's kernels (sharding/context.py): under the
         # pipeline's vmap the stage axis joins some operands' varying axes and not others'.

@@ -1,12 +1,14 @@
 """Mixture of experts on 8 fake devices: the same losses, router statistics and gradients on one
 device as under expert parallelism (alone, with FSDP and tensor, with a pipeline), all-to-alls in
 the compiled expert-parallel step, the layer against a dense reference (outputs and gradients
-through the router, both routers), capacity mode dropping exactly the over-capacity tokens,
+through the router, both routers), the megablox grouped-matmul kernel (interpreted) against
+ragged_dot, capacity mode dropping exactly the over-capacity tokens,
 the load-balancing loss falling when a router learns on a skewed batch, and checkpoints moving
 between expert layouts."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -20,11 +22,12 @@ import hf as hf_cli
 import trainer
 from configs import load_config
 from conftest import ROOT
-from model.moe import MoE, local_dispatch, router_stats
+from configs import ConfigError
+from model.moe import MoE, expert_rows, local_dispatch, megablox_matmul, router_stats
 from sharding import activation_rules, make_mesh, resolve_mesh_shape, to_rules
 from sharding.experts import expert_parallel
 from trainer import abstract_program, collective_counts
-from trainer.layout import expert_dispatcher
+from trainer.layout import expert_dispatcher, grouped_matmul, plan_layout
 from trainer.state import init_state
 from trainer.step import accumulate_stats, make_loss_fn
 
@@ -158,6 +161,80 @@ def test_layer_and_router_gradients_equal_a_dense_reference(router, renormalize)
     assert np.abs(g_theirs[0]["router"]).max() > 1e-3  # the router really gets a gradient
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_theirs), jax.tree.leaves(g_ours)):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+# --- the grouped matmul: megablox against ragged_dot ---------------------------------------
+
+MEGABLOX = functools.partial(megablox_matmul, interpret=True)  # the TPU kernel's own code, run on CPU
+
+
+def _kernel_experts(num: int, d: int = 128, f: int = 256) -> tuple[jax.Array, ...]:
+    """Experts as wide as the kernel's 128 tiles (one tile of 128 along d, two along f)."""
+    keys = jax.random.split(jax.random.key(3), 3)
+    return (0.1 * jax.random.normal(keys[0], (num, d, f)), 0.1 * jax.random.normal(keys[1], (num, d, f)),
+            0.1 * jax.random.normal(keys[2], (num, f, d)))
+
+
+def test_megablox_equals_ragged_dot_forward_and_gradients():
+    """256 rows over 4 experts of uneven sizes (100, 0, 40, 90: one empty, groups crossing the
+    128-row tiles) plus 26 padding rows (id 4, output 0), in shuffled order: the rows and every
+    weight's gradient agree with jax.lax.ragged_dot."""
+    gate, up, down = _kernel_experts(4)
+    rows = jax.random.normal(jax.random.key(0), (256, 128))
+    ids = jnp.asarray(np.random.RandomState(0).permutation(np.repeat([0, 2, 3, 4], [100, 40, 90, 26])), jnp.int32)
+    probe = jax.random.normal(jax.random.key(1), (256, 128))
+
+    def loss(matmul, *args: jax.Array) -> tuple[jax.Array, jax.Array]:
+        y = expert_rows(*args[:1], ids, *args[1:], matmul=matmul)
+        return jnp.sum(jnp.sin(y) * probe), y
+
+    grads = {name: jax.jit(jax.value_and_grad(functools.partial(loss, mm), argnums=(0, 1, 2, 3), has_aux=True))(
+        rows, gate, up, down) for name, mm in (("ragged_dot", jax.lax.ragged_dot), ("megablox", MEGABLOX))}
+    (_, y_ref), g_ref = grads["ragged_dot"]
+    (_, y), g = grads["megablox"]
+    assert np.abs(y_ref[ids < 4]).min() > 0 and not np.asarray(y_ref[ids == 4]).any()  # every real row computed
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+    for name, a, b in zip(("rows", "gate", "up", "down"), g, g_ref):
+        assert np.abs(b).max() > 1e-2, name
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
+    assert not np.asarray(g[1][1]).any()  # the empty expert gets no gradient
+
+
+def test_megablox_in_the_expert_parallel_dispatch_equals_one_device():
+    """Dropless over 2 devices on `expert` (each receives 2 x 128 rows, most of them padding) with
+    the kernel per device equals every expert on one device with ragged_dot."""
+    gate, up, down = _kernel_experts(4, f=128)
+    mesh = make_mesh(resolve_mesh_shape(load_config(TINY, ["mesh.data=1", "mesh.expert=2", "mesh.fsdp=4",
+                                                           "model.moe.num_experts=4"]).mesh, 8))
+    rules = (("batch", ("expert",)), ("expert", "expert"))
+    x = jax.random.normal(jax.random.key(0), (2, 64, 128))
+    logits = jax.random.normal(jax.random.key(1), (2, 64, 4)) + jnp.array([2.0, 0, 0, -9])  # expert 3: (almost) none
+    weights, ids = jax.lax.top_k(jax.nn.softmax(logits), 2)
+    rows = NamedSharding(mesh, PartitionSpec("expert"))
+    with activation_rules(mesh, rules):
+        y, _ = jax.jit(expert_parallel(rules, 2, MEGABLOX), static_argnums=6)(
+            *(jax.device_put(a, rows) for a in (x, ids, weights, gate, up, down)), 0.0)
+    y_ref, _ = local_dispatch(x, ids, weights, gate, up, down, 0.0)
+    assert np.abs(y_ref).min() > 0
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_the_grouped_matmul_follows_the_platform():
+    """auto: megablox on TPU where its tiles divide the shapes, ragged_dot elsewhere; megablox
+    asked for on a GPU is refused naming the key (the tiles are checked in tests/test_cli.py)."""
+    cfg = load_config(TINY, ["model.d_model=128", "model.seq_len=64", "model.moe.num_experts=4", "mesh.data=1"])
+    layout = plan_layout(cfg, 1)
+    assert grouped_matmul(cfg, layout, "tpu").func is megablox_matmul
+    assert not grouped_matmul(cfg, layout, "tpu").keywords["interpret"]
+    assert grouped_matmul(cfg, layout, "cpu") is jax.lax.ragged_dot
+    assert grouped_matmul(cfg, layout, "cuda") is jax.lax.ragged_dot
+    odd = load_config(TINY, ["model.d_model=128", "model.seq_len=60", "model.moe.num_experts=4", "mesh.data=1"])
+    assert grouped_matmul(odd, plan_layout(odd, 1), "tpu") is jax.lax.ragged_dot  # 60 x 2 rows: no 128 tile
+    asked = load_config(TINY, ["model.d_model=128", "model.seq_len=64", "model.moe.num_experts=4", "mesh.data=1",
+                               "model.moe.grouped_matmul=megablox"])
+    assert grouped_matmul(asked, layout, "cpu").keywords["interpret"]
+    with pytest.raises(ConfigError, match="model.moe.grouped_matmul=megablox is a TPU kernel"):
+        grouped_matmul(asked, layout, "cuda")
 
 
 # --- capacity mode ---------------------------------------------------------------------------

@@ -278,3 +278,20 @@ def test_moe_tokens_travel_by_all_to_all_on_the_expert_axis(tmp_path_factory: py
     assert {tuple(c["axes"]) for c in a2a} == {("expert",)} and not any(c["inter_node"] for c in a2a)
     assert any(c["dtype"] == "bf16" and c["bytes"] > 0 for c in a2a), a2a
     assert not [c for c in without["plans"][0]["collectives"] if c["kind"] == "all-to-all"]
+
+
+def test_moe_experts_run_as_the_megablox_kernel_on_tpu(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """tiny-moe on a v5p-4 with `mesh.expert=4`: `model.moe.grouped_matmul=auto` takes the
+    megablox kernel on TPU, so the experts' matmuls are its Pallas calls (gmm forward and input
+    gradient, tgmm weight gradient) and no dense product of every local expert over every row
+    is left. With ragged_dot libtpu runs the forward as its own grouped kernel ("ragged-dot")
+    but the weight gradient as masked [experts, rows, dim] operands, bf16[2,4096,*] here
+    (BENCHMARKS.md, MoE)."""
+    _need("tpu-v5p")
+    dump = tmp_path_factory.mktemp("hlo")
+    _, out, status = plan(tmp_path_factory, "--config", "tiny-moe", "--devices", "4", "--hardware", "tpu-v5p",
+                          "--dump-hlo", str(dump), "model.dtype=bfloat16", "mesh.data=1", "mesh.expert=4")
+    (text,) = [f.read_text() for f in dump.iterdir()]
+    kernels = re.findall(r'custom_call_target="tpu_custom_call".*?op_name="[^"]*jit\((t?gmm)\)/pallas_call"', text)
+    assert status == 0 and set(kernels) == {"gmm", "tgmm"}, out
+    assert "ragged-dot" not in text and not re.search(r"bf16\[2,4096,(128|256)\]", text)

@@ -11,13 +11,14 @@ import functools
 import math
 from typing import Callable
 
+import jax
 from flax import nnx
 
 from configs import Config, ConfigError, ModelConfig
 from model import LayerRunner, scan_layers
 from model.attention import block_mask, splash_attention
 from sharding import Rules, axes_size, mesh_axes, resolve_mesh_shape, to_rules
-from model.moe import DispatchFn
+from model.moe import DispatchFn, GroupedMatmul, local_dispatch, megablox_matmul, megablox_tile
 from sharding.context import SequenceSplit, balanced_order, check_context, per_device, sharded_ring
 from sharding.experts import expert_parallel
 from sharding.pipeline import bubble_fraction, pipeline_runner
@@ -104,6 +105,10 @@ def plan_layout(cfg: Config, num_devices: int) -> Layout:
         raise ConfigError(f"pipeline.repeats={repeats} needs mesh.pipeline > 1")
     elif cfg.pipeline.schedule != "gpipe":
         raise ConfigError(f"pipeline.schedule={cfg.pipeline.schedule} needs mesh.pipeline > 1")
+    if cfg.model.moe.enabled and cfg.model.moe.grouped_matmul == "megablox":
+        misfit = megablox_misfit(cfg, sizes, stage_rules)
+        if misfit:
+            raise ConfigError(misfit)
     return Layout(sizes, param_rules, act_rules, stage_rules, stages, repeats, micro, cfg.pipeline.schedule)
 
 
@@ -206,13 +211,47 @@ def layer_runner(layout: Layout, remat_policy: str, unroll: int = 1) -> LayerRun
     return pipeline_runner(layout.stages, layout.repeats, layout.microbatches, stage_fn, layout.stage_rules)
 
 
-def expert_dispatcher(layout: Layout) -> DispatchFn | None:
+def megablox_misfit(cfg: Config, sizes: dict[str, int], stage_rules: Rules) -> str | None:
+    """Why the megablox kernel cannot run the config's experts (None: it can): its tiles (128 at
+    least) must divide the rows of each device's grouped matmuls (a multiple of the positions it
+    holds x top-k) and both weight dims; on several devices it runs per device, in the expert
+    dispatcher, so the rules must give the `expert` dim a mesh axis."""
+    m, e = cfg.model, cfg.model.moe
+    dims = {"model.d_model": m.d_model, "model.moe.d_ff" if e.d_ff else "model.d_ff": e.d_ff or m.d_ff,
+            f"model.seq_len / mesh.context x model.moe.experts_per_token": m.seq_len // sizes["context"] * e.experts_per_token}
+    for key, size in dims.items():
+        if not megablox_tile(size):
+            return f"{key}={size} is not a multiple of 128, the tile of model.moe.grouped_matmul=megablox"
+    if math.prod(sizes.values()) > 1 and not mesh_axes("expert", stage_rules):
+        return ("model.moe.grouped_matmul=megablox on several devices runs per device in the expert dispatcher: "
+                "sharding.activations.expert must name a mesh axis")
+    return None
+
+
+def grouped_matmul(cfg: Config, layout: Layout, platform: str) -> GroupedMatmul:
+    """The dropless experts' grouped matmul on devices of `platform` (`model.moe.grouped_matmul`):
+    megablox is the TPU kernel on "tpu", interpreted on "cpu" (tests), refused elsewhere; auto
+    takes it on TPU where it fits, else jax.lax.ragged_dot."""
+    choice = cfg.model.moe.grouped_matmul
+    if choice == "auto":
+        fits = platform == "tpu" and megablox_misfit(cfg, layout.sizes, layout.stage_rules) is None
+        choice = "megablox" if fits else "ragged_dot"
+    if choice == "ragged_dot" or not cfg.model.moe.enabled:
+        return jax.lax.ragged_dot
+    if platform not in ("tpu", "cpu"):
+        raise ConfigError(f"model.moe.grouped_matmul=megablox is a TPU kernel (interpreted on CPU for tests), not "
+                          f"for {platform}: use ragged_dot or auto")
+    return functools.partial(megablox_matmul, interpret=platform != "tpu")
+
+
+def expert_dispatcher(layout: Layout, matmul: GroupedMatmul = jax.lax.ragged_dot) -> DispatchFn | None:
     """The MoE dispatch of a multi-device layout: each device routes its own tokens (over
     `expert` when mesh.expert > 1; with one expert shard the all-to-alls are no-ops and the
     experts' weights are gathered, as FSDP gathers a dense MLP's). Left to the partitioner, the
     sort of the assignments would run over the global batch (the Mixtral plan at fsdp=64 needed
-    300 GB of temporaries per device). None (every expert on the one device) on one device, or
-    when the rules give the `expert` dim no mesh axis."""
+    300 GB of temporaries per device). On one device, or when the rules give the `expert` dim no
+    mesh axis, every expert runs on the one device (None with ragged_dot, the model's default).
+    `matmul`: the dropless experts' grouped matmul (`grouped_matmul`)."""
     if math.prod(layout.sizes.values()) == 1 or not mesh_axes("expert", layout.stage_rules):
-        return None
-    return expert_parallel(layout.stage_rules, layout.sizes["expert"])
+        return None if matmul is jax.lax.ragged_dot else functools.partial(local_dispatch, matmul=matmul)
+    return expert_parallel(layout.stage_rules, layout.sizes["expert"], matmul)

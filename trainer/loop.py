@@ -33,7 +33,7 @@ from trainer.checkpoint import Checkpointer, check_resumable, checkpoint_dir, ha
 from trainer.faults import Preempted, StopSignal, Watchdog, fingerprint
 from trainer.goodput import Goodput, invocation_outcome
 from trainer.hooks import Hook, StepLog, make_hooks
-from trainer.layout import attention_notes
+from trainer.layout import attention_notes, grouped_matmul
 from trainer.metrics import MetricsLogger, log
 from trainer.observe import instrument
 from trainer.program import Program, RunSpec, make_program, prepare
@@ -175,6 +175,7 @@ def run(cfg: Config, devices: list | None = None) -> list[dict[str, Any]]:
     _check_device_count(cfg, devices, why_not)
     _check_quant(cfg, devices)
     spec = prepare(cfg, len(devices))
+    grouped_matmul(cfg, spec.layout, devices[0].platform)  # refuses a kernel the platform cannot run
     check_nodes(devices, cfg.mesh.nodes)
     # Bad input has been refused with run.dir untouched; from here on this run writes there, alone.
     with rundir_lock.hold(cfg.run.dir, cfg.run.lock_timeout_s, cfg.dist.init_timeout_s, log):

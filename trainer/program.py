@@ -41,6 +41,7 @@ from trainer.checkpoint import check_resumable, has_checkpoints
 from trainer.layout import (
     Layout,
     expert_dispatcher,
+    grouped_matmul,
     layer_runner,
     plan_layout,
     scan_unroll,
@@ -139,7 +140,7 @@ def make_program(spec: RunSpec, devices: list) -> Program:
     split = sequence_split(cfg, layout, devices[0].platform)
     cast = functools.partial(cast_for_compute, axes=model.axes, dtype=cfg.model.dtype, shardings=state_sh.params)
     grad_fn = scheduled_grads(layout, model.graphdef, cfg.model.remat, cfg.model.loss_chunk, cast)
-    dispatch = expert_dispatcher(layout)
+    dispatch = expert_dispatcher(layout, grouped_matmul(cfg, layout, devices[0].platform))
     step = jax.jit(
         make_train_step(model.graphdef, tx, schedule, cfg.train.grad_accum, runner, cfg.model.loss_chunk, cast,
                         split, grad_fn, cfg.model.moe, dispatch),
