@@ -119,6 +119,7 @@ EXPLICIT: dict[str, tuple[Any, list[str]]] = {
     "mesh.expert": (2, ["model.moe.num_experts=4"]),
     "model.moe.num_experts": (4, []),
     "model.moe.router": ("topk_softmax", []),
+    "model.moe.grouped_matmul": ("ragged_dot", []),
     "mesh.across": ("pipeline", ["mesh.pipeline=2"]),
     "model.head_dim": (16, []),
     "model.dtype": ("bfloat16", []),
