@@ -77,6 +77,8 @@ def test_query_blocks_lower_to_more_matmuls_than_one_block():
     # seq_len 32 is one block of the CPU's pick (trainer.layout.CPU_ATTENTION_BLOCK): the plain
     # kernel; blocks of 8 score 4 query blocks, each with its own matmuls.
     assert attention_dots("model.attention_block=8") > attention_dots()
+    # Past one block the CPU's pick (model.attention_block=0) blocks by itself; one block overrides it.
+    assert attention_dots("model.seq_len=128") > attention_dots("model.seq_len=128", "model.attention_block=128")
 
 
 # Both ways of running the stack and of attending: the golden values are one computation,
