@@ -168,9 +168,10 @@ def attention_notes(cfg: Config) -> list[str]:
     return []
 
 
-# `model.attention_block=0` on CPU: queries per block of the xla attention. At length 256 blocks
-# of 32 and 64 ran alike (the default step: about 15% less CPU time than one block), at 1024 64
-# ran best (BENCHMARKS.md, "The CPU step"); a sequence this long or shorter keeps the plain kernel.
+# `model.attention_block=0` on CPU: queries per block of the xla attention. Blocks of 32 and 64
+# ran alike at lengths 256 and 1024 (the default step: about 15% less CPU time than one block;
+# BENCHMARKS.md, "The CPU step"), 64 with half the ops; a sequence this long or shorter keeps the
+# plain kernel.
 CPU_ATTENTION_BLOCK = 64
 
 
