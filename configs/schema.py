@@ -195,6 +195,12 @@ class ModelConfig:
     # of at most CPU_UNROLL_LAYERS (trainer/layout.py) layers is unrolled whole (XLA:CPU spends about a tenth of the
     # default step on the scan's stacked buffers), everywhere else 1 (compile time flat in depth).
     scan_unroll: int = 0
+    # Queries per block of `attention: xla`, each block scoring only the keys up to its own end
+    # (model.attention.query_blocked_attention: the same sums, about half the [T, T] work). 0: the
+    # stack picks: on CPU CPU_ATTENTION_BLOCK (trainer/layout.py) when the sequence is not split
+    # (XLA:CPU spends most of the attention's time on the [T, T] passes), everywhere else one
+    # block; seq_len or more: one block (the plain kernel).
+    attention_block: int = 0
     quant: str = "none"  # none | fp8 | int8: the blocks' matmuls (model/quant.py)
     # The dtype block weight gradients leave their matmuls in, so the dtype their reductions over
     # the batch shards move ("compute": the compute dtype).

@@ -153,6 +153,10 @@ def validate_static(cfg: Config) -> None:
     )
     _require(m.max_documents >= 0, "model.max_documents", f"must be >= 0 (0: no bound), got {m.max_documents}")
     _require(m.scan_unroll >= 0, "model.scan_unroll", f"must be >= 0 (0: the stack picks), got {m.scan_unroll}")
+    _require(m.attention_block >= 0, "model.attention_block",
+             f"must be >= 0 (0: the stack picks), got {m.attention_block}")
+    _require(m.attention_block == 0 or m.attention == "xla", "model.attention_block",
+             f"blocks model.attention=xla only, not {m.attention}: leave it 0")
     _require(cfg.mesh.nodes > 0, "mesh.nodes", f"must be > 0 (1: one node or slice), got {cfg.mesh.nodes}")
     _one_of(cfg.mesh.across, "mesh.across", MESH_AXES)
     _one_of(m.dtype, "model.dtype", DTYPES)

@@ -19,8 +19,9 @@ context split, sharding/context.py), where array order no longer is sequence ord
 
 Under a sequence split (`length` on a mesh axis) keys and values are constrained whole along
 `length` while queries stay split: XLA gathers them, the all-gather strategy. The trainer may
-install another sharded kernel (ring attention, splash under shard_map) with `sharded_attention`;
-the model names no mesh axis either way.
+install another kernel with `sharded_attention`: a sharded one (ring attention, splash under
+shard_map), or on CPU `query_blocked_attention` (the `xla` kernel's sums, a block of queries at a
+time); the model names no mesh axis and no platform either way.
 """
 
 from __future__ import annotations
@@ -82,6 +83,25 @@ def masked_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(b, t, h, d)
+
+
+def query_blocked_attention(q: Array, k: Array, v: Array, positions: Array, segment_ids: Array | None, *,
+                            block: int) -> Array:
+    """`masked_attention` `block` queries at a time, each block scoring only the keys up to its own
+    end: the same scores, softmax and sums (a key after the block in array order is masked for all
+    of its queries, its probability exactly 0), with about half of the [T, T] work and memory
+    skipped. For XLA:CPU, where the [batch, heads, T, T] passes cost most of the attention
+    (BENCHMARKS.md, "The CPU step"). Needs array order to be sequence order within each row (no
+    load-balanced reorder: sharding/context.py); positions and segment ids still mask as always."""
+    t = q.shape[1]
+    outs = []
+    for start in range(0, t, block):
+        end = min(start + block, t)
+        q_seg = None if segment_ids is None else segment_ids[:, start:end]
+        k_seg = None if segment_ids is None else segment_ids[:, :end]
+        mask = block_mask(positions[:, start:end], positions[:, :end], q_seg, k_seg)
+        outs.append(masked_attention(q[:, start:end], k[:, :end], v[:, :end], mask))
+    return jnp.concatenate(outs, axis=1)
 
 
 def fused_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, implementation: str | None,

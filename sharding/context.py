@@ -45,7 +45,8 @@ QKV_AXES = (("batch", "length", "heads", "head_dim"), ("batch", "length", "kv_he
 @dataclasses.dataclass(frozen=True)
 class SequenceSplit:
     """What the train step does for a sequence split: `order` (the load-balanced position of each
-    array slot, or None) and `attention` (a sharded kernel the model calls, or None: its own)."""
+    array slot, or None) and `attention` (a kernel the model calls instead of its own: a sharded
+    one, or without a split the CPU's query-blocked one; None: its own)."""
 
     order: np.ndarray | None
     attention: AttentionFn | None

@@ -31,6 +31,16 @@ def test_the_step_benchmark_prints_a_row_and_writes_json(tmp_path):
     assert bad.returncode == 2 and "model.loss_chunk" in bad.stderr
 
 
+def test_the_attention_block_benchmark_prints_a_row_per_block(capsys):
+    from bench.attention_blocks import main
+
+    assert main(["--config", "tiny", "--seq", "32", "--batch", "2", "--blocks", "32,8", "--calls", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 32 ", "| 8 "))]
+    assert [r.split(" |")[0] for r in rows] == ["| 32 (one block)", "| 8"]
+    diffs = [float(r.rstrip(" |").rsplit("| ", 1)[1]) for r in rows]
+    assert diffs[0] == 0 and 0 < diffs[1] < 1e-5  # blocks of 8 really run other matmuls, to float32 rounding
+
+
 def test_default_flags_never_override_the_users():
     env = {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false"}
     assert set_default_flags(env) == [] and env["XLA_FLAGS"].endswith("=false")

@@ -28,6 +28,12 @@ BAD = {
     "vocab": (["mesh.data=1", "mesh.tensor=8", "model.vocab_size=260"], "model.vocab_size=260 is not divisible by 8"),
     "global batch": (["mesh.data=8", "train.global_batch=12"], "train.global_batch=12 is not divisible by 8"),
     "scan unroll": (["model.scan_unroll=-1"], "model.scan_unroll: must be >= 0 (0: the stack picks), got -1"),
+    "attention block": (["model.attention_block=-1"], "model.attention_block: must be >= 0 (0: the stack picks), got -1"),
+    "attention block of another kernel": (["model.attention=dot_product", "model.attention_block=8"],
+                                          "model.attention_block: blocks model.attention=xla only, not dot_product"),
+    "attention block with a sequence split": (["mesh.data=4", "mesh.context=2", "model.attention_block=8"],
+                                              "model.attention_block=8 skips the keys after each block in array order, "
+                                              "which the sequence split (mesh.context=2) does not keep"),
     "grad accum": (["mesh.data=8", "train.grad_accum=4"], "train.global_batch=16 is not divisible by 32"),
     "unknown key": (["train.stpes=5"], "unknown config key 'train.stpes' (did you mean train.steps?)"),
     "unknown logical name": (["mesh.fsdp=8", "sharding.params.embd=fsdp"],

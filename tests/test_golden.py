@@ -61,14 +61,30 @@ def layer_loops(*overrides: str) -> int:
     return trainer.abstract_program(cfg, jax.devices()[:1]).lower().as_text().count("stablehlo.while")
 
 
+def attention_dots(*overrides: str) -> int:
+    """How many matmuls the tiny preset's step on one CPU device lowers to."""
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), ["mesh.data=1", "data.source=synthetic", *overrides])
+    return trainer.abstract_program(cfg, jax.devices()[:1]).lower().as_text().count("stablehlo.dot_general")
+
+
 def test_on_cpu_a_shallow_stack_is_unrolled_and_a_deep_one_scanned():
     assert layer_loops() == 0  # 4 layers, model.scan_unroll=0: unrolled on CPU
     assert layer_loops("model.scan_unroll=1") > 0  # the scan and its transpose
     assert layer_loops("model.num_layers=9") > 0  # deeper than trainer.layout.CPU_UNROLL_LAYERS
 
 
-# Both ways of running the stack: the golden values are one computation, whatever the loop.
-@pytest.mark.parametrize("extra", [(), ("model.scan_unroll=1",)], ids=["cpu-default-unrolled", "scanned"])
+def test_query_blocks_lower_to_more_matmuls_than_one_block():
+    # seq_len 32 is one block of the CPU's pick (trainer.layout.CPU_ATTENTION_BLOCK): the plain
+    # kernel; blocks of 8 score 4 query blocks, each with its own matmuls.
+    assert attention_dots("model.attention_block=8") > attention_dots()
+    # Past one block the CPU's pick (model.attention_block=0) blocks by itself; one block overrides it.
+    assert attention_dots("model.seq_len=128") > attention_dots("model.seq_len=128", "model.attention_block=128")
+
+
+# Both ways of running the stack and of attending: the golden values are one computation,
+# whatever the loop, and whether the queries go in blocks (the sums skip only exact zeros).
+@pytest.mark.parametrize("extra", [(), ("model.scan_unroll=1",), ("model.attention_block=8",)],
+                         ids=["cpu-default-unrolled", "scanned", "query-blocked"])
 def test_the_first_steps_of_the_tiny_preset_match_the_golden_values(tmp_path, extra):
     with open(GOLDEN) as f:
         golden = json.load(f)

@@ -16,7 +16,7 @@ from flax import nnx
 
 from configs import Config, ConfigError, ModelConfig
 from model import LayerRunner, scan_layers
-from model.attention import block_mask, splash_attention
+from model.attention import block_mask, query_blocked_attention, splash_attention
 from sharding import Rules, axes_size, mesh_axes, resolve_mesh_shape, to_rules
 from model.moe import DispatchFn, GroupedMatmul, local_dispatch, megablox_matmul, megablox_tile
 from sharding.context import SequenceSplit, balanced_order, check_context, per_device, sharded_ring
@@ -76,6 +76,10 @@ def plan_layout(cfg: Config, num_devices: int) -> Layout:
             f"({' x '.join(f'{a}={sizes[a]}' for a in batch_axes) or '1'}) x train.grad_accum={t.grad_accum}"
         )
     check_context(cfg, sizes, act_rules)
+    block = cfg.model.attention_block
+    if sizes["context"] > 1 and 0 < block < cfg.model.seq_len:
+        raise ConfigError(f"model.attention_block={block} skips the keys after each block in array order, which the "
+                          f"sequence split (mesh.context={sizes['context']}) does not keep: leave it 0")
     experts = cfg.model.moe.num_experts
     if sizes["expert"] > 1 and experts % sizes["expert"]:
         raise ConfigError(f"mesh.expert={sizes['expert']} does not divide model.moe.num_experts={experts}")
@@ -164,17 +168,36 @@ def attention_notes(cfg: Config) -> list[str]:
     return []
 
 
+# `model.attention_block=0` on CPU: queries per block of the xla attention. Blocks of 32 and 64
+# ran alike at lengths 256 and 1024 (the default step: about 15% less CPU time than one block;
+# BENCHMARKS.md, "The CPU step"), 64 with half the ops; a sequence this long or shorter keeps the
+# plain kernel.
+CPU_ATTENTION_BLOCK = 64
+
+
+def attention_block(model: ModelConfig, context: int, platform: str) -> int:
+    """Queries per block of the xla attention: `model.attention_block`, or the stack's pick for
+    0 (`context`: the sequence split's size, whose reorder the blocks cannot take)."""
+    if model.attention_block:
+        return model.attention_block
+    return CPU_ATTENTION_BLOCK if platform == "cpu" and context == 1 else model.seq_len
+
+
 def sequence_split(cfg: Config, layout: Layout, platform: str) -> SequenceSplit | None:
-    """The load-balanced order and the sharded attention kernel the layout needs (None: neither),
-    for devices of `platform` (splash runs as the TPU kernel on "tpu", interpreted elsewhere)."""
+    """The load-balanced order and the attention kernel the layout needs (None: neither), for
+    devices of `platform`: a sharded kernel under a sequence split (splash runs as the TPU kernel
+    on "tpu", interpreted elsewhere), or the query-blocked xla kernel (`attention_block`)."""
     shards = layout.sizes["context"]
     order = balanced_order(cfg.model.seq_len, shards) if shards > 1 and cfg.context.load_balance else None
     attention = None
+    block = attention_block(cfg.model, shards, platform)
     if cfg.context.strategy == "ring" and cfg.model.attention == "xla":
         attention = sharded_ring(layout.stage_rules, shards, block_mask)
     elif cfg.model.attention == "splash":
         kernel = functools.partial(splash_attention, interpret=platform != "tpu")
         attention = per_device(kernel, layout.stage_rules)
+    elif cfg.model.attention == "xla" and block < cfg.model.seq_len:
+        attention = functools.partial(query_blocked_attention, block=block)
     return None if order is None and attention is None else SequenceSplit(order, attention)
 
 

@@ -84,7 +84,7 @@ def make_loss_fn(
     maps the float32 parameters to their compute-dtype view (sharding.cast) inside the
     differentiated function, so gathers and gradient reductions move the compute dtype.
     `split` (a sequence split over `context`) reorders the positions for load balancing and
-    hands the model a sharded attention kernel. `moe` (an MoE model's config): the loss sum gains
+    hands the model a sharded attention kernel (without a split: the CPU's query-blocked one). `moe` (an MoE model's config): the loss sum gains
     the router losses, each a per-token mean of this batch times its target count (so that
     micro-batches weigh by tokens as the cross-entropy does), and aux carries the MoE metrics;
     without it the loss is the cross-entropy alone (eval). `dispatch` moves routed tokens to
