@@ -220,3 +220,19 @@ def test_extending_a_run_continues_its_schedule(tiny, tmp_path, capsys):
     assert load_config(str(extended / "config.yaml")).optim.decay_steps == 4, "the resolved horizon is recorded"
     trainer.run(tiny("train.steps=7", "optim.decay_steps=10", *common, f"run.dir={extended}"), devices=one)
     assert "the learning-rate schedule changes on this resume: optim.decay_steps 4 -> 10" in capsys.readouterr().out
+
+
+def test_a_one_process_save_slices_no_replica_on_device(tmp_path, monkeypatch):
+    """A one-process run on 8 devices saves each replicated array from one replica: no
+    jit-compiled device slice per replica and array (orbax's replica-parallel default, which
+    cost 2.5-4.3 s of a tiny run's first save), and the save resumes exactly as any other
+    (test_resume_is_bitwise_exact and the fault tests)."""
+    from bench.procs import TINY, run
+    from conftest import stdlib_glob
+
+    monkeypatch.setenv("JAX_LOG_COMPILES", "1")  # a fresh process logs every program it compiles
+    code, out = run("--config", TINY, f"run.dir={tmp_path}", f"data.path={stdlib_glob('json')}", "train.steps=2",
+                    "checkpoint.every=2", "optim.decay_steps=12")
+    assert code == 0 and "Compiling jit(train_step)" in out, out[-2000:]
+    assert "Compiling jit(slice)" not in out, [line for line in out.splitlines() if "jit(slice)" in line][:3]
+    assert os.path.isdir(tmp_path / "checkpoints" / "2")
