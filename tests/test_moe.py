@@ -22,13 +22,13 @@ import hf as hf_cli
 import trainer
 from configs import load_config
 from conftest import ROOT
+from test_context import initial_params
 from configs import ConfigError
 from model.moe import MoE, expert_rows, local_dispatch, megablox_matmul, router_stats
 from sharding import activation_rules, make_mesh, resolve_mesh_shape, to_rules
 from sharding.experts import expert_parallel
 from trainer import abstract_program, collective_counts
 from trainer.layout import expert_dispatcher, grouped_matmul, plan_layout
-from trainer.state import init_state
 from trainer.step import accumulate_stats, make_loss_fn
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -50,15 +50,15 @@ def config(*overrides: str):
 def step_outputs(cfg, devices=None) -> dict:
     """Loss, MoE statistics and gradients of one batch under cfg's layout, and the compiled HLO."""
     program = abstract_program(cfg, devices)
-    state = init_state(cfg.model, program.tx, 0, program.state_sh)
+    params = initial_params(program)
     tokens = np.asarray(jax.random.randint(jax.random.key(7), (16, cfg.model.seq_len + 1), 0, 257))
     batch = {"tokens": jax.device_put(tokens, program.batch_sh)}
     loss_fn = make_loss_fn(program.spec.model.graphdef, program.runner, moe=cfg.model.moe, dispatch=expert_dispatcher(program.spec.layout))
     fn = jax.jit(lambda p, b: accumulate_stats(loss_fn, p, b, cfg.train.grad_accum, program.grad_fn))
     with activation_rules(program.mesh, program.spec.layout.act_rules):
-        compiled = fn.lower(state.params, batch).compile()
-    loss, grads, (count, stats) = compiled(state.params, batch)
-    gate = state.params["layers"]["mlp"]["gate"]
+        compiled = fn.lower(params, batch).compile()
+    loss, grads, (count, stats) = compiled(params, batch)
+    gate = params["layers"]["mlp"]["gate"]
     return {"loss": float(loss), "stats": np.asarray(stats) / float(count), "grads": jax.tree.map(np.asarray, grads),
             "hlo": compiled.as_text(), "shard": gate.addressable_shards[0].data.shape, "sizes": program.spec.layout.sizes}
 

@@ -17,10 +17,9 @@ import trainer
 from bench.procs import two_processes
 from configs import ConfigError, load_config
 from conftest import ROOT, stdlib_glob
-from test_context import packed_batch
+from test_context import initial_params, packed_batch
 from sharding import activation_rules
 from trainer import abstract_program, collective_counts
-from trainer.state import init_state
 from trainer.step import accumulate, make_loss_fn
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -63,7 +62,7 @@ def loss_and_grads(cfg, devices=None, documents: bool = False):
     """Loss and gradients of one batch under cfg's layout, gathered to the host; with
     `documents`, rows of packed documents (segment ids and positions)."""
     program = abstract_program(cfg, devices)
-    state = init_state(cfg.model, program.tx, 0, program.state_sh)
+    params = initial_params(program)
     if documents:
         rows = packed_batch(cfg.model.seq_len, True)
     else:
@@ -72,7 +71,7 @@ def loss_and_grads(cfg, devices=None, documents: bool = False):
     loss_fn = make_loss_fn(program.spec.model.graphdef, program.runner)
     fn = jax.jit(lambda params, batch: accumulate(loss_fn, params, batch, cfg.train.grad_accum, program.grad_fn))
     with activation_rules(program.mesh, program.spec.layout.act_rules):
-        loss, grads = fn(state.params, batch)
+        loss, grads = fn(params, batch)
     return float(loss), jax.tree.map(np.asarray, grads)
 
 
