@@ -21,12 +21,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+FORCE_COUNT = "--xla_force_host_platform_device_count"
+
+
+def cpu_env(devices: int) -> dict[str, str]:
+    """This process's environment for a child on `devices` fake CPU devices. The caller's other
+    XLA flags are kept: under pytest they are the suite's (tests/conftest.py), so a child compiles
+    the programs the tests and the other children do, and the shared compilation cache serves them."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(FORCE_COUNT + "=")]
+    return dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu",
+                XLA_FLAGS=" ".join([*flags, f"{FORCE_COUNT}={devices}"]))
+
+
 class Train:
     """`python train.py ARGS` with `devices` fake CPU devices; output collected line by line."""
 
     def __init__(self, *args: str, devices: int = 8):
-        env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        env = cpu_env(devices)
         self.proc = subprocess.Popen(
             [sys.executable, os.path.join(ROOT, "train.py"), *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,

@@ -84,7 +84,10 @@ def test_elastic_resume_from_8_devices_to_4(tmp_path, capsys):
 def test_a_second_job_is_refused_and_a_killed_peer_stops_the_others_within_60_s(tmp_path):
     """One 2-process job holds run.dir's lock once (process 0); a second 2-process job on that
     run.dir exits 2 in both processes, naming the holder; then a killed peer stops the first."""
-    procs = two_processes(tmp_path, "train.steps=100000", "checkpoint.every=100000", heartbeat=5)
+    # The layout and learning-rate horizon of test_two_processes_train_like_one: its compiled
+    # program, served by the shared cache, where a program of its own would be compiled here.
+    procs = two_processes(tmp_path, *LAYOUT, "optim.decay_steps=4", "train.steps=100000", "checkpoint.every=100000",
+                          heartbeat=5)
     procs[0].wait_for(r"^step +3/", timeout=120)
     assert [f for f in os.listdir(tmp_path) if f.startswith("lock")] == ["lock.json"]
     with open(tmp_path / "lock.json") as f:

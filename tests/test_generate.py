@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 from conftest import ROOT
+from bench.procs import cpu_env
 
 import trainer
 from configs.schema import ModelConfig, MoEConfig
@@ -125,9 +126,8 @@ def test_cli_samples_from_a_sharded_checkpoint(tiny, tmp_path, capsys):
     assert expected != expected_step_15, ("the checkpoints must decode differently", expected)
     assert len(set(expected)) > 3, (expected, expected_step_15)
 
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
     greedy = ["--run-dir", cfg.run.dir, "--prompt", prompt_text, "--max-new-tokens", str(n)]
-    proc = subprocess.run([sys.executable, "generate.py", *greedy], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "generate.py", *greedy], cwd=ROOT, env=cpu_env(1),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout == expected

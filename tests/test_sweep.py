@@ -12,6 +12,7 @@ import pytest
 
 import train
 from configs import load_config
+from bench.procs import cpu_env
 from conftest import ROOT, stdlib_glob
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -102,7 +103,8 @@ def test_emit_slurm_writes_an_array_job_and_the_commands(tmp_path):
 def test_a_sweep_runs_its_points_reports_a_failure_and_resumes(tmp_path, monkeypatch, capsys):
     # The sweep runs here; its points are real train.py processes, on one device for speed. The
     # second point passes the static checks but needs 2 devices where there is 1: it fails at start-up.
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    # The suite's other XLA flags are kept (bench.procs.cpu_env): its faster compiles.
+    monkeypatch.setenv("XLA_FLAGS", cpu_env(1)["XLA_FLAGS"])
     path = write_sweep(
         tmp_path,
         "overrides: {train.steps: 3, train.log_every: 1}\n"
