@@ -52,14 +52,29 @@ def packed_batch(seq_len: int, documents: bool) -> dict[str, np.ndarray]:
     return {"tokens": tokens, "segment_ids": seg, "positions": pos}
 
 
+_INITIAL: dict[str, dict] = {}  # initial_params' host copies
+
+
+def initial_params(program) -> dict:  # noqa: ANN001 (a Program)
+    """Seed-0 parameters of the program's model, placed as the program shards them: created once
+    per parameter shapes (on one device) and `device_put` into each layout, so a layout compared
+    with another costs one compile (its loss and gradients), not two (its sharded init too).
+    Each layout's own sharded init is what the training-curve tests start from."""
+    key = repr(program.spec.model.shapes) + repr(program.spec.cfg.model.init_std)
+    if key not in _INITIAL:
+        _INITIAL[key] = jax.tree.map(np.asarray, init_state(program.spec.cfg.model, program.tx, 0, jax.tree.map(
+            lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), program.state_sh)).params)
+    return jax.device_put(_INITIAL[key], program.state_sh.params)
+
+
 def loss_and_grads(overrides: list[str], devices: list, documents: bool) -> tuple[float, dict]:
     cfg = load_config(TINY, ["data.source=synthetic", *overrides])
     program = abstract_program(cfg, devices)
-    state = init_state(cfg.model, program.tx, 0, program.state_sh)
+    params = initial_params(program)
     batch = {k: jax.device_put(v, program.batch_sh) for k, v in packed_batch(cfg.model.seq_len, documents).items()}
     loss_fn = make_loss_fn(program.spec.model.graphdef, program.runner, split=program.split)
     with activation_rules(program.mesh, program.spec.layout.act_rules):
-        loss, grads = jax.jit(lambda p, b: accumulate(loss_fn, p, b, 1))(state.params, batch)
+        loss, grads = jax.jit(lambda p, b: accumulate(loss_fn, p, b, 1))(params, batch)
     return float(loss), jax.tree.map(np.asarray, grads)
 
 

@@ -22,13 +22,13 @@ import hf as hf_cli
 import trainer
 from configs import load_config
 from conftest import ROOT
+from test_context import initial_params
 from configs import ConfigError
 from model.moe import MoE, expert_rows, local_dispatch, megablox_matmul, router_stats
 from sharding import activation_rules, make_mesh, resolve_mesh_shape, to_rules
 from sharding.experts import expert_parallel
 from trainer import abstract_program, collective_counts
 from trainer.layout import expert_dispatcher, grouped_matmul, plan_layout
-from trainer.state import init_state
 from trainer.step import accumulate_stats, make_loss_fn
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -50,15 +50,15 @@ def config(*overrides: str):
 def step_outputs(cfg, devices=None) -> dict:
     """Loss, MoE statistics and gradients of one batch under cfg's layout, and the compiled HLO."""
     program = abstract_program(cfg, devices)
-    state = init_state(cfg.model, program.tx, 0, program.state_sh)
+    params = initial_params(program)
     tokens = np.asarray(jax.random.randint(jax.random.key(7), (16, cfg.model.seq_len + 1), 0, 257))
     batch = {"tokens": jax.device_put(tokens, program.batch_sh)}
     loss_fn = make_loss_fn(program.spec.model.graphdef, program.runner, moe=cfg.model.moe, dispatch=expert_dispatcher(program.spec.layout))
     fn = jax.jit(lambda p, b: accumulate_stats(loss_fn, p, b, cfg.train.grad_accum, program.grad_fn))
     with activation_rules(program.mesh, program.spec.layout.act_rules):
-        compiled = fn.lower(state.params, batch).compile()
-    loss, grads, (count, stats) = compiled(state.params, batch)
-    gate = state.params["layers"]["mlp"]["gate"]
+        compiled = fn.lower(params, batch).compile()
+    loss, grads, (count, stats) = compiled(params, batch)
+    gate = params["layers"]["mlp"]["gate"]
     return {"loss": float(loss), "stats": np.asarray(stats) / float(count), "grads": jax.tree.map(np.asarray, grads),
             "hlo": compiled.as_text(), "shard": gate.addressable_shards[0].data.shape, "sizes": program.spec.layout.sizes}
 
@@ -156,8 +156,10 @@ def test_layer_and_router_gradients_equal_a_dense_reference(router, renormalize)
         share = jnp.mean(jax.nn.one_hot(ids, 4).sum(-2), axis=(0, 1)) / 2
         return jnp.sum(_dense_reference(p, x, router, 2, renormalize) * probe) + 4 * jnp.sum(share * probs.mean((0, 1)))
 
-    np.testing.assert_allclose(ours(params, x), theirs(params, x), rtol=1e-5)
-    g_ours, g_theirs = jax.grad(ours, argnums=(0, 1))(params, x), jax.grad(theirs, argnums=(0, 1))(params, x)
+    # Value and gradients jitted together: one compile per side instead of one per primitive.
+    (y_ours, g_ours), (y_theirs, g_theirs) = (jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(params, x)
+                                              for f in (ours, theirs))
+    np.testing.assert_allclose(y_ours, y_theirs, rtol=1e-5)
     assert np.abs(g_theirs[0]["router"]).max() > 1e-3  # the router really gets a gradient
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_theirs), jax.tree.leaves(g_ours)):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
@@ -257,12 +259,13 @@ def test_capacity_drops_exactly_the_over_capacity_tokens():
     x = jax.random.normal(jax.random.key(0), (1, 6, 4))
     ids = jnp.array([0, 0, 0, 0, 1, 0]).reshape(1, 6, 1)
     weights = jnp.ones((1, 6, 1))
-    y, kept = local_dispatch(x, ids, weights, gate, up, down, 1.0)
+    dispatch = jax.jit(local_dispatch, static_argnums=6)  # one compile, not one per primitive
+    y, kept = dispatch(x, ids, weights, gate, up, down, 1.0)
     np.testing.assert_array_equal(kept.reshape(-1), [True, True, True, False, True, False])
     for t in range(6):
         want = _one_expert(x[0, t], int(ids[0, t, 0]), gate, up, down) if kept[0, t, 0] else np.zeros(4)
         np.testing.assert_allclose(y[0, t], want, rtol=1e-5, atol=1e-6)
-    y_free, kept_free = local_dispatch(x, ids, weights, gate, up, down, 0.0)  # dropless keeps all
+    y_free, kept_free = dispatch(x, ids, weights, gate, up, down, 0.0)  # dropless keeps all
     assert kept_free.all() and np.abs(y_free[0, 3]).sum() > 0
 
 
@@ -301,6 +304,7 @@ def test_the_aux_loss_falls_when_the_router_learns_on_a_skewed_batch():
     x = 2.0 * direction + jax.random.normal(jax.random.key(9), (4, 16, 16))
     router = _layer("softmax_topk").router[...] + 0.5 * jnp.outer(direction, jnp.array([1.0, 1.0, -1.0, -1.0]))
 
+    @jax.jit
     def stats(r: jax.Array) -> jax.Array:
         logits = jnp.einsum("bld,de->ble", x, r)
         ids = jax.lax.top_k(logits, 2)[1]
@@ -351,13 +355,21 @@ def test_every_second_layer_equals_a_layer_by_layer_reference_and_stays_scanned(
     from model.transformer import Transformer, transformer_from_params
 
     cfg = _grouped(4)
-    params = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(1))))
+    # Every model computation below is jitted: one compile each instead of one per primitive
+    # (op by op, the test took ~30 s).
+    params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(1)))))()
     assert params["layers"]["dense"]["mlp"]["gate"].shape[:2] == (2, 1) and "router" in params["layers"]["moe"]["mlp"]
     tokens = jax.random.randint(jax.random.key(2), (2, 16), 0, 257)
-    model = transformer_from_params(cfg, params)
-    logits, (x, stats) = model(tokens), model.features_and_stats(tokens)
 
-    def reference(order: tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
+    @jax.jit
+    def ours(params: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
+        model = transformer_from_params(cfg, params)
+        cached, _ = forward(model, tokens, init_cache(model, 2, 20), 0)  # KV-cache decoding walks the groups too
+        return model(tokens), model.features_and_stats(tokens)[1], cached
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def reference(params: dict, order: tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
+        model = transformer_from_params(cfg, params)
         positions = jnp.broadcast_to(jnp.arange(16), tokens.shape)
         h, total = model.embed(tokens), jnp.zeros(4)
         for group in range(2):
@@ -369,13 +381,13 @@ def test_every_second_layer_equals_a_layer_by_layer_reference_and_stays_scanned(
                 total = total + s
         return model.logits(model.final_norm(h)), total / moe_layer_count(cfg)
 
-    ref_logits, ref_stats = reference(("dense", "moe"))
-    swapped, _ = reference(("moe", "dense"))
+    logits, stats, cached = ours(params)
+    ref_logits, ref_stats = reference(params, ("dense", "moe"))
+    swapped, _ = reference(params, ("moe", "dense"))
     assert float(jnp.abs(swapped - ref_logits).max()) > 1e-2  # the order of the layers shows
     np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(stats, ref_stats, rtol=1e-5)
     assert moe_layer_count(cfg) == 2 and stats[0] > 0.5  # a real aux loss, averaged over the 2 MoE layers
-    cached, _ = forward(model, tokens, init_cache(model, 2, 20), 0)  # KV-cache decoding walks the groups too
     np.testing.assert_allclose(cached, ref_logits, rtol=1e-5, atol=1e-5)
 
     def program(num_layers: int) -> jax.core.ClosedJaxpr:

@@ -17,10 +17,9 @@ import trainer
 from bench.procs import two_processes
 from configs import ConfigError, load_config
 from conftest import ROOT, stdlib_glob
-from test_context import packed_batch
+from test_context import initial_params, packed_batch
 from sharding import activation_rules
 from trainer import abstract_program, collective_counts
-from trainer.state import init_state
 from trainer.step import accumulate, make_loss_fn
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -65,7 +64,7 @@ def loss_and_grads(cfg, devices=None, documents: bool = False):
     """Loss and gradients of one batch under cfg's layout, gathered to the host; with
     `documents`, rows of packed documents (segment ids and positions)."""
     program = abstract_program(cfg, devices)
-    state = init_state(cfg.model, program.tx, 0, program.state_sh)
+    params = initial_params(program)
     if documents:
         rows = packed_batch(cfg.model.seq_len, True)
     else:
@@ -74,7 +73,7 @@ def loss_and_grads(cfg, devices=None, documents: bool = False):
     loss_fn = make_loss_fn(program.spec.model.graphdef, program.runner)
     fn = jax.jit(lambda params, batch: accumulate(loss_fn, params, batch, cfg.train.grad_accum, program.grad_fn))
     with activation_rules(program.mesh, program.spec.layout.act_rules):
-        loss, grads = fn(state.params, batch)
+        loss, grads = fn(params, batch)
     return float(loss), jax.tree.map(np.asarray, grads)
 
 
@@ -102,62 +101,62 @@ def test_pipelined_loss_and_gradients_equal_the_plain_scan(reference, layout):
     assert (per_layer > 0).all()
 
 
+STEPS = 4
+# The training runs below share these, so the train step of each layout (the same program whatever
+# train.steps is, under a constant schedule) compiles once in the module; the persistent cache
+# serves the later runs and test_the_compiled_step_really_permutes_between_stages.
+TRAIN = ["optim.schedule=constant", "optim.warmup_steps=0", "train.log_every=1", f"train.steps={STEPS}"]
+CURVES = {"data=8": ["mesh.data=8"], "pipeline=4 x data=2": PIPELINED["pipeline=4 x data=2"],
+          "circular": PIPELINED["circular: pipeline=2 x data=4, 2 repeats, dot_product attention"]}
+
+
 def test_the_compiled_step_really_permutes_between_stages():
-    plain = collective_counts(abstract_program(config("mesh.data=8")).lower().compile().as_text())
-    piped = collective_counts(abstract_program(config(*PIPELINED["pipeline=4 x data=2"])).lower().compile().as_text())
+    plain = collective_counts(abstract_program(config(*CURVES["data=8"], *TRAIN)).lower().compile().as_text())
+    piped = collective_counts(abstract_program(config(*CURVES["pipeline=4 x data=2"], *TRAIN)).lower().compile().as_text())
     assert plain["collective-permute"] == 0
     assert piped["collective-permute"] > 0
 
 
-STEPS = 4
-
-
 @pytest.fixture(scope="module")
-def data_parallel_losses(tmp_path_factory):
-    cfg = config("mesh.data=8", f"train.steps={STEPS}", "train.log_every=1", f"run.dir={tmp_path_factory.mktemp('dp')}")
-    return [r["loss"] for r in trainer.run(cfg)]
+def curves(tmp_path_factory) -> dict[str, list[float]]:
+    """The losses of STEPS steps from the same start under each layout of CURVES."""
+    return {name: [r["loss"] for r in trainer.run(config(*layout, *TRAIN, f"run.dir={tmp_path_factory.mktemp('run')}"))]
+            for name, layout in CURVES.items()}
 
 
-@pytest.mark.parametrize("layout", ["pipeline=4 x data=2", "circular: pipeline=2 x data=4, 2 repeats, dot_product attention"])
-def test_training_curve_equals_data_parallelism(tmp_path, data_parallel_losses, layout):
-    history = trainer.run(config(*PIPELINED[layout], f"train.steps={STEPS}", "train.log_every=1", f"run.dir={tmp_path}"))
-    assert data_parallel_losses[-1] < data_parallel_losses[0]
-    np.testing.assert_allclose([r["loss"] for r in history], data_parallel_losses, rtol=2e-5)
+@pytest.mark.parametrize("layout", ["pipeline=4 x data=2", "circular"])
+def test_training_curve_equals_data_parallelism(curves, layout):
+    assert curves["data=8"][-1] < curves["data=8"][0] - 0.1, "a comparison of flat curves proves nothing"
+    np.testing.assert_allclose(curves[layout], curves["data=8"], rtol=2e-5)
 
 
-def test_zero_bubble_with_a_stage_per_process_trains_like_one_process(tmp_path):
+def test_zero_bubble_with_a_stage_per_process_trains_like_one_process(tmp_path, curves):
     """2 processes x 4 fake devices, pipeline=2 outermost (one stage per process: every tick's
-    activations and input gradients cross between them) against GPipe in 1 process x 8 devices."""
-    layout = ["mesh.pipeline=2", "mesh.data=2", "mesh.tensor=2", "pipeline.microbatches=4", "train.steps=3",
-              "train.log_every=1", f"data.path={stdlib_glob('json')}"]
-    reference = trainer.run(config(*layout, f"run.dir={tmp_path / 'one'}"))
-    assert reference[-1]["loss"] < reference[0]["loss"] - 0.1, "a comparison of flat curves proves nothing"
-    procs = two_processes("--config", TINY, f"run.dir={tmp_path / 'two'}", *layout, "pipeline.schedule=zero_bubble")
+    activations and input gradients cross between them) against GPipe in 1 process x 8 devices
+    (pipeline=4 x data=2, the curves' run)."""
+    reference = curves["pipeline=4 x data=2"]
+    assert reference[-1] < reference[0] - 0.1, "a comparison of flat curves proves nothing"
+    procs = two_processes("--config", TINY, f"run.dir={tmp_path}", "mesh.pipeline=2", "mesh.data=2", "mesh.tensor=2",
+                          "pipeline.microbatches=4", "pipeline.schedule=zero_bubble", f"data.path={stdlib_glob('json')}",
+                          *TRAIN)
     codes = [p.finish(240) for p in procs]
     assert codes == [0, 0], procs[0].output + procs[1].output
     assert "2 process(es)" in procs[0].output
-    with open(tmp_path / "two" / "metrics.jsonl") as f:
+    with open(tmp_path / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
-    assert [r["step"] for r in records] == [1, 2, 3]
-    np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in reference], rtol=2e-5)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([r["loss"] for r in records], reference, rtol=2e-5)
 
 
-@pytest.mark.parametrize(
-    "first, second",
-    [
-        (PIPELINED["pipeline=4 x data=2"], ["mesh.data=8"]),
-        (["mesh.data=8"], ["mesh.pipeline=2", "mesh.data=4", "pipeline.repeats=2"]),
-    ],
-    ids=["pipeline=4 -> none", "none -> pipeline=2 x 2 repeats"],
-)
-def test_checkpoints_move_between_pipeline_layouts(tmp_path, capsys, first, second):
-    common = ["optim.schedule=constant", "optim.warmup_steps=0", "train.log_every=1", "checkpoint.every=2"]
-    straight = trainer.run(config(*second, *common, "train.steps=4", f"run.dir={tmp_path / 'straight'}"))
-    moved = tmp_path / "moved"
-    trainer.run(config(*first, *common, "train.steps=2", f"run.dir={moved}"))
-    resumed = trainer.run(config(*second, *common, "train.steps=4", f"run.dir={moved}"))
+@pytest.mark.parametrize("first, second", [("pipeline=4 x data=2", "data=8"), ("data=8", "circular")],
+                         ids=["pipeline=4 -> none", "none -> pipeline=2 x 2 repeats"])
+def test_checkpoints_move_between_pipeline_layouts(tmp_path, capsys, curves, first, second):
+    """2 steps under `first`, resumed under `second`: the last 2 losses of `second`'s straight run."""
+    trainer.run(config(*CURVES[first], *TRAIN, "checkpoint.every=2", "train.steps=2", f"run.dir={tmp_path}"))
+    resumed = trainer.run(config(*CURVES[second], *TRAIN, f"run.dir={tmp_path}"))
     assert "resumed from step 2" in capsys.readouterr().out
-    np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in straight[2:]], rtol=2e-5)
+    assert [r["step"] for r in resumed] == [3, 4]
+    np.testing.assert_allclose([r["loss"] for r in resumed], curves[second][2:], rtol=2e-5)
 
 
 @functools.cache
