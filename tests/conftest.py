@@ -41,6 +41,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pytest  # noqa: E402
 
 from configs import Config, load_config  # noqa: E402
+from trainer.xla_env import set_cpu_pool_threads  # noqa: E402
+
+# Room in XLA:CPU's thread pool for the 8 devices' collectives (see trainer/xla_env.py: with one
+# thread per device, pipelined steps with fsdp aborted now and then under load); before any test
+# starts the backend, and inherited by every process a test starts.
+set_cpu_pool_threads(8)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # `make test` sets it: there the Makefile has installed every extra, so a missing one is a broken

@@ -198,7 +198,7 @@ def test_real_process_bad_input_no_traceback(tmp_path, override, message):
 
 def _env_without_device_count() -> dict[str, str]:
     """The environment of a user who has never heard of XLA_FLAGS, on a CPU-only machine."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPROC")}
     env["JAX_PLATFORMS"] = "cpu"
     return env
 
@@ -234,10 +234,13 @@ def test_device_count_is_set_only_where_it_can_apply():
     from configs import load_config
     from trainer.xla_env import device_count_hint, set_cpu_device_count
 
+    import jax
+
+    jax.devices()  # this test process runs JAX (started here, so the test holds when run alone)
     cfg = load_config(TINY, ["mesh.data=2", "mesh.tensor=2"])
     cases = {
         "JAX_PLATFORMS=cuda is not CPU-only": {"JAX_PLATFORMS": "cuda"},
-        "JAX had already started in this process": {"JAX_PLATFORMS": "cpu"},  # this test process runs JAX
+        "JAX had already started in this process": {"JAX_PLATFORMS": "cpu"},
     }
     for why, env in cases.items():
         before = dict(env)
@@ -245,6 +248,27 @@ def test_device_count_is_set_only_where_it_can_apply():
     assert set_cpu_device_count(load_config(TINY, ["mesh.fsdp=1"]), {}) == "", "a mesh of -1 asks for no count"
     assert device_count_hint(cfg, "gpu", 1, "") == (
         "this process sees 1 gpu device(s): make the mesh sizes multiply to 1, or leave one at -1")
+
+
+def test_the_cpu_devices_get_four_pool_threads_each_unless_the_user_sized_the_pool():
+    """XLA:CPU gives its devices one pool of max(cores, devices) threads, and a collective waits on
+    its thread: with one thread per device, a pipelined fsdp step aborted now and then under load
+    (trainer/xla_env.py). Where train.py sets the device count, it sizes the pool at 4 threads per
+    device (counted in a real process that ran a collective over the 8 devices); NPROC, the
+    user's own size, wins."""
+    code = ("import os, jax, jax.numpy as jnp; from configs import load_config; "
+            "from trainer.xla_env import set_cpu_device_count; "
+            f"set_cpu_device_count(load_config({TINY!r}, ['mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2'])); "
+            "m = jax.sharding.Mesh(jax.devices(), ('x',)); "
+            "x = jax.device_put(jnp.ones((8, 4)), jax.sharding.NamedSharding(m, jax.sharding.PartitionSpec('x'))); "
+            "jax.jit(lambda a: a.sum(0))(x).block_until_ready(); "
+            "print(sum(open(f'/proc/self/task/{t}/comm').read().strip() == 'tf_XLAEigen' "
+            "for t in os.listdir('/proc/self/task')))")
+    for user, threads in (({}, 32), ({"NPROC": "12"}, 12)):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             cwd=ROOT, env={**_env_without_device_count(), **user})
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split()[-1] == str(threads), (user, out.stdout)
 
 
 def test_launched_processes_share_the_mesh_devices():

@@ -7,7 +7,8 @@ flag here is also accepted (and ignored) by the CPU backend, so tests run with t
 
 Also here: the CPU device count a mesh needs (a CPU-only machine gets as many CPU devices as
 the config's mesh names, so `mesh.data=2 mesh.fsdp=2 mesh.tensor=2` runs without the user knowing
-`--xla_force_host_platform_device_count`), and the persistent compilation cache (`run.compile_cache`).
+`--xla_force_host_platform_device_count`) with a thread pool that several CPU devices' collectives
+cannot exhaust, and the persistent compilation cache (`run.compile_cache`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,15 @@ from configs.schema import MESH_AXES
 from sharding.distributed import process_layout
 
 FORCE_COUNT = "--xla_force_host_platform_device_count"
+# XLA:CPU runs every CPU device on one thread pool of max(cores, devices) threads (the NPROC
+# variable overrides the size), runs a device's independent thunks at once, and a collective
+# holds its thread until every peer has arrived. With one thread per device, a device with two
+# collectives in flight (a layer scan's fsdp all-gather beside the pipeline's collective-permute)
+# can leave a peer no thread to reach either: all threads wait, and after 40 s XLA aborts the
+# process ("Termination timeout for `collective permute ...`", seen on 8 fake devices under load
+# in tests/test_pipeline.py's 1F1B and zero-bubble cases with fsdp). Four threads per device
+# leave the room; threads that wait cost no CPU.
+POOL_THREADS_PER_DEVICE = 4
 
 GPU_DEFAULTS = {
     "xla_gpu_enable_latency_hiding_scheduler": "true",
@@ -38,6 +48,14 @@ def set_default_flags(env: dict[str, str] | None = None) -> list[str]:
     if added:
         env["XLA_FLAGS"] = " ".join([current, *added]).strip()
     return added
+
+
+def set_cpu_pool_threads(local_devices: int, env: dict[str, str] | None = None) -> None:
+    """Sizes XLA:CPU's thread pool for `local_devices` CPU devices (POOL_THREADS_PER_DEVICE each)
+    unless the user set NPROC. Must run before JAX starts its backend."""
+    env = os.environ if env is None else env
+    if local_devices > 1 and "NPROC" not in env:
+        env["NPROC"] = str(max(os.cpu_count() or 1, POOL_THREADS_PER_DEVICE * local_devices))
 
 
 def mesh_device_count(cfg: Config) -> int:
@@ -91,6 +109,7 @@ def set_cpu_device_count(cfg: Config, env: dict[str, str] | None = None) -> str:
     if _backend_started():
         return "JAX had already started in this process"
     env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), f"{FORCE_COUNT}={local}"]).strip()
+    set_cpu_pool_threads(local, env)
     if index == 0:
         each = " per process" if processes > 1 else ""
         print(f"the mesh names {wanted} devices: running {local} CPU devices{each} on this CPU-only machine "
