@@ -49,9 +49,16 @@ How, and why this way:
   (F + B + W)): the W of S - 1 ticks saved; the paper's (S - 1)(F + B - W) needs stages running
   different passes at once, which one SPMD program per tick does not do. sharding/ticks.py has
   the tick table and the cost model.
-- The embedding runs where a microbatch enters (before stage 0) and the head and loss where it
-  leaves (after stage S - 1), outside the stage `vmap`: every pipeline device computes them for
-  one microbatch per tick (the head's share of the step is small next to the layers').
+- The embedding runs where a microbatch enters (before stage 0), outside the stage `vmap`. The
+  head and loss run where it leaves (after stage S - 1), split over the pipeline devices by
+  positions (`head_split`): the last stage's output [mb, L, D] goes out as S pieces of L / S
+  positions, one per device (a `vmap` over pieces, sharded over `pipeline` like the stages), so
+  each device computes 1/S of the head instead of all of it (with a 128k vocabulary the head
+  is a large share of a stage: BENCHMARKS.md, issue 18), and the pieces' input gradients come
+  back to the last stage. The head and embedding gradients add up per device, in an [S, ...]
+  float32 accumulator sharded over `pipeline` (the embedding's in stage 0's slot), summed over
+  the devices once at the end, so no tick all-reduces the head's weight gradient. Where the
+  positions do not split (`head_split` False) every pipeline device computes the whole head.
 """
 
 from __future__ import annotations
@@ -95,6 +102,7 @@ def one_f_one_b(
     micro: Micro,
     stage_rules: Rules,
     schedule: str = "1f1b",
+    head_split: bool = False,
 ) -> tuple[tuple[Array, Array], tuple[Any, Any]]:
     """((loss sum, target count), (gradients of `outer`, gradients of `staged`)) over all M
     microbatches of `micro` (leaves [M, mb, ...]) under 1F1B (repeats 1), interleaved 1F1B or
@@ -102,7 +110,9 @@ def one_f_one_b(
 
     `staged` holds the layer stack as [S, R, K, ...] (stage s, repeat r: layer group rS + s),
     sharded over `pipeline` along its first dim; `outer` holds every other parameter. Gradients
-    come back in float32, with the trees and shapes of `outer` and `staged`."""
+    come back in float32, with the trees and shapes of `outer` and `staged`. `head_split`: the
+    head and loss are per position and the microbatches' length divides into S pieces (each a
+    whole number of the loss's chunks and of the `length` dim's shards): run them 1/S per device."""
     S, R = stages, repeats
     M = jax.tree.leaves(micro)[0].shape[0]
     W = 2 * R * S - 1  # stash slots: the longest a stage input waits for its backward, in ticks, plus one
@@ -181,13 +191,16 @@ def one_f_one_b(
             done = pick(m_f[S - 1])
 
             def head(_: None) -> tuple[Array, Array, Any, Array]:
-                total, head_vjp, count = jax.vjp(lambda o, h: head_fn(o, h, done), outer, out[S - 1], has_aux=True)
-                g_outer, g_x = head_vjp(jnp.ones_like(total))
-                return total, count, jax.tree.map(lambda g: g.astype(jnp.float32), g_outer), g_x
+                if head_split:
+                    total, g_outer, g_x, count = head_all(outer, to_pieces(out[S - 1]),
+                                                          jax.tree.map(to_pieces, done))
+                    return total.sum(), count.sum(), g_outer, from_pieces(g_x)
+                total, g_outer, g_x, count = head_piece(outer, out[S - 1], done)  # every device, whole
+                return total, count, jax.tree.map(lambda g: on_device(S - 1, g), g_outer), g_x
 
             def no_head(_: None) -> tuple[Array, Array, Any, Array]:
                 zero = jnp.zeros((), jnp.float32)
-                return zero, zero, zeros_like_f32(outer), jnp.zeros_like(out[S - 1])
+                return zero, zero, jax.tree.map(jnp.zeros_like, c["g_outer"]), jnp.zeros_like(out[S - 1])
 
             total, count, g_outer, g_x = jax.lax.cond(last, head, no_head, None)
             c["loss"], c["count"] = c["loss"] + total, c["count"] + count
@@ -210,8 +223,9 @@ def one_f_one_b(
                 _, embed_vjp = jax.vjp(lambda o: embed_fn(o, pick(m_b[0])), outer)
                 return jax.tree.map(lambda g: g.astype(jnp.float32), embed_vjp(g_in[0])[0])
 
-            c["g_outer"] = jax.tree.map(add, c["g_outer"],
-                                        jax.lax.cond(first, embed_grads, lambda _: zeros_like_f32(outer), None))
+            # Into stage 0's slot of the per-device accumulator: where the embedding's input gradient is.
+            g_embed = jax.lax.cond(first, embed_grads, lambda _: zeros_like_f32(outer), None)
+            c["g_outer"] = jax.tree.map(lambda acc, g: acc + on_device(0, g), c["g_outer"], g_embed)
             c["bwd"] = jnp.roll(g_in, -1, axis=0)  # stage s takes the input gradient of stage s + 1
         if "W" in slots:
             m_w, on_w = passes("W", t, ids, S, R, M)  # one microbatch on every stage (R = 1: u is m)
@@ -219,6 +233,29 @@ def one_f_one_b(
             g_p = weights_all(staged, x_w, pick(m_w), stash_get(c["cots"], m_w % S), on_w)
             c["g_staged"] = jax.tree.map(add, c["g_staged"], g_p)
         return c, None
+
+    def head_piece(o: Any, x: Array, mb: Micro) -> tuple[Array, Any, Array, Array]:
+        """One piece of positions through the head and loss: (loss sum, float32 gradients of
+        `outer`, input gradient, target count)."""
+        total, head_vjp, count = jax.vjp(lambda o, h: head_fn(o, h, mb), o, x, has_aux=True)
+        g_o, g_x = head_vjp(jnp.ones_like(total))
+        return total, jax.tree.map(lambda g: g.astype(jnp.float32), g_o), g_x, count
+
+    # Pieces [P, ...] sharded over `pipeline`; `outer` is the same on every device (in_axes None).
+    head_all = jax.vmap(head_piece, in_axes=(None, 0, 0), spmd_axis_name="pipeline")
+
+    def on_device(s: int, g: Array) -> Array:
+        """g (the same on every device) in slot s of an [S, ...] accumulator, zeros elsewhere:
+        elementwise, so each device writes its own slot (an indexed update of one slot of the
+        pipeline-sharded array compiled to an all-reduce of it on H100)."""
+        return jnp.where(_per_stage(ids == s, g[None]), g[None], 0.0)
+
+    def to_pieces(a: Array) -> Array:
+        """[mb, L, ...] -> [S, mb, L / S, ...]: piece p holds positions p L / S .. (p + 1) L / S."""
+        return jnp.moveaxis(a.reshape(a.shape[0], S, a.shape[1] // S, *a.shape[2:]), 1, 0)
+
+    def from_pieces(a: Array) -> Array:
+        return jnp.moveaxis(a, 0, 1).reshape(a.shape[1], -1, *a.shape[3:])
 
     with nn.logical_axis_rules(stage_rules):
         x_shape = jax.eval_shape(embed_fn, outer, pick(0))
@@ -229,7 +266,8 @@ def one_f_one_b(
             "stash": _pin_stages(jnp.zeros((S, W) + x_shape.shape, x_shape.dtype)),
             "loss": jnp.zeros((), jnp.float32),
             "count": jnp.zeros((), jnp.float32),
-            "g_outer": zeros_like_f32(outer),
+            # Per device: slot s holds what device s computed (head pieces; the embedding in 0).
+            "g_outer": jax.tree.map(lambda a: _pin_stages(jnp.zeros((S,) + a.shape, jnp.float32)), outer),
             "g_staged": jax.tree.map(_pin_stages, zeros_like_f32(staged)),
         }
         if split:  # the output cotangents of deferred W's: stage s defers s of them
@@ -237,4 +275,5 @@ def one_f_one_b(
         for first, end, slots in phases(schedule, S, R, M):
             body = lambda c, t, slots=slots: tick(c, t, slots)  # noqa: E731
             carry, _ = jax.lax.scan(body, carry, jnp.arange(first, end))
-    return (carry["loss"], carry["count"]), (carry["g_outer"], carry["g_staged"])
+    g_outer = jax.tree.map(lambda g: g.sum(axis=0), carry["g_outer"])  # the one reduction over `pipeline`
+    return (carry["loss"], carry["count"]), (g_outer, carry["g_staged"])

@@ -44,6 +44,8 @@ PIPELINED = {
         "mesh.pipeline=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "pipeline.repeats=2",
         "pipeline.microbatches=2", "model.remat=save_dots_no_batch", "train.grad_accum=2",
         "pipeline.schedule=interleaved_1f1b"],
+    "1f1b: pipeline=4 x data=2, loss_chunk=16 (the head whole on every device)": [
+        "mesh.pipeline=4", "mesh.data=2", "pipeline.microbatches=4", "pipeline.schedule=1f1b", "model.loss_chunk=16"],
     "zero bubble: pipeline=4 x data=2, packed documents": ["mesh.pipeline=4", "mesh.data=2", "pipeline.microbatches=8",
                                                            "pipeline.schedule=zero_bubble"],
     "zero bubble: pipeline=4 x data=2, 4 microbatches (M = S)": [
@@ -158,10 +160,38 @@ def test_checkpoints_move_between_pipeline_layouts(tmp_path, capsys, curves, fir
 
 
 @functools.cache
-def four_stage_temp_bytes(schedule: str, m: int) -> int:
+def four_stage(schedule: str, m: int, *overrides: str) -> jax.stages.Compiled:
     cfg = config("mesh.pipeline=4", "mesh.data=2", f"pipeline.microbatches={m}", f"train.global_batch={4 * m}",
-                 f"pipeline.schedule={schedule}")
-    return abstract_program(cfg).lower().compile().memory_analysis().temp_size_in_bytes
+                 f"pipeline.schedule={schedule}", *overrides)
+    return abstract_program(cfg).lower().compile()
+
+
+def four_stage_temp_bytes(schedule: str, m: int) -> int:
+    return four_stage(schedule, m).memory_analysis().temp_size_in_bytes
+
+
+def logits_rows(compiled: jax.stages.Compiled) -> tuple[set[int], list[str]]:
+    """The per-device (rows x positions) of every float32 [..., vocab 264] value the compiled
+    program computes, and the collectives that move such values."""
+    text = compiled.as_text()
+    rows = {int(np.prod([int(d) for d in dims.split(",")])) for dims in re.findall(r"= f32\[([\d,]+),264\]", text)}
+    moved = [line for line in text.splitlines()
+             if re.search(r"= f32\[[\d,]+,264\]\S* (all-gather|all-reduce|all-to-all|collective-permute)", line)]
+    return rows, moved
+
+
+def test_1f1b_splits_the_head_over_the_pipeline_devices():
+    """The last stage's output goes through the head and loss as S = 4 pieces of L / S = 8
+    positions, one per pipeline device: the compiled 1F1B program's logits are at most 2 rows
+    (a data replica's share of a microbatch) x 8 positions per device, not x 32, and no
+    collective moves logits (a gather of the targets' logits inside the pieces' vmap would
+    all-gather them). With `model.loss_chunk=16` the pieces (8) are no whole chunk: every
+    device computes the whole head, 16-position chunks of both rows (as before the split). The
+    losses of both are test_pipelined_loss_and_gradients_equal_the_plain_scan's."""
+    rows, moved = logits_rows(four_stage("1f1b", 4))
+    assert rows and max(rows) <= 2 * 8 and not moved, (rows, moved[:3])
+    whole, _ = logits_rows(four_stage("1f1b", 4, "model.loss_chunk=16"))
+    assert max(whole) == 2 * 16, whole
 
 
 @pytest.mark.parametrize("schedule, fewest", [("1f1b", 4), ("zero_bubble", 8)])

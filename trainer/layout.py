@@ -209,7 +209,7 @@ def scheduled_grads(
         return None
     return make_scheduled_grad_fn(
         graphdef, layout.stages, layout.repeats, layout.microbatches, remat_policy, layout.stage_rules, loss_chunk, cast,
-        layout.schedule,
+        layout.schedule, axes_size(mesh_axes("length", layout.stage_rules), layout.sizes),
     )
 
 

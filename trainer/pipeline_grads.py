@@ -33,10 +33,12 @@ def make_scheduled_grad_fn(
     loss_chunk: int = 0,
     cast: Callable[[dict], dict] | None = None,
     schedule: str = "1f1b",
+    length_shards: int = 1,
 ) -> GradFn:
     """grad_fn(params, batch) -> ((loss sum, target count), gradients), as
     `jax.value_and_grad(loss_fn, has_aux=True)` gives them, computed by `schedule`: 1f1b,
-    interleaved_1f1b (`repeats` > 1) or zero_bubble."""
+    interleaved_1f1b (`repeats` > 1) or zero_bubble. `length_shards`: how many shards the
+    activations' `length` dim has (mesh.context), for the head's split over the stages."""
 
     def grad_fn(params: dict, batch: dict[str, Array]) -> tuple[tuple[Array, Array], dict]:
         # Gradients with respect to the compute-dtype view are those of the float32 parameters
@@ -61,11 +63,18 @@ def make_scheduled_grad_fn(
 
         def head_fn(o: dict, x: Array, mb: dict) -> tuple[Array, Array]:
             m = model(o)
-            return head_loss(m, m.final_norm(x), mb["targets"], mb["weights"], loss_chunk), jnp.sum(mb["weights"])
+            # No gather for the targets' logits: it runs in the pieces' vmap (sharding/schedules.py).
+            return (head_loss(m, m.final_norm(x), mb["targets"], mb["weights"], loss_chunk, gather=False),
+                    jnp.sum(mb["weights"]))
 
         staged = jax.tree.map(lambda a: to_stages(a, stages, repeats), stack)  # [S, R, K, ...]
+        # The head and loss are per position: each pipeline device takes L / S of them where
+        # that piece is whole in the `length` shards and in the loss's chunks.
+        length = inputs["inputs"].shape[1]
+        piece = length // stages
+        head_split = length % (stages * length_shards) == 0 and (not loss_chunk or piece % loss_chunk == 0)
         (total, count), (g_outer, g_staged) = one_f_one_b(
-            stages, repeats, embed_fn, stage_fn, head_fn, outer, staged, micro, stage_rules, schedule
+            stages, repeats, embed_fn, stage_fn, head_fn, outer, staged, micro, stage_rules, schedule, head_split
         )
         # [S, R, K, ...] -> [R, S, K, ...] -> [L, ...]: layer group rS + s back in its place.
         g_stack = jax.tree.map(lambda g: g.swapaxes(0, 1).reshape(-1, *g.shape[3:]), g_staged)

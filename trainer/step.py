@@ -29,14 +29,24 @@ GradFn = Callable[[dict, dict], tuple[tuple[Array, Any], dict]]  # ((loss sum, a
 MOE_METRICS = ("lm_loss",) + tuple(f"moe_{name}" for name in STATS)
 
 
-def cross_entropy_sum(logits: Array, targets: Array, weights: Array) -> Array:
+def cross_entropy_sum(logits: Array, targets: Array, weights: Array, gather: bool = True) -> Array:
     """Sum of the next-token losses weighted by `weights` (1 for a target, 0 for none); logits
-    arrive in float32 so the log-softmax is exact enough."""
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    arrive in float32 so the log-softmax is exact enough. `gather=False` picks each target's
+    logit by a masked sum over the vocabulary instead of a gather (the same values and
+    gradients): under a `vmap` sharded over a mesh axis (the pipeline head's pieces) the
+    partitioner all-gathers a gather's whole operand, the logits, onto every device."""
+    if gather:
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    else:
+        logits = logits.astype(jnp.float32)
+        shifted = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+        hit = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == targets[..., None]
+        losses = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1)) - jnp.sum(jnp.where(hit, shifted, 0.0), axis=-1)
     return jnp.sum(losses * weights)
 
 
-def chunked_cross_entropy_sum(model: nnx.Module, x: Array, targets: Array, weights: Array, chunk: int) -> Array:
+def chunked_cross_entropy_sum(model: nnx.Module, x: Array, targets: Array, weights: Array, chunk: int,
+                              gather: bool = True) -> Array:
     """The same sum as `cross_entropy_sum(model.logits(x), ...)`, computed `chunk` positions at
     a time under remat: the [batch, length, vocab] float32 logits never exist at once (with a
     128k vocabulary they would be the largest tensor of the step); the backward pass recomputes
@@ -48,7 +58,7 @@ def chunked_cross_entropy_sum(model: nnx.Module, x: Array, targets: Array, weigh
     @jax.checkpoint
     def body(total: Array, piece: tuple[Array, Array, Array]) -> tuple[Array, None]:
         xc, tc, wc = piece
-        return total + cross_entropy_sum(model.logits(xc, tied_grads=False), tc, wc), None
+        return total + cross_entropy_sum(model.logits(xc, tied_grads=False), tc, wc, gather), None
 
     total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (split(x), split(targets), split(weights)))
     return total
@@ -117,11 +127,13 @@ def model_inputs(batch: dict[str, Array]) -> dict[str, Array]:
     return out
 
 
-def head_loss(model: nnx.Module, x: Array, targets: Array, weights: Array, loss_chunk: int) -> Array:
-    """The weighted loss sum of the final hidden states x [batch, length, embed]."""
+def head_loss(model: nnx.Module, x: Array, targets: Array, weights: Array, loss_chunk: int,
+              gather: bool = True) -> Array:
+    """The weighted loss sum of the final hidden states x [batch, length, embed] (`gather`:
+    `cross_entropy_sum`'s)."""
     if loss_chunk:
-        return chunked_cross_entropy_sum(model, x, targets, weights, loss_chunk)
-    return cross_entropy_sum(model.logits(x), targets, weights)
+        return chunked_cross_entropy_sum(model, x, targets, weights, loss_chunk, gather)
+    return cross_entropy_sum(model.logits(x), targets, weights, gather)
 
 
 def accumulate(
