@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 
+import train
 import trainer
 from configs import load_config
 from conftest import ROOT, stdlib_glob
@@ -34,6 +35,16 @@ def train_here(run_dir, *extra: str) -> None:
     """The run of `args(run_dir, *extra)` in this process: for the references, whose claim is not
     about a process (the same program as train.py's, so the same numbers, without its start-up)."""
     trainer.run(load_config(TINY, args(run_dir, *extra)[2:]))
+
+
+def main_here(capfd, *argv: str) -> tuple[int, str]:
+    """`python train.py ARGV`'s exit status and output, from its own `main` run in this process:
+    for the claims about what a run prints, writes and returns, not about a process (a process
+    costs 2-3 CPU s of imports and teardown)."""
+    capfd.readouterr()
+    code = train.main(list(argv))
+    captured = capfd.readouterr()
+    return code, captured.out + captured.err
 
 
 def final_losses(run_dir) -> dict[int, float]:
@@ -194,10 +205,10 @@ def test_no_readable_checkpoint_is_an_error_unless_asked_to_start_over(tmp_path,
     assert code == 0 and "starting over" in out and "resumed from" not in out, out
 
 
-def test_a_nan_batch_skips_its_update(tmp_path):
+def test_a_nan_batch_skips_its_update(tmp_path, capfd):
     import orbax.checkpoint as ocp
 
-    code, out = run(*args(tmp_path, "train.steps=5", "debug.nan_steps=3", "checkpoint.every=1", "checkpoint.keep=10"))
+    code, out = main_here(capfd, *args(tmp_path, "train.steps=5", "debug.nan_steps=3", "checkpoint.every=1", "checkpoint.keep=10"))
     assert code == 0, out
     assert "warning: step 3 has a non-finite loss" in out
     records = {r["step"]: r for r in strict_records(tmp_path)}
@@ -225,8 +236,8 @@ def strict_records(run_dir) -> list[dict]:
         return [json.loads(line, parse_constant=refuse) for line in f]
 
 
-def test_too_many_bad_steps_in_a_row_stop_the_run(tmp_path):
-    code, out = run(*args(tmp_path, "train.steps=10", "debug.nan_steps=3,4,5", "train.max_bad_steps=3",
+def test_too_many_bad_steps_in_a_row_stop_the_run(tmp_path, capfd):
+    code, out = main_here(capfd, *args(tmp_path, "train.steps=10", "debug.nan_steps=3,4,5", "train.max_bad_steps=3",
                           "checkpoint.every=1"))
     assert code == 3, out
     assert "error: 3 non-finite steps in a row (train.max_bad_steps=3), the last at step 5; " \
@@ -235,8 +246,8 @@ def test_too_many_bad_steps_in_a_row_stop_the_run(tmp_path):
     assert "summary: step 5/10 (stopped: TooManyBadSteps)" in out, "the summary stops where the error does"
 
 
-def test_too_many_bad_steps_before_any_checkpoint_say_there_is_none(tmp_path):
-    code, out = run(*args(tmp_path, "train.steps=30", "debug.nan_steps=2,3,4", "train.max_bad_steps=3"))
+def test_too_many_bad_steps_before_any_checkpoint_say_there_is_none(tmp_path, capfd):
+    code, out = main_here(capfd, *args(tmp_path, "train.steps=30", "debug.nan_steps=2,3,4", "train.max_bad_steps=3"))
     assert code == 3, out
     assert "error: 3 non-finite steps in a row (train.max_bad_steps=3), the last at step 4; " \
            "there is no checkpoint (rerunning starts over)" in out
