@@ -1,5 +1,6 @@
-"""Faults injected for real, in real processes and on real files: preemption signals, kill -9
-mid-run and mid-save, damaged checkpoints, non-finite steps, a hung step."""
+"""Faults injected for real, on real files and, where the fault or its report is a process's,
+in real train.py processes: preemption signals, kill -9 mid-run and mid-save, damaged
+checkpoints, a hung step; non-finite steps run train.py's own main in this process."""
 
 from __future__ import annotations
 
