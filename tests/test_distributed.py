@@ -39,8 +39,10 @@ def metrics(run_dir) -> list[dict]:
 
 
 def test_two_processes_train_like_one(tmp_path):
-    reference = trainer.run(cfg(tmp_path / "one", *LAYOUT, "train.steps=4"))
-    procs = two_processes(tmp_path / "two", *LAYOUT, "train.steps=4")
+    # The learning-rate horizon of tests/test_faults.py's runs (the schedule is a constant of the
+    # compiled step): the one-process resume below, on their layout, runs their program.
+    reference = trainer.run(cfg(tmp_path / "one", *LAYOUT, "optim.decay_steps=12", "train.steps=4"))
+    procs = two_processes(tmp_path / "two", *LAYOUT, "optim.decay_steps=12", "train.steps=4")
     codes = [p.finish(180) for p in procs]
     assert codes == [0, 0], procs[0].output + procs[1].output
     records = metrics(tmp_path / "two")
@@ -86,7 +88,7 @@ def test_a_second_job_is_refused_and_a_killed_peer_stops_the_others_within_60_s(
     run.dir exits 2 in both processes, naming the holder; then a killed peer stops the first."""
     # The layout and learning-rate horizon of test_two_processes_train_like_one: its compiled
     # program, served by the shared cache, where a program of its own would be compiled here.
-    procs = two_processes(tmp_path, *LAYOUT, "optim.decay_steps=4", "train.steps=100000", "checkpoint.every=100000",
+    procs = two_processes(tmp_path, *LAYOUT, "optim.decay_steps=12", "train.steps=100000", "checkpoint.every=100000",
                           heartbeat=5)
     # The second job starts as soon as the lock is held (while the first compiles), not after
     # steps whose work is no part of the claim.
