@@ -12,6 +12,7 @@ run's run.dir lock taken over by another run.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 
 from configs import ConfigError, load_config
@@ -52,5 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_quickly(code: int) -> None:
+    """Exits with `code`, sparing the interpreter's teardown its garbage collections: they walk
+    every object JAX, Flax, Orbax and Grain hold (0.25-0.4 CPU s a process, for memory the OS
+    takes back anyway). One collection first, so what is garbage by now is finalized as before;
+    atexit handlers and the objects freed when modules are cleared run as always."""
+    gc.collect()
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_quickly(main())

@@ -3,6 +3,7 @@ compile and without creating run.dir; a good command trains and writes the run d
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 
 import train
 from conftest import ROOT, stdlib_glob
+from bench.procs import FORCE_COUNT
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 
@@ -204,9 +206,14 @@ def _env_without_device_count() -> dict[str, str]:
 
 
 def test_real_process_trains_a_sharded_run(tmp_path):
-    """The README's multi-device command as written: no XLA_FLAGS, yet the mesh gets its 8 devices."""
+    """The README's multi-device command as written: no device count in XLA_FLAGS, yet the mesh
+    gets its 8 devices. The suite's other XLA flags stay (tests/conftest.py): they do not touch
+    the device count, and with them the step compiles as the other tests' do."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(FORCE_COUNT)]
+    env = dict(_env_without_device_count(), XLA_FLAGS=" ".join(flags))
+    assert FORCE_COUNT not in env["XLA_FLAGS"]
     out = _cli("--config", TINY, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.steps=3",
-               f"run.dir={tmp_path / 'a'}", f"data.path={stdlib_glob('json')}", env=_env_without_device_count())
+               f"run.dir={tmp_path / 'a'}", f"data.path={stdlib_glob('json')}", env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[0] == (
         "the mesh names 8 devices: running 8 CPU devices on this CPU-only machine "
@@ -277,9 +284,13 @@ def test_launched_processes_share_the_mesh_devices():
     (`sbatch --ntasks=2` without `srun`: no SLURM_STEP_NODELIST, as seen on a real SLURM) is one
     process with all of them. The real `srun` run that trains 2 x 4 like 1 x 8 is
     `make test-slurm` (scripts/slurm_check.sh)."""
-    code = ("import os; from configs import load_config; from trainer.xla_env import set_cpu_device_count; "
-            f"set_cpu_device_count(load_config({TINY!r}, ['mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2'])); "
-            "print(os.environ['XLA_FLAGS'])")
+    # One process for every case (importing the trainer is most of its cost): each case is the
+    # environment a launched process would have, given as `env`, which stands for os.environ; the
+    # process has not started JAX, as a launched one has not.
+    code = ("import json, sys; from configs import load_config; from trainer.xla_env import set_cpu_device_count\n"
+            f"cfg = load_config({TINY!r}, ['mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2'])\n"
+            "for env in json.load(sys.stdin):\n"
+            "    set_cpu_device_count(cfg, env); print(env['XLA_FLAGS']); print('--', flush=True)")
     srun = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}
     cases = {  # name: (environment, devices per process, whether this process says so)
         "srun task 0": ({**srun, "SLURM_PROCID": "0"}, 4, True),
@@ -289,15 +300,18 @@ def test_launched_processes_share_the_mesh_devices():
         "sbatch --ntasks=2, no srun": ({k: v for k, v in srun.items() if k != "SLURM_STEP_NODELIST"}
                                        | {"SLURM_PROCID": "0"}, 8, True),
     }
-    for name, (launcher, local, says) in cases.items():
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                             cwd=ROOT, env={**_env_without_device_count(), **launcher})
-        assert out.returncode == 0, out.stderr
+    envs = [{**_env_without_device_count(), **launcher} for launcher, _, _ in cases.values()]
+    out = subprocess.run([sys.executable, "-c", code], input=json.dumps(envs), capture_output=True, text=True,
+                         timeout=120, cwd=ROOT, env=_env_without_device_count())
+    assert out.returncode == 0, out.stderr
+    outputs = out.stdout.split("--\n")
+    assert outputs[-1] == "" and len(outputs) == len(cases) + 1, out.stdout
+    for (name, (launcher, local, says)), output in zip(cases.items(), outputs):
         each = " per process" if local == 4 else ""
         said = [f"the mesh names 8 devices: running {local} CPU devices{each} on this CPU-only machine "
                 f"(XLA_FLAGS --xla_force_host_platform_device_count={local}, set by train.py)"] if says else []
-        *lines, flags = out.stdout.splitlines()
-        assert lines == said and f"--xla_force_host_platform_device_count={local}" in flags.split(), (name, out.stdout)
+        *lines, flags = output.splitlines()
+        assert lines == said and f"--xla_force_host_platform_device_count={local}" in flags.split(), (name, output)
 
 
 def test_compile_cache_serves_a_second_run(tmp_path):

@@ -39,8 +39,10 @@ def metrics(run_dir) -> list[dict]:
 
 
 def test_two_processes_train_like_one(tmp_path):
-    reference = trainer.run(cfg(tmp_path / "one", *LAYOUT, "train.steps=4"))
-    procs = two_processes(tmp_path / "two", *LAYOUT, "train.steps=4")
+    # The learning-rate horizon of tests/test_faults.py's runs (the schedule is a constant of the
+    # compiled step): the one-process resume below, on their layout, runs their program.
+    reference = trainer.run(cfg(tmp_path / "one", *LAYOUT, "optim.decay_steps=12", "train.steps=4"))
+    procs = two_processes(tmp_path / "two", *LAYOUT, "optim.decay_steps=12", "train.steps=4")
     codes = [p.finish(180) for p in procs]
     assert codes == [0, 0], procs[0].output + procs[1].output
     records = metrics(tmp_path / "two")
@@ -86,12 +88,13 @@ def test_a_second_job_is_refused_and_a_killed_peer_stops_the_others_within_60_s(
     run.dir exits 2 in both processes, naming the holder; then a killed peer stops the first."""
     # The layout and learning-rate horizon of test_two_processes_train_like_one: its compiled
     # program, served by the shared cache, where a program of its own would be compiled here.
-    procs = two_processes(tmp_path, *LAYOUT, "optim.decay_steps=4", "train.steps=100000", "checkpoint.every=100000",
+    procs = two_processes(tmp_path, *LAYOUT, "optim.decay_steps=12", "train.steps=100000", "checkpoint.every=100000",
                           heartbeat=5)
-    procs[0].wait_for(r"^step +3/", timeout=120)
+    # The second job starts as soon as the lock is held (while the first compiles), not after
+    # steps whose work is no part of the claim.
+    holder = wait_for_lock(tmp_path, procs[0])
     assert [f for f in os.listdir(tmp_path) if f.startswith("lock")] == ["lock.json"]
-    with open(tmp_path / "lock.json") as f:
-        assert json.load(f)["pid"] == procs[0].proc.pid, "held by process 0 for the job"
+    assert holder == procs[0].proc.pid, "held by process 0 for the job"
     second = two_processes(tmp_path, "train.steps=100000", "checkpoint.every=100000")
     assert [p.finish(120) for p in second] == [2, 2], second[0].output + second[1].output
     for p in second:
@@ -99,6 +102,7 @@ def test_a_second_job_is_refused_and_a_killed_peer_stops_the_others_within_60_s(
                f"{procs[0].proc.pid}, since " in p.output, p.output
         assert "compiled" not in p.output
     assert procs[0].proc.poll() is None and procs[1].proc.poll() is None, "the holder runs on"
+    procs[0].wait_for(r"^step +3/", timeout=120)  # the peer dies while the job trains
     procs[1].kill()
     t0 = time.monotonic()
     code = procs[0].finish(90)
@@ -111,6 +115,18 @@ def test_a_second_job_is_refused_and_a_killed_peer_stops_the_others_within_60_s(
     # gloo transport aborts the process when the dead peer's connection breaks mid-message.
     peer_gone = ("stopped sending heartbeats", "another task died", "[enforce fail at external/gloo/gloo/transport")
     assert any(reason in out for reason in peer_gone), out[-2000:]
+
+
+def wait_for_lock(run_dir, proc, timeout: float = 120) -> int:
+    """The pid in run_dir/lock.json once it is there and whole (it is written in place)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.proc.poll() is None:
+        try:
+            with open(run_dir / "lock.json") as f:
+                return json.load(f)["pid"]
+        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            time.sleep(0.05)
+    raise AssertionError(f"no lock.json in {run_dir}; output:\n{proc.output[-3000:]}")
 
 
 def test_processes_with_different_configs_refuse_to_start(tmp_path):

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import pytest
 
+from bench.procs import cpu_env
 from conftest import ROOT, require, stdlib_glob
 
 torch = require("torch", "hf")
@@ -185,10 +186,9 @@ def test_import_cli_fine_tune_on_a_pipeline_then_export(tmp_path, capsys):
     tuned_logits = our_logits(cfg, tuned, TOKENS)
     assert rel_diff(tuned_logits, our_logits(cfg, imported, TOKENS)) > 100 * TOL  # training moved the weights
 
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
     out = str(tmp_path / "exported")
     proc = subprocess.run([sys.executable, "hf.py", "export", "--run-dir", run, "--out", out],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, env=cpu_env(1), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "exported step 2" in proc.stdout
     exported = load_exported(out)

@@ -6,6 +6,7 @@ config and overrides through the real loader, and the cheap ones run (`--emit sl
 from __future__ import annotations
 
 import functools
+import json
 import shutil
 import os
 import re
@@ -94,13 +95,56 @@ def _check_path(word: str) -> None:
             assert os.path.exists(os.path.join(ROOT, value)), f"{value}: no such file in the repository"
 
 
+def help_command(argv: list[str]) -> tuple[str, ...] | None:
+    """The command whose `--help` names `argv`'s flags (`SCRIPT [SUB]` or `-m MODULE [SUB]`);
+    None for make, the venv's own tools and usage lines."""
+    if argv[0] in ("make", ".") or argv[:3] == [".venv/bin/python", "-m", "pytest"]:
+        return None
+    if argv[:2] == ["python", "train.py"]:
+        return ("train.py",)
+    command, rest = (["-m", argv[2]], argv[3:]) if argv[1] == "-m" else ([argv[1]], argv[2:])
+    sub = [rest[0]] if rest and not rest[0].startswith("-") and not _is_key_value(rest[0]) else []
+    return (*command, *sub)
+
+
+# Each command run as `python COMMAND --help` runs it (runpy, sys.argv as the shell gives it),
+# all in one process: the entry points import JAX and the trainer, and importing them once, not
+# once a command, is most of this file's time.
+HELP_ALL = """
+import contextlib, io, json, runpy, sys
+texts = {}
+for command in json.load(sys.stdin):
+    out, code = io.StringIO(), None
+    with contextlib.redirect_stdout(out):
+        try:
+            if command[0] == "-m":
+                sys.argv = [command[1], *command[2:], "--help"]
+                runpy.run_module(command[1], run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = [*command, "--help"]
+                runpy.run_path(command[0], run_name="__main__")
+        except SystemExit as e:
+            code = e.code
+    texts[" ".join(command)] = [code, out.getvalue()]
+json.dump(texts, sys.__stdout__)
+"""
+
+
 @functools.cache
-def help_text(*command: str) -> str:
-    """`python COMMAND --help` (`SCRIPT [SUB]` or `-m MODULE [SUB]`), run for real."""
-    out = subprocess.run([sys.executable, *command, "--help"], capture_output=True, text=True,
-                         cwd=ROOT, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+def help_texts() -> dict[str, list]:
+    """' '.join(command) -> [exit code, --help text] for every command the README names."""
+    wanted = sorted({c for argv in commands() if len(argv) > 1 and (c := help_command(argv))})
+    out = subprocess.run([sys.executable, "-c", HELP_ALL], input=json.dumps(wanted), capture_output=True,
+                         text=True, cwd=ROOT, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert out.returncode == 0, out.stderr
-    return out.stdout
+    return json.loads(out.stdout)
+
+
+def help_text(*command: str) -> str:
+    """`python COMMAND --help`'s text; it must exit 0."""
+    code, text = help_texts()[" ".join(command)]
+    assert code == 0, f"python {' '.join(command)} --help exited {code}"
+    return text
 
 
 def _check_flags(argv: list[str], text: str) -> None:
@@ -131,7 +175,7 @@ def test_a_readme_command_names_only_what_exists(line):
     elif argv[0] == "." or argv[:3] == [".venv/bin/python", "-m", "pytest"]:
         return  # the venv's own tools; the test file it names was checked above
     elif argv[:2] == ["python", "train.py"]:
-        _check_flags(argv, help_text("train.py"))
+        _check_flags(argv, help_text(*help_command(argv)))
         if synopsis(argv):
             return
         args = train.parse_args(concrete[2:])
@@ -141,14 +185,11 @@ def test_a_readme_command_names_only_what_exists(line):
             _check_config(args.config, args.overrides)
     else:
         if argv[1] == "-m":  # python -m MODULE [SUB]: a package's command (data.prepare, sharding.targets)
-            module, rest = argv[2], argv[3:]
+            module = argv[2]
             assert os.path.exists(os.path.join(ROOT, *module.split(".")) + ".py"), module
-            command = ["-m", module]
         else:  # python SCRIPT [SUB]: an entry point beside train.py (plan.py, hf.py, generate.py)
             assert argv[0] == "python" and os.path.exists(os.path.join(ROOT, argv[1])), argv
-            command, rest = [argv[1]], argv[2:]
-        sub = [rest[0]] if rest and not rest[0].startswith("-") and not _is_key_value(rest[0]) else []
-        _check_flags(argv, help_text(*command, *sub))
+        _check_flags(argv, help_text(*help_command(argv)))
         if "--config" in argv:
             _check_config(argv[argv.index("--config") + 1], [w for w in concrete if _is_key_value(w)])
 

@@ -11,12 +11,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
 import struct
+import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import jax
 
@@ -27,17 +29,34 @@ TB_DIR = "tb"
 PROFILE_DIR = "profile"
 
 
+@contextlib.contextmanager
+def _without_torch() -> Iterator[None]:
+    """Imports inside it see torch as absent, unless it is already loaded. tensorboardX's package
+    imports its SummaryWriter, which imports torch where installed (only to accept torch tensors;
+    without it, numpy arrays): 1.6 of the 1.8 CPU s the import costs, and torch's memory, in
+    every run, for an event writer and two protobuf classes that never touch torch."""
+    if "torch" in sys.modules:
+        yield
+        return
+    sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` raises ImportError
+    try:
+        yield
+    finally:
+        if sys.modules.get("torch", 0) is None:
+            del sys.modules["torch"]
+
+
 class TensorBoard:
     """One event file per invocation under `run_dir/tb/`, created at the first record."""
 
     def __init__(self, run_dir: str):
         # Imported here, not at the top: a machine without tensorboardX (the GPU box has no
         # network) can still import the trainer and time steps with bench.step. And here, not at
-        # the first record: the import takes about a second (tensorboardX imports torch where it
-        # is installed), which would be timed as the step it falls in.
-        from tensorboardX.event_file_writer import EventsWriter
-        from tensorboardX.proto.event_pb2 import Event
-        from tensorboardX.proto.summary_pb2 import Summary
+        # the first record: the import takes a while, which would be timed as the step it falls in.
+        with _without_torch():
+            from tensorboardX.event_file_writer import EventsWriter
+            from tensorboardX.proto.event_pb2 import Event
+            from tensorboardX.proto.summary_pb2 import Summary
 
         self._classes = EventsWriter, Event, Summary
         self.dir = os.path.join(run_dir, TB_DIR)
@@ -79,7 +98,8 @@ def _records(path: str) -> list[bytes]:
 
 def read_scalars(tb_dir: str) -> dict[str, list[tuple[int, float]]]:
     """tag -> [(step, value), ...] from every event file in `tb_dir`, oldest file first."""
-    from tensorboardX.proto.event_pb2 import Event
+    with _without_torch():
+        from tensorboardX.proto.event_pb2 import Event
 
     scalars: dict[str, list[tuple[int, float]]] = {}
     for path in sorted(glob.glob(os.path.join(tb_dir, "events.out.tfevents.*")), key=os.path.getmtime):
