@@ -92,7 +92,8 @@ def query_blocked_attention(q: Array, k: Array, v: Array, positions: Array, segm
     of its queries, its probability exactly 0), with about half of the [T, T] work and memory
     skipped. For XLA:CPU, where the [batch, heads, T, T] passes cost most of the attention
     (BENCHMARKS.md, "The CPU step"). Needs array order to be sequence order within each row (no
-    load-balanced reorder: sharding/context.py); positions and segment ids still mask as always."""
+    load-balanced reorder: sharding/context.py); positions and segment ids still mask as always.
+    Each block runs `heads_first_attention`, the same sums in XLA:CPU's layouts."""
     t = q.shape[1]
     outs = []
     for start in range(0, t, block):
@@ -100,8 +101,27 @@ def query_blocked_attention(q: Array, k: Array, v: Array, positions: Array, segm
         q_seg = None if segment_ids is None else segment_ids[:, start:end]
         k_seg = None if segment_ids is None else segment_ids[:, :end]
         mask = block_mask(positions[:, start:end], positions[:, :end], q_seg, k_seg)
-        outs.append(masked_attention(q[:, start:end], k[:, :end], v[:, :end], mask))
+        outs.append(heads_first_attention(q[:, start:end], k[:, :end], v[:, :end], mask))
     return jnp.concatenate(outs, axis=1)
+
+
+def heads_first_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
+    """`masked_attention`'s products and sums in the operand layouts XLA:CPU's matmuls take
+    without transposing the [T, S] scores (the query-blocked kernel's blocks): q as [b, kv_heads,
+    group, t, d], k as [b, kv_heads, d, s], v as [b, kv_heads, s, d] (small copies); and the
+    softmax's division applied to the [t, d] output of the value matmul instead of to the [t, s]
+    probabilities (one [t, s] pass less each way). The attention alone, forward and backward, the
+    default model's layer: about a fifth less CPU time (BENCHMARKS.md, "The CPU step")."""
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, t, kv, h // kv, d).transpose(0, 2, 3, 1, 4)
+    scores = jnp.einsum("bkgtd,bkds->bkgts", q, k.transpose(0, 2, 3, 1), preferred_element_type=jnp.float32) * d**-0.5
+    scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)
+    # As jax.nn.softmax: the row maximum is a constant to autodiff (the result does not depend on it).
+    e = jnp.exp(scores - jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True)))
+    out = jnp.einsum("bkgts,bksd->bkgtd", e.astype(v.dtype), v.transpose(0, 2, 1, 3), preferred_element_type=jnp.float32)
+    out = (out / jnp.sum(e, axis=-1, keepdims=True)).astype(v.dtype)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
 def fused_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, implementation: str | None,
