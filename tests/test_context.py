@@ -15,6 +15,7 @@ import pytest
 
 from bench.procs import TINY
 from configs import load_config
+from conftest import SCANNED
 from model.attention import splash_attention, xla_attention
 from sharding import activation_rules
 from sharding.context import balanced_order
@@ -67,17 +68,13 @@ def initial_params(program) -> dict:  # noqa: ANN001 (a Program)
     return jax.device_put(_INITIAL[key], program.state_sh.params)
 
 
-# The layer stack as one scan, not the CPU's unrolled pick: a quarter less XLA time per compile,
-# and what these tests compare (the sequence split against none) is the same either way
-# (tests/test_golden.py checks that the scanned and unrolled stacks compute the same steps).
-SCANNED = ["model.scan_unroll=1"]
 _COMPILED: dict[tuple, tuple[str, dict]] = {}  # loss_and_grads' compiled HLO and mesh sizes, by its arguments
 
 
 def loss_and_grads(overrides: list[str], devices: list, documents: bool) -> tuple[float, dict]:
     """Loss and gradients of one batch under the layout of `overrides`; the compiled program's
     HLO is kept in _COMPILED for the tests that read what it does."""
-    cfg = load_config(TINY, ["data.source=synthetic", *SCANNED, *overrides])
+    cfg = load_config(TINY, ["data.source=synthetic", SCANNED, *overrides])
     program = abstract_program(cfg, devices)
     params = initial_params(program)
     batch = {k: jax.device_put(v, program.batch_sh) for k, v in packed_batch(cfg.model.seq_len, documents).items()}
