@@ -17,7 +17,12 @@ from types import ModuleType
 # pipeline train step compiles 2-2.5x faster (7.0 -> 3.1 s; test_pipeline 194 -> 139 CPU s at
 # load 3-5), golden values unchanged. The real-target compiles drop both (`real_target_env`):
 # their programs are the ones users get.
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# One LLVM module per program, not XLA:CPU's split into pieces to compile on parallel threads: the
+# pieces cost more CPU time in all, and the suite's workers keep both cores busy anyway (train
+# step compiles 10-20% less CPU: zero-bubble pipeline 2.57 -> 2.23 s, data=2 x fsdp=2 x tensor=2
+# 0.92 -> 0.83 s).
+FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
+                "--xla_cpu_parallel_codegen_split_count=1")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 {FAST_COMPILE}")
 os.environ["JAX_PLATFORMS"] = "cpu"
 # One persistent compilation cache for the session, shared by pytest-xdist's workers (they inherit
@@ -38,6 +43,8 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import gc  # noqa: E402
+
 import pytest  # noqa: E402
 
 from configs import Config, load_config  # noqa: E402
@@ -48,10 +55,25 @@ from trainer.xla_env import set_cpu_pool_threads  # noqa: E402
 # starts the backend, and inherited by every process a test starts.
 set_cpu_pool_threads(8)
 
+# Tracing a program allocates hundreds of thousands of short-lived objects, and Python's default
+# collector (a young-generation pass every 700 allocations, full passes over every object
+# imported) spent about a tenth of the CPU time of tracing, lowering and compiling a train step
+# (3 steps: 7.1-7.4 -> 6.2-6.6 s). Everything imported so far is kept out of the collector's
+# passes for good, and the young generation is collected less often.
+gc.freeze()
+gc.set_threshold(50_000, 20, 100)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # `make test` sets it: there the Makefile has installed every extra, so a missing one is a broken
 # install, not a choice, and must fail rather than skip a whole file of oracle tests unseen.
 REQUIRE_EXTRAS = "MESHLM_REQUIRE_EXTRAS"
+
+
+# For tests of what a layout, schedule or split computes rather than of the layer loop: the stack
+# as one scan, not the CPU's unrolled pick (trainer.layout.scan_unroll), compiles with about a
+# quarter less XLA time (test_context 39 -> 29 CPU s). tests/test_golden.py checks that the two
+# compute the same steps.
+SCANNED = "model.scan_unroll=1"
 
 
 def require(module: str, extra: str) -> ModuleType:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from configs import load_config
-from conftest import ROOT
+from conftest import ROOT, SCANNED
 from data import open_source
 from data.pipeline import eval_batches, process_dataset
 from sharding import activation_rules
@@ -49,7 +49,7 @@ def short_docs(tmp_path_factory) -> str:
 
 
 def config(path: str, *overrides: str):
-    base = [f"data.path={path}", "data.packing=document", "train.global_batch=32", "data.eval_fraction=0.3"]
+    base = [f"data.path={path}", "data.packing=document", "train.global_batch=32", "data.eval_fraction=0.3", SCANNED]
     return load_config(os.path.join(ROOT, "configs", "tiny.yaml"), base + list(overrides))
 
 

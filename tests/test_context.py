@@ -15,6 +15,7 @@ import pytest
 
 from bench.procs import TINY
 from configs import load_config
+from conftest import SCANNED
 from model.attention import splash_attention, xla_attention
 from sharding import activation_rules
 from sharding.context import balanced_order
@@ -67,14 +68,21 @@ def initial_params(program) -> dict:  # noqa: ANN001 (a Program)
     return jax.device_put(_INITIAL[key], program.state_sh.params)
 
 
+_COMPILED: dict[tuple, tuple[str, dict]] = {}  # loss_and_grads' compiled HLO and mesh sizes, by its arguments
+
+
 def loss_and_grads(overrides: list[str], devices: list, documents: bool) -> tuple[float, dict]:
-    cfg = load_config(TINY, ["data.source=synthetic", *overrides])
+    """Loss and gradients of one batch under the layout of `overrides`; the compiled program's
+    HLO is kept in _COMPILED for the tests that read what it does."""
+    cfg = load_config(TINY, ["data.source=synthetic", SCANNED, *overrides])
     program = abstract_program(cfg, devices)
     params = initial_params(program)
     batch = {k: jax.device_put(v, program.batch_sh) for k, v in packed_batch(cfg.model.seq_len, documents).items()}
     loss_fn = make_loss_fn(program.spec.model.graphdef, program.runner, split=program.split)
     with activation_rules(program.mesh, program.spec.layout.act_rules):
-        loss, grads = jax.jit(lambda p, b: accumulate(loss_fn, p, b, 1))(params, batch)
+        compiled = jax.jit(lambda p, b: accumulate(loss_fn, p, b, 1)).lower(params, batch).compile()
+    loss, grads = compiled(params, batch)
+    _COMPILED[(tuple(overrides), len(devices), documents)] = compiled.as_text(), program.spec.layout.sizes
     return float(loss), jax.tree.map(np.asarray, grads)
 
 
@@ -117,13 +125,16 @@ def test_load_balancing_gives_each_device_chunks_i_and_2c_minus_1_minus_i():
 
 @pytest.fixture(scope="module")
 def compiled() -> dict[str, tuple[str, list]]:
-    """strategy -> (compiled HLO, its collectives) of the context=4 x data=2 train step."""
+    """strategy -> (compiled HLO, its collectives) of the context=4 x data=2 loss and gradients
+    on concatenated rows (the programs of those cases of the test above, compiled again only
+    when it did not run)."""
     out = {}
     for strategy in ("allgather", "ring"):
-        cfg = load_config(TINY, ["data.source=synthetic", *LAYOUTS["context=4"], f"context.strategy={strategy}"])
-        program = abstract_program(cfg)
-        text = program.compile()[0].as_text()
-        out[strategy] = text, collectives(text, program.spec.layout.sizes, 8)[0]
+        key = (tuple(LAYOUTS["context=4"] + strategy_overrides(strategy)), len(jax.devices()), False)
+        if key not in _COMPILED:
+            loss_and_grads(list(key[0]), jax.devices(), documents=False)
+        text, sizes = _COMPILED[key]
+        out[strategy] = text, collectives(text, sizes, 8)[0]
     return out
 
 
@@ -131,7 +142,7 @@ def compiled() -> dict[str, tuple[str, list]]:
 def test_the_compiled_step_splits_the_sequence(compiled, strategy, kind):
     text, found = compiled[strategy]
     # Per device: batch 16 / data=2 = 8 rows of seq_len 32 / context=4 = 8 positions, d_model 64;
-    # the whole-length [8,32,64] activation never appears.
+    # the whole-length [8,32,64] activation never appears, forward or backward.
     assert re.search(r"f32\[8,8,64\]", text) and not re.search(r"f32\[8,32,64\]", text)
     on_context = {c.kind for c in found if c.axes == ("context",)}
     assert kind in on_context, found

@@ -73,22 +73,35 @@ def losses(history: list[dict]) -> np.ndarray:
     return np.array([r["loss"] for r in history])
 
 
-@pytest.fixture(scope="module")
-def one_device(tmp_path_factory):
-    """Per mode: the tiny run's losses on one device."""
+def run_losses(run_dir, *overrides: str, devices: list | None = None) -> np.ndarray:
+    """The losses of a tiny run in `run_dir` (the `tiny` fixture's settings, for module fixtures)."""
     import os
 
     from configs import load_config
     from conftest import ROOT, stdlib_glob
 
-    out = {}
-    for quant in ("none", "fp8", "int8"):
-        cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
-            f"run.dir={tmp_path_factory.mktemp(quant)}", f"data.path={stdlib_glob('json')}", "train.log_every=1",
-            f"train.steps={STEPS}", "mesh.data=1", f"model.quant={quant}",
-        ])
-        out[quant] = losses(trainer.run(cfg, devices=jax.devices()[:1]))
-    return out
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
+        f"run.dir={run_dir}", f"data.path={stdlib_glob('json')}", "train.log_every=1", *overrides])
+    return losses(trainer.run(cfg, devices))
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    """Per mode: the tiny run's losses on one device."""
+    return {quant: run_losses(tmp_path_factory.mktemp(quant), f"train.steps={STEPS}", "mesh.data=1", f"model.quant={quant}",
+                              devices=jax.devices()[:1])
+            for quant in ("none", "fp8", "int8")}
+
+
+SHARDED = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """Per 8-bit mode: the tiny run's losses on data=2 x fsdp=2 x tensor=2 (fp8's is also the
+    straight run test_fp8_resume_is_bitwise_exact resumes against)."""
+    return {quant: run_losses(tmp_path_factory.mktemp(quant), f"train.steps={STEPS}", *SHARDED, f"model.quant={quant}")
+            for quant in ("fp8", "int8")}
 
 
 @pytest.mark.parametrize("quant", ["fp8", "int8"])
@@ -100,20 +113,19 @@ def test_each_mode_learns_and_differs_from_full_precision(one_device, quant):
 
 
 @pytest.mark.parametrize("quant", ["fp8", "int8"])
-def test_sharded_layout_matches_one_device(tiny, one_device, quant):
-    history = trainer.run(tiny(f"train.steps={STEPS}", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", f"model.quant={quant}"))
-    np.testing.assert_allclose(losses(history), one_device[quant], rtol=LAYOUT_RTOL[quant])
+def test_sharded_layout_matches_one_device(sharded, one_device, quant):
+    np.testing.assert_allclose(sharded[quant], one_device[quant], rtol=LAYOUT_RTOL[quant])
 
 
-def test_fp8_resume_is_bitwise_exact(tiny, tmp_path, capsys):
-    common = ["model.quant=fp8", "optim.schedule=constant", "optim.warmup_steps=0", "checkpoint.every=2",
-              "mesh.data=2", "mesh.fsdp=4"]
-    straight = trainer.run(tiny("train.steps=4", *common, f"run.dir={tmp_path / 'straight'}"))
-    first = trainer.run(tiny("train.steps=2", *common, f"run.dir={tmp_path / 'resumed'}"))
+def test_fp8_resume_is_bitwise_exact(tiny, sharded, capsys):
+    """2 steps planned over the straight run's horizon (optim.decay_steps=STEPS: the same
+    program, the same rates), then resumed to STEPS: the straight run's losses, bit for bit."""
+    common = ["model.quant=fp8", "checkpoint.every=2", *SHARDED, f"optim.decay_steps={STEPS}"]
+    first = trainer.run(tiny("train.steps=2", *common))
     assert "model.quant=fp8: the block matmuls run in 8 bits (emulated on this device)" in capsys.readouterr().out
-    second = trainer.run(tiny("train.steps=4", *common, f"run.dir={tmp_path / 'resumed'}"))
+    second = trainer.run(tiny(f"train.steps={STEPS}", *common))
     assert "resumed from step 2" in capsys.readouterr().out
-    np.testing.assert_array_equal(losses(first + second), losses(straight))
+    np.testing.assert_array_equal(losses(first + second), sharded["fp8"])
 
 
 def test_unknown_mode_is_refused(tiny):
@@ -256,19 +268,9 @@ def test_fp8_gather_rounds_the_weight_once_and_passes_its_gradient_straight():
 @pytest.fixture(scope="module")
 def fsdp_gathers(tmp_path_factory):
     """The tiny run on fsdp=8, its weights gathered in the compute dtype and in FP8."""
-    import os
-
-    from configs import load_config
-    from conftest import ROOT, stdlib_glob
-
-    out = {}
-    for gather in ("compute", "fp8"):
-        cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
-            f"run.dir={tmp_path_factory.mktemp(gather)}", f"data.path={stdlib_glob('json')}", "train.log_every=1",
-            f"train.steps={STEPS}", "mesh.data=1", "mesh.fsdp=8", f"model.gather_dtype={gather}",
-        ])
-        out[gather] = losses(trainer.run(cfg))
-    return out
+    return {gather: run_losses(tmp_path_factory.mktemp(gather), f"train.steps={STEPS}", "mesh.data=1", "mesh.fsdp=8",
+                               f"model.gather_dtype={gather}")
+            for gather in ("compute", "fp8")}
 
 
 def test_fp8_gathers_learn_within_rounding_of_compute_gathers(fsdp_gathers):

@@ -50,40 +50,60 @@ def test_the_loss_moves(one_device_losses):
     assert one_device_losses[-1] < one_device_losses[0] - 0.1, "a comparison of flat curves proves nothing"
 
 
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory):
+    """layout -> the history of its STEPS-step run (each layout's program compiles once in the
+    module: the accumulation and resume tests below run on these layouts and horizon too)."""
+    from configs import load_config
+    from conftest import ROOT, stdlib_glob
+
+    runs: dict[str, list[dict]] = {}
+
+    def get(layout: str) -> list[dict]:
+        if layout not in runs:
+            runs[layout] = trainer.run(load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
+                f"run.dir={tmp_path_factory.mktemp('layout')}", f"data.path={stdlib_glob('json')}", "train.log_every=1",
+                f"train.steps={STEPS}", *LAYOUTS[layout]]))
+        return runs[layout]
+
+    return get
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_every_layout_gives_the_same_losses(tiny, one_device_losses, layout):
-    history = trainer.run(tiny(f"train.steps={STEPS}", *LAYOUTS[layout]))
-    np.testing.assert_allclose(losses(history), one_device_losses, rtol=2e-5)
+def test_every_layout_gives_the_same_losses(layout_runs, one_device_losses, layout):
+    np.testing.assert_allclose(losses(layout_runs(layout)), one_device_losses, rtol=2e-5)
 
 
-def test_gradient_accumulation_equals_one_big_batch(tiny, tmp_path):
-    """16 rows in 4 micro-batches of 4 give the same update as one batch of 16."""
-    big = trainer.run(tiny("train.steps=3", "mesh.data=4", "mesh.tensor=2"))
-    cfg = tiny("train.steps=3", "mesh.data=4", "mesh.tensor=2", "train.grad_accum=4", f"run.dir={tmp_path / 'accum'}")
-    accumulated = trainer.run(cfg)
+def test_gradient_accumulation_equals_one_big_batch(tiny, layout_runs):
+    """16 rows in 4 micro-batches of 4 (each split over the data and fsdp shards) give the same
+    update as one batch of 16."""
+    big = layout_runs("data=2,fsdp=2,tensor=2")
+    accumulated = trainer.run(tiny(f"train.steps={STEPS}", *LAYOUTS["data=2,fsdp=2,tensor=2"], "train.grad_accum=4"))
     np.testing.assert_allclose(losses(accumulated), losses(big), rtol=2e-5)
     grad_norms = [r["grad_norm"] for r in big], [r["grad_norm"] for r in accumulated]
     np.testing.assert_allclose(*grad_norms, rtol=1e-4)
 
 
-def test_resume_is_bitwise_exact(tiny, tmp_path, capsys):
-    # A constant schedule makes the first 4 steps of a 4-step and an 8-step run the same updates.
-    common = ["optim.schedule=constant", "optim.warmup_steps=0", "checkpoint.every=4", "mesh.data=2", "mesh.fsdp=4"]
-    straight = trainer.run(tiny("train.steps=8", *common, f"run.dir={tmp_path / 'straight'}"))
+def test_resume_is_bitwise_exact(tiny, tmp_path, capsys, layout_runs):
+    """2 steps planned over the fsdp=8 run's horizon (optim.decay_steps=STEPS: the same rates),
+    then resumed to STEPS: that run's losses, bit for bit."""
+    common = [f"optim.decay_steps={STEPS}", "checkpoint.every=2", *LAYOUTS["fsdp=8"]]
+    straight = layout_runs("fsdp=8")
+    capsys.readouterr()
     resumed_dir = tmp_path / "resumed"
-    first = trainer.run(tiny("train.steps=4", *common, f"run.dir={resumed_dir}"))
+    first = trainer.run(tiny("train.steps=2", *common, f"run.dir={resumed_dir}"))
     assert "resumed from" not in capsys.readouterr().out
-    second = trainer.run(tiny("train.steps=8", *common, f"run.dir={resumed_dir}"))
-    assert "resumed from step 4" in capsys.readouterr().out
-    assert [r["step"] for r in second] == [5, 6, 7, 8]
+    second = trainer.run(tiny(f"train.steps={STEPS}", *common, f"run.dir={resumed_dir}"))
+    assert "resumed from step 2" in capsys.readouterr().out
+    assert [r["step"] for r in second] == [3, 4]
     np.testing.assert_array_equal(losses(first + second), losses(straight))
     # metrics.jsonl is appended across invocations, never truncated.
-    assert [r["step"] for r in read_metrics(resumed_dir)] == list(range(1, 9))
+    assert [r["step"] for r in read_metrics(resumed_dir)] == list(range(1, STEPS + 1))
     # The config that wrote the first checkpoints is kept beside the new one.
     from configs import load_config
 
-    assert load_config(str(resumed_dir / "config.step4.yaml")).train.steps == 4
-    assert load_config(str(resumed_dir / "config.yaml")).train.steps == 8
+    assert load_config(str(resumed_dir / "config.step2.yaml")).train.steps == 2
+    assert load_config(str(resumed_dir / "config.yaml")).train.steps == STEPS
 
 
 def _snapshot(run_dir) -> dict[str, tuple]:
@@ -99,26 +119,37 @@ def _snapshot(run_dir) -> dict[str, tuple]:
     return out
 
 
-def test_a_finished_run_does_nothing_more_and_changes_nothing(tiny, capsys):
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """The config of a 2-step run on data=8, run to its end (two tests below read its run.dir)."""
+    from configs import load_config
+    from conftest import ROOT, stdlib_glob
+
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
+        f"run.dir={tmp_path_factory.mktemp('finished') / 'run'}", f"data.path={stdlib_glob('json')}",
+        "train.log_every=1", "train.steps=2"])
+    trainer.run(cfg)
+    return cfg
+
+
+def test_a_finished_run_does_nothing_more_and_changes_nothing(tiny, capsys, finished_run):
     """Rerunning a finished run, with the same train.steps or a smaller one, trains nothing and
     writes nothing: no new config.yaml or config.step<N>.yaml, no summary.json invocation."""
-    cfg = tiny("train.steps=2")
-    trainer.run(cfg)
+    cfg = finished_run
     before = _snapshot(cfg.run.dir)
     assert {"config.yaml", "summary.json", "metrics.jsonl"} <= set(os.listdir(cfg.run.dir))
     capsys.readouterr()
     for steps in (2, 1):
-        assert trainer.run(tiny(f"train.steps={steps}")) == []
+        assert trainer.run(tiny(f"train.steps={steps}", f"run.dir={cfg.run.dir}")) == []
         assert f"nothing to do: the checkpoint at step 2 has reached train.steps={steps}; " \
                f"{cfg.run.dir} is left as it was" in capsys.readouterr().out
         assert _snapshot(cfg.run.dir) == before
 
 
-def test_run_dir_holds_config_metrics_and_checkpoints(tiny):
+def test_run_dir_holds_config_metrics_and_checkpoints(finished_run):
     from configs import load_config
 
-    cfg = tiny("train.steps=2", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
-    trainer.run(cfg)
+    cfg = finished_run
     # The resolved config: optim.decay_steps (0: train.steps at the start) is written as the horizon used.
     resolved = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, decay_steps=2))
     assert load_config(os.path.join(cfg.run.dir, "config.yaml")) == resolved
