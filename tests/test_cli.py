@@ -278,6 +278,17 @@ def test_the_cpu_devices_get_four_pool_threads_each_unless_the_user_sized_the_po
         assert out.stdout.split()[-1] == str(threads), (user, out.stdout)
 
 
+def test_bench_children_get_the_pool_their_device_count_needs(monkeypatch):
+    """bench.procs names the device count in a child's XLA_FLAGS, which train.py then leaves
+    alone, pool included: cpu_env sizes the pool itself (the caller's NPROC wins)."""
+    from bench.procs import cpu_env
+
+    monkeypatch.delenv("NPROC", raising=False)
+    assert cpu_env(8)["NPROC"] == str(max(os.cpu_count() or 1, 32)) and "NPROC" not in cpu_env(1)
+    monkeypatch.setenv("NPROC", "12")
+    assert cpu_env(8)["NPROC"] == "12"
+
+
 def test_launched_processes_share_the_mesh_devices():
     """Under `srun --ntasks=2` or `mpirun -n 2` (no dist.* keys) each CPU-only process asks for
     its half of the mesh's devices, and only the first says so; a batch script's own process
