@@ -13,13 +13,18 @@ import numpy as np
 import trainer
 from conftest import stdlib_glob
 
+# The learning-rate horizon of tests/test_faults.py's runs (the schedule is a constant of the
+# compiled step): runs on the preset's mesh with it run their program, compiled once for the
+# suite (the shared compilation cache), whatever their length.
+HORIZON = "optim.decay_steps=12"
+
 
 def _losses(history: list[dict]) -> list[float]:
     return [r["loss"] for r in history if "loss" in r]
 
 
 def test_eval_reads_the_held_out_split_and_leaves_training_alone(tiny):
-    common = ["train.steps=6", f"data.path={stdlib_glob('email')}", "data.eval_fraction=0.3"]
+    common = ["train.steps=6", f"data.path={stdlib_glob('email')}", "data.eval_fraction=0.3", HORIZON]
     with_eval = trainer.run(tiny(*common, "eval.every=3", "eval.batches=2"))
     evals = [r for r in with_eval if "eval_loss" in r]
     assert [r["step"] for r in evals] == [3, 6]
@@ -96,7 +101,7 @@ def test_training_from_a_prepared_corpus_and_a_mixture(tiny, tmp_path):
 
 
 def test_worker_processes_feed_the_same_batches_and_resume(tiny, tmp_path):
-    common = ["optim.schedule=constant", "optim.warmup_steps=0", "checkpoint.every=2", "mesh.data=8"]
+    common = [HORIZON, "checkpoint.every=2", "mesh.data=8"]
     threads = trainer.run(tiny("train.steps=4", *common, f"run.dir={tmp_path / 't'}"))
     first = trainer.run(tiny("train.steps=2", *common, "data.workers=1", f"run.dir={tmp_path / 'w'}"))
     second = trainer.run(tiny("train.steps=4", *common, "data.workers=1", f"run.dir={tmp_path / 'w'}"))
@@ -132,7 +137,7 @@ def test_no_held_out_document_reaches_a_training_batch(tiny, tmp_path, monkeypat
     monkeypatch.setattr(loop, "global_batches", recorded_batches)
     monkeypatch.setattr(loop, "eval_batches", recorded_eval)
     history = trainer.run(tiny("train.steps=5", f"data.path={tmp_path / '*.txt'}", "data.eval_fraction=0.3",
-                               "eval.every=5", "eval.batches=2"))
+                               "eval.every=5", "eval.batches=2", HORIZON))
     assert [r["step"] for r in history if "eval_loss" in r] == [5] and len(fed) == 5 and len(held) == 2
 
     def documents(batches: list[np.ndarray]) -> set[int]:

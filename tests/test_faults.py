@@ -1,6 +1,8 @@
 """Faults injected for real, on real files and, where the fault or its report is a process's,
 in real train.py processes: preemption signals, kill -9 mid-run and mid-save, damaged
-checkpoints, a hung step; non-finite steps run train.py's own main in this process."""
+checkpoints, a hung step. Non-finite steps, and the resumes after a signal or a kill (what they
+claim is read from run.dir, not from a process), run train.py's own main in this process; the
+damaged-checkpoint resumes stay processes: their claim is the console of a whole process."""
 
 from __future__ import annotations
 
@@ -63,7 +65,7 @@ def steps_on_disk(run_dir) -> list[int]:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_signal_saves_the_current_step_and_the_same_command_resumes(tmp_path, signum):
+def test_signal_saves_the_current_step_and_the_same_command_resumes(tmp_path, capfd, signum):
     # 16 steps: the signal at step 5 leaves 11 for it to land in (the resume runs what is left).
     cmd = args(tmp_path, "train.steps=16", "checkpoint.every=1000")
     first = Train(*cmd)
@@ -72,7 +74,8 @@ def test_signal_saves_the_current_step_and_the_same_command_resumes(tmp_path, si
     assert first.finish(60) == 143, first.output
     stopped = int(first.wait_for(r"preempted by SIG\w+: checkpoint at step (\d+) committed").group(1))
     assert stopped >= 5 and steps_on_disk(tmp_path) == [stopped]
-    code, out = run(*cmd)
+    # The signal is the process's; the resume reads run.dir, whoever runs the command.
+    code, out = main_here(capfd, *cmd)
     assert code == 0, out
     assert f"resumed from step {stopped}" in out
     assert sorted(final_losses(tmp_path)) == list(range(1, 17)), "every step's metrics are kept"
@@ -86,7 +89,7 @@ def uninterrupted(tmp_path_factory):
     return final_losses(run_dir)
 
 
-def test_kill_9_mid_run_resumes_bit_for_bit(tmp_path, uninterrupted):
+def test_kill_9_mid_run_resumes_bit_for_bit(tmp_path, capfd, uninterrupted):
     cmd = args(tmp_path, "train.steps=12", "checkpoint.every=4")
     victim = Train(*cmd)
     victim.wait_for(r"^step +6/12")
@@ -96,7 +99,7 @@ def test_kill_9_mid_run_resumes_bit_for_bit(tmp_path, uninterrupted):
     victim.kill()
     on_disk = steps_on_disk(tmp_path)
     assert 4 in on_disk and 12 not in on_disk, "killed mid-run"
-    code, out = run(*cmd)
+    code, out = main_here(capfd, *cmd)
     assert code == 0 and f"resumed from step {max(on_disk)}" in out, out
     assert final_losses(tmp_path) == uninterrupted
 
@@ -107,7 +110,7 @@ BIG_STATE = ["data.source=synthetic", "model.d_model=128", "model.head_dim=8", "
              "train.global_batch=8", "model.seq_len=8", "checkpoint.every=1", "checkpoint.keep=2", "train.steps=6"]
 
 
-def test_kill_9_mid_save_ignores_the_half_written_checkpoint(tmp_path):
+def test_kill_9_mid_save_ignores_the_half_written_checkpoint(tmp_path, capfd):
     """A state of ~27 MB saved every step: kill -9 as soon as a save is seen in flight."""
     reference = tmp_path / "reference"
     train_here(reference, *BIG_STATE, "checkpoint.every=1000")  # its losses are the claim, not its saves
@@ -128,7 +131,7 @@ def test_kill_9_mid_save_ignores_the_half_written_checkpoint(tmp_path):
     else:
         pytest.fail("three attempts never caught a save in flight")
     complete = steps_on_disk(run_dir)
-    code, out = run(*args(run_dir, *BIG_STATE))
+    code, out = main_here(capfd, *args(run_dir, *BIG_STATE))
     assert code == 0, out
     assert f"resumed from step {max(complete)}" in out
     assert final_losses(run_dir) == final_losses(reference)
@@ -192,17 +195,17 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, finished
     assert {s: losses[s] for s in range(5, 13)} == {s: uninterrupted[s] for s in range(5, 13)}
 
 
-def test_no_readable_checkpoint_is_an_error_unless_asked_to_start_over(tmp_path, finished_8):
+def test_no_readable_checkpoint_is_an_error_unless_asked_to_start_over(tmp_path, capfd, finished_8):
     run_dir = tmp_path / "run"
     shutil.copytree(finished_8, run_dir)
     for step in (4, 8):
         DAMAGE["truncated array data"](run_dir / "checkpoints" / str(step))
     before = sorted(os.listdir(run_dir / "checkpoints"))
-    code, out = run(*args(run_dir, "train.steps=12", "checkpoint.every=4"))
+    code, out = main_here(capfd, *args(run_dir, "train.steps=12", "checkpoint.every=4"))
     assert code == 2, out
     assert "error: no checkpoint in" in out and "checkpoint.fresh_if_unreadable=true" in out
     assert sorted(os.listdir(run_dir / "checkpoints")) == before
-    code, out = run(*args(run_dir, "train.steps=12", "checkpoint.every=4", "checkpoint.fresh_if_unreadable=true"))
+    code, out = main_here(capfd, *args(run_dir, "train.steps=12", "checkpoint.every=4", "checkpoint.fresh_if_unreadable=true"))
     assert code == 0 and "starting over" in out and "resumed from" not in out, out
 
 

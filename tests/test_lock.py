@@ -1,7 +1,7 @@
-"""One writer per run directory, with real `train.py` processes: a second run on the run.dir
-of a live one exits 2 naming the holder and writes nothing; once the holder is killed (this
-host) or its heartbeat stops (another host) the next run takes over; a holder whose lock was
-taken over stops; of two runs breaking the same dead lock, the later keeps the newer lock."""
+"""One writer per run directory, the holders real `train.py` processes: a second run on the
+run.dir of a live one exits 2 naming the holder and writes nothing; once the holder is killed
+(this host) or its heartbeat stops (another host) the next run takes over; a holder whose lock
+was taken over stops; of two runs breaking the same dead lock, the later keeps the newer lock."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import socket
 import threading
 import time
 
+import train
 from conftest import stdlib_glob
-from bench.procs import TINY, Train, run
+from bench.procs import TINY, Train
 from trainer import rundir_lock
 
 DATA = f"data.path={stdlib_glob('json')}"
@@ -24,6 +25,16 @@ def args(run_dir, *extra: str) -> list[str]:
     # The horizon of tests/test_faults.py's runs: the learning-rate schedule is a constant of the
     # compiled step, so runs of any length share that program (the shared compilation cache).
     return ["--config", TINY, f"run.dir={run_dir}", DATA, "train.log_every=1", "optim.decay_steps=12", *extra]
+
+
+def main_here(capfd, *argv: str) -> tuple[int, str]:
+    """`python train.py ARGV`'s exit status and output from its `main` in this process: the runs
+    that meet a lock (refused, or taking it over) claim what they print, write and return, not
+    anything of a process (one costs 2-3 CPU s of start-up); a holder is a real process."""
+    capfd.readouterr()
+    code = train.main(list(argv))
+    captured = capfd.readouterr()
+    return code, captured.out + captured.err
 
 
 def snapshot(run_dir) -> dict[str, tuple[int, int]]:
@@ -41,7 +52,7 @@ def held_line(run_dir, host: str, pid: int) -> str:
     return f"error: run.dir={run_dir} is in use by a live run: host {host}, pid {pid}, since "
 
 
-def test_a_second_run_is_refused_while_the_first_lives_and_takes_over_after_kill_9(tmp_path):
+def test_a_second_run_is_refused_while_the_first_lives_and_takes_over_after_kill_9(tmp_path, capfd):
     cmd = args(tmp_path, "train.steps=16", "checkpoint.every=2")
     first = Train(*cmd)
     first.wait_for(r"^step +3/16")
@@ -51,13 +62,13 @@ def test_a_second_run_is_refused_while_the_first_lives_and_takes_over_after_kill
     first.signal(signal.SIGSTOP)  # frozen alive: any change in run.dir now is the second run's doing
     before = snapshot(tmp_path)
     assert "lock.json" in before and "metrics.jsonl" in before
-    code, out = run(*cmd)
+    code, out = main_here(capfd, *cmd)
     assert code == 2, out
     assert held_line(tmp_path, socket.gethostname(), first.proc.pid) in out, out
     assert "compiled" not in out and "resumed" not in out, out
     assert snapshot(tmp_path) == before, "the refused run wrote nothing"
     first.kill()  # kill -9, stopped or not
-    code, out = run(*cmd)
+    code, out = main_here(capfd, *cmd)
     assert code == 0, out
     took = f"took over the run.dir lock from host {socket.gethostname()}, pid {first.proc.pid}, since "
     assert took in out and f"pid {first.proc.pid} is gone from this host" in out, out
@@ -65,7 +76,7 @@ def test_a_second_run_is_refused_while_the_first_lives_and_takes_over_after_kill
     assert not (tmp_path / "lock.json").exists(), "released at the end"
 
 
-def test_a_lock_of_another_host_is_refused_while_it_beats_and_taken_over_once_it_stops(tmp_path):
+def test_a_lock_of_another_host_is_refused_while_it_beats_and_taken_over_once_it_stops(tmp_path, capfd):
     """The test plays a holder on another host: it writes the lease and bumps its heartbeat."""
     lock = tmp_path / "lock.json"
     theirs = {"host": "node-b", "pid": 4242, "since": "2026-11-01T00:00:00+00:00", "host_key": "node-b/other-boot",
@@ -82,14 +93,14 @@ def test_a_lock_of_another_host_is_refused_while_it_beats_and_taken_over_once_it
     beating.start()
     cmd = args(tmp_path, "train.steps=2", "run.lock_timeout_s=2")
     try:
-        code, out = run(*cmd)
+        code, out = main_here(capfd, *cmd)
     finally:
         stop.set()
         beating.join()
     assert code == 2, out
     assert held_line(tmp_path, "node-b", 4242) + "2026-11-01T00:00:00+00:00" in out, out
     assert os.listdir(tmp_path) == ["lock.json"], "the refused run wrote nothing"
-    code, out = run(*cmd)
+    code, out = main_here(capfd, *cmd)
     assert code == 0, out
     m = re.search(r"took over the run.dir lock from host node-b, pid 4242, .*: its heartbeat did not move in "
                   r"([\d.]+) s", out)
