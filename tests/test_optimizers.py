@@ -49,7 +49,7 @@ def test_weight_decay_reaches_matrices_only_at_each_groups_rate(name):
     matrices (Muon's at optim.muon_lr, the rest at optim.lr), nothing on norm scales."""
     cfg, axes, params = _setup(name, "optim.lr=0.01", "optim.muon_lr=0.05", "optim.weight_decay=0.1")
     tx, _ = make_optimizer(cfg.optim, 10, axes)
-    updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    updates, _ = jax.jit(lambda p: tx.update(jax.tree.map(jnp.zeros_like, p), tx.init(p), p))(params)
     flat_axes = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
     groups = set()
     for names, u in zip(flat_axes, jax.tree.leaves(updates)):
@@ -73,11 +73,14 @@ def test_clipping_applies_before_each_optimizer(name):
     assert float(optax.tree.norm(grads[0])) > 10 and float(optax.tree.norm(grads[1])) < 1
 
     def two_steps(tx: optax.GradientTransformation, gs: list) -> list:
-        state, p = tx.init(params), params
-        for g in gs:
-            u, state = tx.update(g, state, p)
-            p = optax.apply_updates(p, u)
-        return jax.tree.leaves(p)
+        def steps(p: dict, gs: list) -> list:
+            state = tx.init(p)
+            for g in gs:
+                u, state = tx.update(g, state, p)
+                p = optax.apply_updates(p, u)
+            return jax.tree.leaves(p)
+
+        return jax.jit(steps)(params, gs)
 
     clipped_tx, _ = make_optimizer(cfg.optim, 10, axes)
     plain_tx, _ = make_optimizer(unclipped_cfg.optim, 10, axes)
