@@ -60,6 +60,7 @@ from sharding.targets import child_env, compiler_name, has_compiler, node_of, ta
 from trainer.layout import attention_notes
 from trainer.program import abstract_program, compiled_stats, fill_microbatches, prepare, sharded_optimizer
 from trainer.state import abstract_state
+from trainer.xla_env import set_cpu_collective_env
 
 DEFAULT_REMATS = ("none", "save_dots", "full")  # in order of growing recompute
 
@@ -220,8 +221,9 @@ def run_child(config: str | None, jobs: list[list[str]], n: int, hw: Hardware, t
             json.dump({"config": config, "jobs": jobs, "hardware": hw.name, "target": target is not None,
                        "devices": n, "topology": topology, "dump": dump}, f)
         env = child_env(target, dict(os.environ))
-        if target is None:
+        if target is None:  # the program train.py runs on n CPU devices
             env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
+            set_cpu_collective_env(n, env)
         here = os.path.abspath(__file__)
         done = subprocess.run([sys.executable, here, "--child", spec], env=env, cwd=os.path.dirname(here),
                               capture_output=True, text=True)

@@ -21,9 +21,9 @@ import time
 if __name__ == "__main__" and "jax" not in sys.modules:  # fake devices must be set before jax loads
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from trainer.xla_env import set_cpu_pool_threads
+    from trainer.xla_env import set_cpu_collective_env
 
-    set_cpu_pool_threads(8)  # the ring's collective-permutes: room in XLA:CPU's pool (trainer/xla_env.py)
+    set_cpu_collective_env(8)  # the ring's collective-permutes: room in XLA:CPU's pool (trainer/xla_env.py)
 
 
 def measure(seq: int, context: int, strategy: str, steps: int, max_gib: float) -> dict:

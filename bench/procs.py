@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 
-from trainer.xla_env import FORCE_COUNT, set_cpu_pool_threads
+from trainer.xla_env import FORCE_COUNT, set_cpu_collective_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -27,12 +27,12 @@ def cpu_env(devices: int) -> dict[str, str]:
     """This process's environment for a child on `devices` fake CPU devices. The caller's other
     XLA flags are kept: under pytest they are the suite's (tests/conftest.py), so a child compiles
     the programs the tests and the other children do, and the shared compilation cache serves them.
-    The child's train.py leaves a count it finds in XLA_FLAGS alone, pool size included, so the
-    pool is sized here (a caller's NPROC wins, as in train.py)."""
+    The child's train.py leaves a count it finds in XLA_FLAGS alone, pool size and collective
+    flags included, so they are set here (a caller's NPROC wins, as in train.py)."""
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(FORCE_COUNT + "=")]
     env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu",
                XLA_FLAGS=" ".join([*flags, f"{FORCE_COUNT}={devices}"]))
-    set_cpu_pool_threads(devices, env)
+    set_cpu_collective_env(devices, env)
     return env
 
 

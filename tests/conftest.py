@@ -48,12 +48,12 @@ import gc  # noqa: E402
 import pytest  # noqa: E402
 
 from configs import Config, load_config  # noqa: E402
-from trainer.xla_env import set_cpu_pool_threads  # noqa: E402
+from trainer.xla_env import KEEP_COLLECTIVES_IN_LOOPS, set_cpu_collective_env  # noqa: E402
 
-# Room in XLA:CPU's thread pool for the 8 devices' collectives (see trainer/xla_env.py: with one
-# thread per device, pipelined steps with fsdp aborted now and then under load); before any test
-# starts the backend, and inherited by every process a test starts.
-set_cpu_pool_threads(8)
+# Room in XLA:CPU's thread pool for the 8 devices' collectives, and collectives kept in their loops
+# (see trainer/xla_env.py: without either, pipelined steps aborted or hung now and then under
+# load); before any test starts the backend, and inherited by every process a test starts.
+set_cpu_collective_env(8)
 
 # Tracing a program allocates hundreds of thousands of short-lived objects, and Python's default
 # collector (a young-generation pass every 700 allocations, full passes over every object
@@ -92,7 +92,8 @@ def require(module: str, extra: str) -> ModuleType:
 
 def real_target_env() -> dict[str, str]:
     """The environment for a process that compiles for a real GPU or TPU: XLA's own defaults."""
-    return dict(os.environ, XLA_FLAGS=os.environ["XLA_FLAGS"].replace(FAST_COMPILE, ""))
+    flags = os.environ["XLA_FLAGS"].replace(FAST_COMPILE, "").replace(KEEP_COLLECTIVES_IN_LOOPS, "")
+    return dict(os.environ, XLA_FLAGS=flags)
 
 
 def stdlib_glob(package: str) -> str:

@@ -14,6 +14,7 @@ import pytest
 import train
 from conftest import ROOT, stdlib_glob
 from bench.procs import FORCE_COUNT
+from trainer.xla_env import KEEP_COLLECTIVES_IN_LOOPS
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 
@@ -332,9 +333,29 @@ def test_bench_children_get_the_pool_their_device_count_needs(monkeypatch):
     from bench.procs import cpu_env
 
     monkeypatch.delenv("NPROC", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=false")  # a caller without the suite's flags
     assert cpu_env(8)["NPROC"] == str(max(os.cpu_count() or 1, 32)) and "NPROC" not in cpu_env(1)
+    assert KEEP_COLLECTIVES_IN_LOOPS in cpu_env(8)["XLA_FLAGS"] and KEEP_COLLECTIVES_IN_LOOPS not in cpu_env(1)["XLA_FLAGS"]
     monkeypatch.setenv("NPROC", "12")
     assert cpu_env(8)["NPROC"] == "12"
+
+
+def test_several_cpu_devices_keep_their_collectives_in_loops():
+    """XLA:CPU does not order a collective hoisted out of a loop against the loop's own, and a
+    pipelined step deadlocked on it (trainer/xla_env.KEEP_COLLECTIVES_IN_LOOPS): wherever the stack
+    starts several CPU devices it turns that hoisting off; one device has no peer to wait for, and
+    a user's own choice of passes to disable wins."""
+    from trainer.xla_env import set_cpu_collective_env
+
+    env: dict[str, str] = {}
+    set_cpu_collective_env(8, env)  # train.py's own call: test_launched_processes_share_the_mesh_devices
+    assert env["XLA_FLAGS"] == KEEP_COLLECTIVES_IN_LOOPS and int(env["NPROC"]) >= 32
+    one: dict[str, str] = {}
+    set_cpu_collective_env(1, one)
+    assert one == {}
+    user = {"XLA_FLAGS": "--xla_disable_hlo_passes=algsimp", "NPROC": "3"}
+    set_cpu_collective_env(8, user)
+    assert user == {"XLA_FLAGS": "--xla_disable_hlo_passes=algsimp", "NPROC": "3"}
 
 
 def test_launched_processes_share_the_mesh_devices():
@@ -371,6 +392,7 @@ def test_launched_processes_share_the_mesh_devices():
                 f"(XLA_FLAGS --xla_force_host_platform_device_count={local}, set by train.py)"] if says else []
         *lines, flags = output.splitlines()
         assert lines == said and f"--xla_force_host_platform_device_count={local}" in flags.split(), (name, output)
+        assert KEEP_COLLECTIVES_IN_LOOPS in flags.split(), (name, output)
 
 
 def test_compile_cache_serves_a_second_run(tmp_path):

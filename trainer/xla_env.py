@@ -36,6 +36,17 @@ FORCE_COUNT = "--xla_force_host_platform_device_count"
 # in tests/test_pipeline.py's 1F1B and zero-bubble cases with fsdp). Four threads per device
 # leave the room; threads that wait cost no CPU.
 POOL_THREADS_PER_DEVICE = 4
+# XLA:CPU orders the collectives of one program per device, but not a collective outside a loop
+# against the collectives inside one: XLA's loop-invariant code motion hoists, say, a pipeline
+# loop's all-to-all of the targets out of the loop, and then a device can enter the loop's
+# all-reduce before the all-to-all while its peers wait in the all-to-all for a device that
+# never gets to it. All wait; after 40 s XLA aborts ("Termination timeout for `all to all`"), or
+# the process hangs (a CI run of tests/test_pipeline_train.py's 1F1B step, 2026-11-24; gdb showed
+# device 0 in the loop's all-reduce beside its all-to-all, devices 1-2 in the all-to-all, device 3
+# in neither). Without the pass the collectives stay in the loop body, where they run in program
+# order on every device. Measured on that test in a loop at load 7-10 (3 copies side by side):
+# with the pass, 4 aborts or hangs in 58 runs; without it, 0 in 45.
+KEEP_COLLECTIVES_IN_LOOPS = "--xla_disable_hlo_passes=while-loop-invariant-code-motion"
 
 GPU_DEFAULTS = {
     "xla_gpu_enable_latency_hiding_scheduler": "true",
@@ -52,12 +63,20 @@ def set_default_flags(env: dict[str, str] | None = None) -> list[str]:
     return added
 
 
-def set_cpu_pool_threads(local_devices: int, env: dict[str, str] | None = None) -> None:
-    """Sizes XLA:CPU's thread pool for `local_devices` CPU devices (POOL_THREADS_PER_DEVICE each)
-    unless the user set NPROC. Must run before JAX starts its backend."""
+def set_cpu_collective_env(local_devices: int, env: dict[str, str] | None = None) -> None:
+    """Makes `local_devices` CPU devices safe to run collectives on: XLA:CPU's thread pool sized
+    at POOL_THREADS_PER_DEVICE threads each unless the user set NPROC, and collectives kept inside
+    the loops that issue them (KEEP_COLLECTIVES_IN_LOOPS) unless the user's XLA_FLAGS name passes
+    to disable. Must run before JAX starts its backend, in a process that compiles for the CPU
+    only (the flag would change a real GPU/TPU program too)."""
     env = os.environ if env is None else env
-    if local_devices > 1 and "NPROC" not in env:
+    if local_devices <= 1:
+        return
+    if "NPROC" not in env:
         env["NPROC"] = str(max(os.cpu_count() or 1, POOL_THREADS_PER_DEVICE * local_devices))
+    flags = env.get("XLA_FLAGS", "")
+    if "--xla_disable_hlo_passes" not in flags:
+        env["XLA_FLAGS"] = f"{flags} {KEEP_COLLECTIVES_IN_LOOPS}".strip()
 
 
 def mesh_device_count(cfg: Config) -> int:
@@ -138,7 +157,7 @@ def set_cpu_device_count(cfg: Config, env: dict[str, str] | None = None) -> str:
     if _backend_started():
         return "JAX had already started in this process"
     env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), f"{FORCE_COUNT}={local}"]).strip()
-    set_cpu_pool_threads(local, env)
+    set_cpu_collective_env(local, env)
     if index == 0 and wanted > mesh_device_count(cfg):
         print(f"mesh.data=-1 on this CPU-only machine: the batch is split over {local} CPU devices, one per core "
               f"(XLA_FLAGS {FORCE_COUNT}={local}, set by train.py; mesh.data=1 runs on one)", flush=True)
