@@ -5,8 +5,7 @@
 
 Both sides train the same shape (the config's model, batch and sequence) with the same recipe:
 AdamW with the config's betas, epsilon and weight decay, global-norm clipping, float32. Ours is
-the real compiled train step (`bench.step`, state donated) on the CPU devices `train.py` would
-run it on (the default mesh: one per core, the batch split over them); the peer is Hugging Face
+the real compiled train step (`bench.step`, state donated); the peer is Hugging Face
 `LlamaForCausalLM` (eager, SDPA attention) with `torch.optim.AdamW` and
 `clip_grad_norm_`, on as many threads as the process has cores. Each side reports the median
 step time over the timed steps, tokens/s from it, and the process CPU seconds per step (user +
@@ -76,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps on each side")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
-    overrides = args.overrides  # the devices train.py picks (CPU: one per core), as the peer uses every core
+    overrides = ["mesh.data=1", *args.overrides]  # one device: the peer runs on one too
     try:
         cfg = load_config(args.config, [*overrides, "data.source=synthetic", "data.packing=concat"])
         r = bench(args.config, overrides, args.steps, args.warmup)
@@ -91,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
           f"batch {cfg.train.global_batch} x {m.seq_len}; float32")
     print("| side | parameters | tokens/s | step ms (median) | CPU ms per step |")
     print("| --- | --- | --- | --- | --- |")
-    print(f"| meshlm (XLA:CPU, compiled step, {r['device']}) | {round(r['params_m'] * 1e6):,} | {r['tokens_per_s']:,.0f} | "
+    print(f"| meshlm (XLA:CPU, compiled step) | {round(r['params_m'] * 1e6):,} | {r['tokens_per_s']:,.0f} | "
           f"{r['step_ms']:.0f} | {r['cpu_ms']:.0f} |")
     print(f"| PyTorch eager ({p['threads']} threads, HF Llama) | {p['params']:,} | {p['tokens_per_s']:,.0f} | "
           f"{p['step_ms']:.0f} | {p['cpu_ms']:.0f} |")

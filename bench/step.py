@@ -28,7 +28,6 @@ from model import flops_per_token
 from trainer.metrics import peak_flops  # importing trainer sets the stack's XLA flags
 from trainer.program import abstract_program, compiled_stats
 from trainer.state import init_state, param_count
-from trainer.xla_env import set_cpu_device_count
 
 
 def peak_memory(compiled: jax.stages.Compiled) -> tuple[float, str]:
@@ -43,7 +42,6 @@ def peak_memory(compiled: jax.stages.Compiled) -> tuple[float, str]:
 def bench(config: str | None, overrides: list[str], steps: int, warmup: int) -> dict:
     """Compiles and times the step (`cpu_ms`: the process CPU ms per timed step)."""
     cfg = load_config(config, [*overrides, "data.source=synthetic", "data.packing=concat"])
-    set_cpu_device_count(cfg)  # the devices train.py would run this config on (before JAX starts)
     program = abstract_program(cfg)
     state = init_state(cfg.model, program.tx, cfg.run.seed, program.state_sh)
     step, compile_s = program.compile(state)

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 import train
@@ -228,50 +227,6 @@ def test_real_process_trains_a_sharded_run(tmp_path):
     assert sorted(os.listdir(tmp_path / "a")) == ["checkpoints", "config.yaml", "metrics.jsonl", "summary.json", "tb"]
 
 
-def test_the_default_mesh_takes_one_cpu_device_per_core_as_the_batch_allows():
-    """`mesh.data=-1` with every other axis 1 asks for one CPU device per core, as many as split
-    the batch (over grad_accum) evenly; fixed sizes ask for their product, whatever the cores."""
-    from configs import load_config
-    from trainer.xla_env import cpu_device_count
-
-    cases = [([], 2, 2), ([], 1, 1), (["train.global_batch=6"], 4, 3), (["train.grad_accum=4"], 8, 4),
-             (["train.global_batch=3"], 2, 1), (["mesh.data=1"], 8, 1), (["mesh.tensor=2"], 8, 2),
-             (["mesh.data=1", "mesh.fsdp=-1"], 8, 1)]
-    got = [cpu_device_count(load_config(TINY, overrides), cores) for overrides, cores, _ in cases]
-    assert got == [want for _, _, want in cases], list(zip(cases, got))
-
-
-def test_the_default_mesh_trains_on_two_cores_as_one_device_does(tmp_path):
-    """A real process on 2 cores, no device count anywhere: the default mesh splits the batch
-    over 2 CPU devices (the step's sums are the same: its losses equal one device's to float32
-    rounding)."""
-    cores = sorted(os.sched_getaffinity(0))[:2]
-    if len(cores) < 2:
-        pytest.skip("needs a machine with 2 cores")
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(FORCE_COUNT)]
-    env = dict(_env_without_device_count(), XLA_FLAGS=" ".join(flags))
-    args = ["--config", TINY, "train.steps=3", "train.log_every=1", f"data.path={stdlib_glob('json')}"]
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args, f"run.dir={tmp_path / 'two'}"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT, env=env,
-                         preexec_fn=lambda: os.sched_setaffinity(0, cores))
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines()[0] == (
-        "mesh.data=-1 on this CPU-only machine: the batch is split over 2 CPU devices, one per core "
-        "(XLA_FLAGS --xla_force_host_platform_device_count=2, set by train.py; mesh.data=1 runs on one)")
-    assert "mesh pipeline=1 x data=2 x fsdp=1 x expert=1 x context=1 x tensor=1 on 2 cpu devices" in out.stdout
-    with open(tmp_path / "two" / "metrics.jsonl") as f:
-        two = [r["loss"] for r in map(json.loads, f) if "loss" in r]
-    import jax
-
-    import trainer
-    from configs import load_config
-
-    one = [r["loss"] for r in trainer.run(load_config(TINY, [*args[2:], "mesh.data=1", f"run.dir={tmp_path / 'one'}"]),
-                                          jax.devices()[:1])]
-    assert len(two) == len(one) == 3
-    np.testing.assert_allclose(two, one, rtol=2e-6)
-
-
 def test_a_user_device_count_that_is_too_small_says_what_to_do(tmp_path):
     env = dict(_env_without_device_count(), XLA_FLAGS="--xla_force_host_platform_device_count=2")
     out = _cli("--config", TINY, f"run.dir={tmp_path / 'r'}", "mesh.data=2", "mesh.fsdp=2", env=env)
@@ -301,7 +256,7 @@ def test_device_count_is_set_only_where_it_can_apply():
     for why, env in cases.items():
         before = dict(env)
         assert set_cpu_device_count(cfg, env) == why and env == before
-    assert set_cpu_device_count(load_config(TINY, ["mesh.data=1"]), {}) == "", "a mesh of one device asks for no count"
+    assert set_cpu_device_count(load_config(TINY, ["mesh.fsdp=1"]), {}) == "", "a mesh of -1 asks for no count"
     assert device_count_hint(cfg, "gpu", 1, "") == (
         "this process sees 1 gpu device(s): make the mesh sizes multiply to 1, or leave one at -1")
 

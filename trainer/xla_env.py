@@ -13,7 +13,6 @@ cannot exhaust, and the persistent compilation cache (`run.compile_cache`).
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 import importlib.util
 import math
@@ -21,10 +20,9 @@ import os
 import pkgutil
 import sys
 
-from configs import Config, ConfigError
+from configs import Config
 from configs.schema import MESH_AXES
 from sharding.distributed import process_layout
-from trainer.layout import plan_layout
 
 FORCE_COUNT = "--xla_force_host_platform_device_count"
 # XLA:CPU runs every CPU device on one thread pool of max(cores, devices) threads (the NPROC
@@ -85,33 +83,6 @@ def mesh_device_count(cfg: Config) -> int:
     return math.prod(size for size in (getattr(cfg.mesh, a) for a in MESH_AXES) if size > 0)
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity: taskset, a cgroup's cpuset)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity call on this OS
-        return os.cpu_count() or 1
-
-
-def cpu_device_count(cfg: Config, cores: int) -> int:
-    """The CPU devices a one-process run asks for on a CPU-only machine. A mesh with fixed sizes:
-    their product. The default mesh (`data=-1`, every other axis 1): one device per core, as
-    many as split the batch evenly (the most for which the layout is valid), because XLA:CPU
-    keeps two cores busier with two devices each running half the batch than with one device
-    splitting each op over both (the default step: BENCHMARKS.md, "The CPU step"); the
-    results are the same sums, data-parallel, to float32 rounding. `mesh.data=1` runs on one."""
-    fixed = mesh_device_count(cfg)
-    if fixed > 1 or cfg.mesh.data != -1:
-        return fixed
-    for count in range(cores, 1, -1):
-        try:
-            plan_layout(dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, data=count)), count)
-        except ConfigError:
-            continue
-        return count
-    return 1
-
-
 def _accelerator_plugin() -> str:
     """The name of an installed JAX GPU/TPU plugin ("" if none): with one, JAX may pick an
     accelerator, whose device count no flag changes."""
@@ -142,7 +113,7 @@ def set_cpu_device_count(cfg: Config, env: dict[str, str] | None = None) -> str:
     of `device_count_hint`)."""
     env = os.environ if env is None else env
     processes, index = process_layout(cfg.dist, env)
-    wanted = mesh_device_count(cfg) if processes > 1 else cpu_device_count(cfg, usable_cores())
+    wanted = mesh_device_count(cfg)
     if wanted <= processes or wanted % processes:
         return ""
     local = wanted // processes
@@ -158,10 +129,7 @@ def set_cpu_device_count(cfg: Config, env: dict[str, str] | None = None) -> str:
         return "JAX had already started in this process"
     env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), f"{FORCE_COUNT}={local}"]).strip()
     set_cpu_collective_env(local, env)
-    if index == 0 and wanted > mesh_device_count(cfg):
-        print(f"mesh.data=-1 on this CPU-only machine: the batch is split over {local} CPU devices, one per core "
-              f"(XLA_FLAGS {FORCE_COUNT}={local}, set by train.py; mesh.data=1 runs on one)", flush=True)
-    elif index == 0:
+    if index == 0:
         each = " per process" if processes > 1 else ""
         print(f"the mesh names {wanted} devices: running {local} CPU devices{each} on this CPU-only machine "
               f"(XLA_FLAGS {FORCE_COUNT}={local}, set by train.py)", flush=True)
