@@ -5,6 +5,8 @@ it tries and their bubble formulas, and bad input."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -94,24 +96,31 @@ def _tiny(*overrides: str):
     return load_config(TINY, ["data.source=synthetic", *overrides])
 
 
+def search(tmp_path_factory: pytest.TempPathFactory, name: str, *args: str) -> tuple[str, dict]:
+    """`plan.py --devices 4 --search ARGS` run by its `main` in this process (the compiles still
+    run in plan.py's child, as from the command line), on the CPU fallback: no compilers on its
+    path. Its printed plan and plan.json (plan.py's command line: test_cli_bad_device_count_exit_status)."""
+    out = tmp_path_factory.mktemp(name) / "plan.json"
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed):
+        mp.setenv("MESHLM_COMPILERS", str(tmp_path_factory.mktemp("no-compilers")))
+        code = main(["--config", TINY, "--devices", "4", "--search", "--out", str(out), *args])
+    assert code == 0, printed.getvalue()
+    return printed.getvalue(), json.loads(out.read_text())
+
+
 @pytest.fixture(scope="module")
-def searched(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
+def searched(tmp_path_factory) -> tuple[str, dict]:
     """One real `--search` over data x fsdp on 4 devices (pipeline and tensor pinned to 1), on the
-    CPU fallback (no compilers on its path), so its figures can be checked against compiles in
-    this process; tests/test_targets.py checks the real GPU and TPU compiles."""
-    out = tmp_path_factory.mktemp("plan") / "plan.json"
-    args = ["--config", TINY, "--devices", "4", "--search", "--remat", "none,full", "--out", str(out),
-            "mesh.pipeline=1", "mesh.tensor=1", "data.source=synthetic",
-            "model.scan_unroll=1"]  # a scanned stack, as on GPU: XLA's cost analysis counts its body once
-    env = dict(os.environ, MESHLM_COMPILERS=str(tmp_path_factory.mktemp("no-compilers")))
-    done = subprocess.run([sys.executable, "plan.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          env=env)
-    assert done.returncode == 0, done.stderr
-    return done, json.loads(out.read_text())
+    CPU fallback, so its figures can be checked against compiles in this process;
+    tests/test_targets.py checks the real GPU and TPU compiles."""
+    return search(tmp_path_factory, "plan", "--remat", "none,full", "mesh.pipeline=1", "mesh.tensor=1",
+                  "data.source=synthetic",
+                  "model.scan_unroll=1")  # a scanned stack, as on GPU: XLA's cost analysis counts its body once
 
 
 def test_search_ranks_and_writes_plan_json(searched):
-    done, plan = searched
+    printed, plan = searched
     assert plan["devices"] == 4 and plan["hardware"]["name"] == "h100" and plan["best"] == 0
     fits = [p for p in plan["plans"] if p["status"] == "fits"]
     assert {(p["layout"]["data"], p["layout"]["fsdp"]) for p in fits} == {(4, 1), (2, 2), (1, 4)}
@@ -126,7 +135,7 @@ def test_search_ranks_and_writes_plan_json(searched):
         assert p["flops"]["model"] > p["flops"]["xla_cost_analysis"] > 0  # XLA counts the layer scan once
         assert all({"kind", "dtype", "axes", "count", "bytes", "wire_bytes", "seconds"} <= set(c) for c in p["collectives"])
     first = fits[0]["layout"]
-    assert f"| 1 | data={first['data']} fsdp={first['fsdp']} | none | fits |" in done.stdout
+    assert f"| 1 | data={first['data']} fsdp={first['fsdp']} | none | fits |" in printed
 
 
 def test_predicted_memory_matches_real_compile_and_state(searched):
@@ -171,31 +180,26 @@ def test_collectives_land_on_the_right_axes(searched):
 
 
 @pytest.fixture(scope="module")
-def pipelined_search(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
+def pipelined_search(tmp_path_factory) -> tuple[str, dict]:
     """`--search` on one pipelined mesh (pipeline=2 x data=2, 8 microbatches filled in) with no
     schedule given: one compile per schedule, on the CPU fallback."""
-    out = tmp_path_factory.mktemp("plan_pipe") / "plan.json"
-    args = ["--config", TINY, "--devices", "4", "--search", "--remat", "none", "--out", str(out),
-            "mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1", "data.source=synthetic"]
-    env = dict(os.environ, MESHLM_COMPILERS=str(tmp_path_factory.mktemp("no-compilers")))
-    done = subprocess.run([sys.executable, "plan.py", *args], cwd=ROOT, capture_output=True, text=True, env=env)
-    assert done.returncode == 0, done.stderr
-    return done, json.loads(out.read_text())
+    return search(tmp_path_factory, "plan_pipe", "--remat", "none", "mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=1",
+                  "mesh.tensor=1", "data.source=synthetic")
 
 
 def test_search_tries_each_schedule_with_its_bubble(pipelined_search, searched):
-    done, plan = pipelined_search
+    printed, plan = pipelined_search
     fits = {p["pipeline"]["schedule"]: p for p in plan["plans"] if p["status"] == "fits"}
     assert set(fits) == {"gpipe", "1f1b", "zero_bubble"}
     for schedule, p in fits.items():
         assert p["layout"]["schedule"] == schedule and p["layout"]["microbatches"] == 8
         assert p["pipeline"]["bubble"] == p["time"]["bubble"] == bubble_fraction(2, 1, 8, schedule)
-        assert f"pipeline=2 data=2 fsdp=1 microbatches=8 schedule={schedule} | none | fits |" in done.stdout
+        assert f"pipeline=2 data=2 fsdp=1 microbatches=8 schedule={schedule} | none | fits |" in printed
     assert fits["gpipe"]["pipeline"]["bubble"] == 1 / 9  # (S - 1) / (M + S - 1), S = 2, M = 8
     assert fits["zero_bubble"]["pipeline"]["bubble"] == 3 / 51  # 1 x (1 + 2) / (9 x (1 + 2) + 8 x 3)
     # The two schedules are really different programs: GPipe keeps all 8 microbatches' activations.
     assert fits["gpipe"]["memory"]["temps"] > fits["1f1b"]["memory"]["temps"]
-    assert "| 0.111 |" in done.stdout
+    assert "| 0.111 |" in printed
     _, unpipelined = searched
     assert all("pipeline" not in p and "schedule" not in p["layout"] for p in unpipelined["plans"])
 
