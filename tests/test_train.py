@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import trainer
+from configs import Config
 
 STEPS = 4
 LAYOUTS = {
@@ -50,23 +51,36 @@ def test_the_loss_moves(one_device_losses):
     assert one_device_losses[-1] < one_device_losses[0] - 0.1, "a comparison of flat curves proves nothing"
 
 
+class LayoutRuns:
+    """layout -> the history of its STEPS-step run, each run once in the module (its program
+    compiles once: the accumulation and resume tests below run on these layouts and horizon
+    too), and the config of that run (the finished-run tests read its run.dir)."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self.tmp_path_factory = tmp_path_factory
+        self.runs: dict[str, tuple[Config, list[dict]]] = {}
+
+    def _run(self, layout: str) -> tuple[Config, list[dict]]:
+        from configs import load_config
+        from conftest import ROOT, stdlib_glob
+
+        if layout not in self.runs:
+            cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
+                f"run.dir={self.tmp_path_factory.mktemp('layout') / 'run'}", f"data.path={stdlib_glob('json')}",
+                "train.log_every=1", f"train.steps={STEPS}", *LAYOUTS[layout]])
+            self.runs[layout] = cfg, trainer.run(cfg)
+        return self.runs[layout]
+
+    def __call__(self, layout: str) -> list[dict]:
+        return self._run(layout)[1]
+
+    def config(self, layout: str) -> Config:
+        return self._run(layout)[0]
+
+
 @pytest.fixture(scope="module")
-def layout_runs(tmp_path_factory):
-    """layout -> the history of its STEPS-step run (each layout's program compiles once in the
-    module: the accumulation and resume tests below run on these layouts and horizon too)."""
-    from configs import load_config
-    from conftest import ROOT, stdlib_glob
-
-    runs: dict[str, list[dict]] = {}
-
-    def get(layout: str) -> list[dict]:
-        if layout not in runs:
-            runs[layout] = trainer.run(load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
-                f"run.dir={tmp_path_factory.mktemp('layout')}", f"data.path={stdlib_glob('json')}", "train.log_every=1",
-                f"train.steps={STEPS}", *LAYOUTS[layout]]))
-        return runs[layout]
-
-    return get
+def layout_runs(tmp_path_factory: pytest.TempPathFactory) -> LayoutRuns:
+    return LayoutRuns(tmp_path_factory)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -120,16 +134,10 @@ def _snapshot(run_dir) -> dict[str, tuple]:
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    """The config of a 2-step run on data=8, run to its end (two tests below read its run.dir)."""
-    from configs import load_config
-    from conftest import ROOT, stdlib_glob
-
-    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
-        f"run.dir={tmp_path_factory.mktemp('finished') / 'run'}", f"data.path={stdlib_glob('json')}",
-        "train.log_every=1", "train.steps=2"])
-    trainer.run(cfg)
-    return cfg
+def finished_run(layout_runs: LayoutRuns) -> Config:
+    """The config of a run finished to its end: the STEPS-step data=8 run of the layout test
+    (two tests below read its run.dir; neither changes it, as the first checks)."""
+    return layout_runs.config("data=8")
 
 
 def test_a_finished_run_does_nothing_more_and_changes_nothing(tiny, capsys, finished_run):
@@ -139,9 +147,9 @@ def test_a_finished_run_does_nothing_more_and_changes_nothing(tiny, capsys, fini
     before = _snapshot(cfg.run.dir)
     assert {"config.yaml", "summary.json", "metrics.jsonl"} <= set(os.listdir(cfg.run.dir))
     capsys.readouterr()
-    for steps in (2, 1):
+    for steps in (STEPS, STEPS - 1):
         assert trainer.run(tiny(f"train.steps={steps}", f"run.dir={cfg.run.dir}")) == []
-        assert f"nothing to do: the checkpoint at step 2 has reached train.steps={steps}; " \
+        assert f"nothing to do: the checkpoint at step {STEPS} has reached train.steps={steps}; " \
                f"{cfg.run.dir} is left as it was" in capsys.readouterr().out
         assert _snapshot(cfg.run.dir) == before
 
@@ -151,13 +159,14 @@ def test_run_dir_holds_config_metrics_and_checkpoints(finished_run):
 
     cfg = finished_run
     # The resolved config: optim.decay_steps (0: train.steps at the start) is written as the horizon used.
-    resolved = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, decay_steps=2))
+    assert cfg.optim.decay_steps == 0
+    resolved = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, decay_steps=STEPS))
     assert load_config(os.path.join(cfg.run.dir, "config.yaml")) == resolved
     records = read_metrics(cfg.run.dir)
     for key in ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_s"):
         assert key in records[-1]
     assert "mfu" not in records[-1], "CPU has no known peak"
-    assert sorted(os.listdir(os.path.join(cfg.run.dir, "checkpoints"))) == ["2"]
+    assert sorted(os.listdir(os.path.join(cfg.run.dir, "checkpoints"))) == [str(STEPS)]
 
 
 def test_learning_rate_schedule():
