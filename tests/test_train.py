@@ -15,6 +15,9 @@ import trainer
 from configs import Config
 
 STEPS = 4
+# Every STEPS-step run here warms up over one step: the one-device run is then also the first
+# run of test_extending_a_run_continues_its_schedule, which extends it (one run fewer).
+WARMUP = "optim.warmup_steps=1"
 LAYOUTS = {
     "data=8": ["mesh.data=8"],
     "fsdp=8": ["mesh.data=1", "mesh.fsdp=8"],
@@ -33,18 +36,26 @@ def read_metrics(run_dir) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def one_device_losses(tmp_path_factory):
+def one_device_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
+    """(run dir, history) of a STEPS-step run on one device; test_extending_a_run_continues_its_schedule
+    extends that run dir (the other tests read only the history)."""
     from configs import load_config
     from conftest import ROOT, stdlib_glob
 
-    run_dir = tmp_path_factory.mktemp("ref")
+    run_dir = str(tmp_path_factory.mktemp("ref") / "run")
     cfg = load_config(
         os.path.join(ROOT, "configs", "tiny.yaml"),
-        [f"run.dir={run_dir}", f"data.path={stdlib_glob('json')}", "train.log_every=1", f"train.steps={STEPS}", "mesh.data=1"],
+        [f"run.dir={run_dir}", f"data.path={stdlib_glob('json')}", "train.log_every=1", f"train.steps={STEPS}", "mesh.data=1",
+         WARMUP],
     )
     history = trainer.run(cfg, devices=jax.devices()[:1])
     assert [r["step"] for r in history] == list(range(1, STEPS + 1))
-    return losses(history)
+    return run_dir, history
+
+
+@pytest.fixture(scope="module")
+def one_device_losses(one_device_run: tuple[str, list[dict]]) -> np.ndarray:
+    return losses(one_device_run[1])
 
 
 def test_the_loss_moves(one_device_losses):
@@ -67,7 +78,7 @@ class LayoutRuns:
         if layout not in self.runs:
             cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
                 f"run.dir={self.tmp_path_factory.mktemp('layout') / 'run'}", f"data.path={stdlib_glob('json')}",
-                "train.log_every=1", f"train.steps={STEPS}", *LAYOUTS[layout]])
+                "train.log_every=1", f"train.steps={STEPS}", WARMUP, *LAYOUTS[layout]])
             self.runs[layout] = cfg, trainer.run(cfg)
         return self.runs[layout]
 
@@ -92,7 +103,7 @@ def test_gradient_accumulation_equals_one_big_batch(tiny, layout_runs):
     """16 rows in 4 micro-batches of 4 (each split over the data and fsdp shards) give the same
     update as one batch of 16."""
     big = layout_runs("data=2,fsdp=2,tensor=2")
-    accumulated = trainer.run(tiny(f"train.steps={STEPS}", *LAYOUTS["data=2,fsdp=2,tensor=2"], "train.grad_accum=4"))
+    accumulated = trainer.run(tiny(f"train.steps={STEPS}", WARMUP, *LAYOUTS["data=2,fsdp=2,tensor=2"], "train.grad_accum=4"))
     np.testing.assert_allclose(losses(accumulated), losses(big), rtol=2e-5)
     grad_norms = [r["grad_norm"] for r in big], [r["grad_norm"] for r in accumulated]
     np.testing.assert_allclose(*grad_norms, rtol=1e-4)
@@ -101,7 +112,7 @@ def test_gradient_accumulation_equals_one_big_batch(tiny, layout_runs):
 def test_resume_is_bitwise_exact(tiny, tmp_path, capsys, layout_runs):
     """2 steps planned over the fsdp=8 run's horizon (optim.decay_steps=STEPS: the same rates),
     then resumed to STEPS: that run's losses, bit for bit."""
-    common = [f"optim.decay_steps={STEPS}", "checkpoint.every=2", *LAYOUTS["fsdp=8"]]
+    common = [f"optim.decay_steps={STEPS}", "checkpoint.every=2", WARMUP, *LAYOUTS["fsdp=8"]]
     straight = layout_runs("fsdp=8")
     capsys.readouterr()
     resumed_dir = tmp_path / "resumed"
@@ -148,7 +159,7 @@ def test_a_finished_run_does_nothing_more_and_changes_nothing(tiny, capsys, fini
     assert {"config.yaml", "summary.json", "metrics.jsonl"} <= set(os.listdir(cfg.run.dir))
     capsys.readouterr()
     for steps in (STEPS, STEPS - 1):
-        assert trainer.run(tiny(f"train.steps={steps}", f"run.dir={cfg.run.dir}")) == []
+        assert trainer.run(tiny(f"train.steps={steps}", WARMUP, f"run.dir={cfg.run.dir}")) == []
         assert f"nothing to do: the checkpoint at step {STEPS} has reached train.steps={steps}; " \
                f"{cfg.run.dir} is left as it was" in capsys.readouterr().out
         assert _snapshot(cfg.run.dir) == before
@@ -246,14 +257,16 @@ def test_no_first_write_cost_is_timed_as_a_step(fresh_process_run):
     assert step_s[2] < 5 * steady, f"step 2 took {step_s[2]:.3f} s, the steady steps {steady:.3f} s: {step_s}"
 
 
-def test_extending_a_run_continues_its_schedule(tiny, tmp_path, capsys):
-    """A 4-step run extended to 6 keeps the horizon it started with (optim.decay_steps=4): its
-    rates and losses equal, bit for bit, a 6-step run planned with that horizon, not those of a
-    6-step run (whose cosine decays over 6). A resume that changes the schedule says so."""
-    common = ["mesh.data=1", "optim.warmup_steps=1", "checkpoint.every=4"]
+def test_extending_a_run_continues_its_schedule(tiny, tmp_path, capsys, one_device_run):
+    """A 4-step run (the one-device run above) extended to 6 keeps the horizon it started with
+    (optim.decay_steps=4): its rates and losses equal, bit for bit, a 6-step run planned with
+    that horizon, not those of a 6-step run (whose cosine decays over 6). A resume that changes
+    the schedule says so."""
+    assert STEPS == 4
+    common = ["mesh.data=1", WARMUP]
     one = jax.devices()[:1]
-    extended = tmp_path / "extended"
-    first = trainer.run(tiny("train.steps=4", *common, f"run.dir={extended}"), devices=one)
+    extended, first = one_device_run
+    capsys.readouterr()
     second = trainer.run(tiny("train.steps=6", *common, f"run.dir={extended}"), devices=one)
     out = capsys.readouterr().out
     planned = trainer.run(tiny("train.steps=6", "optim.decay_steps=4", *common, f"run.dir={tmp_path / 'planned'}"),
@@ -277,7 +290,7 @@ def test_extending_a_run_continues_its_schedule(tiny, tmp_path, capsys):
     assert "resumed from step 4\nthe learning-rate schedule keeps its horizon optim.decay_steps=4 (train.steps=6)" in out
     from configs import load_config
 
-    assert load_config(str(extended / "config.yaml")).optim.decay_steps == 4, "the resolved horizon is recorded"
+    assert load_config(os.path.join(extended, "config.yaml")).optim.decay_steps == 4, "the resolved horizon is recorded"
     trainer.run(tiny("train.steps=7", "optim.decay_steps=10", *common, f"run.dir={extended}"), devices=one)
     assert "the learning-rate schedule changes on this resume: optim.decay_steps 4 -> 10" in capsys.readouterr().out
 
