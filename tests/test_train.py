@@ -12,8 +12,12 @@ import numpy as np
 import pytest
 
 import trainer
+from configs import Config
 
 STEPS = 4
+# Every STEPS-step run here warms up over one step: the one-device run is then also the first
+# run of test_extending_a_run_continues_its_schedule, which extends it (one run fewer).
+WARMUP = "optim.warmup_steps=1"
 LAYOUTS = {
     "data=8": ["mesh.data=8"],
     "fsdp=8": ["mesh.data=1", "mesh.fsdp=8"],
@@ -32,41 +36,62 @@ def read_metrics(run_dir) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def one_device_losses(tmp_path_factory):
+def one_device_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
+    """(run dir, history) of a STEPS-step run on one device; test_extending_a_run_continues_its_schedule
+    extends that run dir (the other tests read only the history)."""
     from configs import load_config
     from conftest import ROOT, stdlib_glob
 
-    run_dir = tmp_path_factory.mktemp("ref")
+    run_dir = str(tmp_path_factory.mktemp("ref") / "run")
     cfg = load_config(
         os.path.join(ROOT, "configs", "tiny.yaml"),
-        [f"run.dir={run_dir}", f"data.path={stdlib_glob('json')}", "train.log_every=1", f"train.steps={STEPS}", "mesh.data=1"],
+        [f"run.dir={run_dir}", f"data.path={stdlib_glob('json')}", "train.log_every=1", f"train.steps={STEPS}", "mesh.data=1",
+         WARMUP],
     )
     history = trainer.run(cfg, devices=jax.devices()[:1])
     assert [r["step"] for r in history] == list(range(1, STEPS + 1))
-    return losses(history)
+    return run_dir, history
+
+
+@pytest.fixture(scope="module")
+def one_device_losses(one_device_run: tuple[str, list[dict]]) -> np.ndarray:
+    return losses(one_device_run[1])
 
 
 def test_the_loss_moves(one_device_losses):
     assert one_device_losses[-1] < one_device_losses[0] - 0.1, "a comparison of flat curves proves nothing"
 
 
+class LayoutRuns:
+    """layout -> the history of its STEPS-step run, each run once in the module (its program
+    compiles once: the accumulation and resume tests below run on these layouts and horizon
+    too), and the config of that run (the finished-run tests read its run.dir)."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self.tmp_path_factory = tmp_path_factory
+        self.runs: dict[str, tuple[Config, list[dict]]] = {}
+
+    def _run(self, layout: str) -> tuple[Config, list[dict]]:
+        from configs import load_config
+        from conftest import ROOT, stdlib_glob
+
+        if layout not in self.runs:
+            cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
+                f"run.dir={self.tmp_path_factory.mktemp('layout') / 'run'}", f"data.path={stdlib_glob('json')}",
+                "train.log_every=1", f"train.steps={STEPS}", WARMUP, *LAYOUTS[layout]])
+            self.runs[layout] = cfg, trainer.run(cfg)
+        return self.runs[layout]
+
+    def __call__(self, layout: str) -> list[dict]:
+        return self._run(layout)[1]
+
+    def config(self, layout: str) -> Config:
+        return self._run(layout)[0]
+
+
 @pytest.fixture(scope="module")
-def layout_runs(tmp_path_factory):
-    """layout -> the history of its STEPS-step run (each layout's program compiles once in the
-    module: the accumulation and resume tests below run on these layouts and horizon too)."""
-    from configs import load_config
-    from conftest import ROOT, stdlib_glob
-
-    runs: dict[str, list[dict]] = {}
-
-    def get(layout: str) -> list[dict]:
-        if layout not in runs:
-            runs[layout] = trainer.run(load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
-                f"run.dir={tmp_path_factory.mktemp('layout')}", f"data.path={stdlib_glob('json')}", "train.log_every=1",
-                f"train.steps={STEPS}", *LAYOUTS[layout]]))
-        return runs[layout]
-
-    return get
+def layout_runs(tmp_path_factory: pytest.TempPathFactory) -> LayoutRuns:
+    return LayoutRuns(tmp_path_factory)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -78,7 +103,7 @@ def test_gradient_accumulation_equals_one_big_batch(tiny, layout_runs):
     """16 rows in 4 micro-batches of 4 (each split over the data and fsdp shards) give the same
     update as one batch of 16."""
     big = layout_runs("data=2,fsdp=2,tensor=2")
-    accumulated = trainer.run(tiny(f"train.steps={STEPS}", *LAYOUTS["data=2,fsdp=2,tensor=2"], "train.grad_accum=4"))
+    accumulated = trainer.run(tiny(f"train.steps={STEPS}", WARMUP, *LAYOUTS["data=2,fsdp=2,tensor=2"], "train.grad_accum=4"))
     np.testing.assert_allclose(losses(accumulated), losses(big), rtol=2e-5)
     grad_norms = [r["grad_norm"] for r in big], [r["grad_norm"] for r in accumulated]
     np.testing.assert_allclose(*grad_norms, rtol=1e-4)
@@ -87,7 +112,7 @@ def test_gradient_accumulation_equals_one_big_batch(tiny, layout_runs):
 def test_resume_is_bitwise_exact(tiny, tmp_path, capsys, layout_runs):
     """2 steps planned over the fsdp=8 run's horizon (optim.decay_steps=STEPS: the same rates),
     then resumed to STEPS: that run's losses, bit for bit."""
-    common = [f"optim.decay_steps={STEPS}", "checkpoint.every=2", *LAYOUTS["fsdp=8"]]
+    common = [f"optim.decay_steps={STEPS}", "checkpoint.every=2", WARMUP, *LAYOUTS["fsdp=8"]]
     straight = layout_runs("fsdp=8")
     capsys.readouterr()
     resumed_dir = tmp_path / "resumed"
@@ -120,16 +145,10 @@ def _snapshot(run_dir) -> dict[str, tuple]:
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    """The config of a 2-step run on data=8, run to its end (two tests below read its run.dir)."""
-    from configs import load_config
-    from conftest import ROOT, stdlib_glob
-
-    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
-        f"run.dir={tmp_path_factory.mktemp('finished') / 'run'}", f"data.path={stdlib_glob('json')}",
-        "train.log_every=1", "train.steps=2"])
-    trainer.run(cfg)
-    return cfg
+def finished_run(layout_runs: LayoutRuns) -> Config:
+    """The config of a run finished to its end: the STEPS-step data=8 run of the layout test
+    (two tests below read its run.dir; neither changes it, as the first checks)."""
+    return layout_runs.config("data=8")
 
 
 def test_a_finished_run_does_nothing_more_and_changes_nothing(tiny, capsys, finished_run):
@@ -139,9 +158,9 @@ def test_a_finished_run_does_nothing_more_and_changes_nothing(tiny, capsys, fini
     before = _snapshot(cfg.run.dir)
     assert {"config.yaml", "summary.json", "metrics.jsonl"} <= set(os.listdir(cfg.run.dir))
     capsys.readouterr()
-    for steps in (2, 1):
-        assert trainer.run(tiny(f"train.steps={steps}", f"run.dir={cfg.run.dir}")) == []
-        assert f"nothing to do: the checkpoint at step 2 has reached train.steps={steps}; " \
+    for steps in (STEPS, STEPS - 1):
+        assert trainer.run(tiny(f"train.steps={steps}", WARMUP, f"run.dir={cfg.run.dir}")) == []
+        assert f"nothing to do: the checkpoint at step {STEPS} has reached train.steps={steps}; " \
                f"{cfg.run.dir} is left as it was" in capsys.readouterr().out
         assert _snapshot(cfg.run.dir) == before
 
@@ -151,13 +170,14 @@ def test_run_dir_holds_config_metrics_and_checkpoints(finished_run):
 
     cfg = finished_run
     # The resolved config: optim.decay_steps (0: train.steps at the start) is written as the horizon used.
-    resolved = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, decay_steps=2))
+    assert cfg.optim.decay_steps == 0
+    resolved = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, decay_steps=STEPS))
     assert load_config(os.path.join(cfg.run.dir, "config.yaml")) == resolved
     records = read_metrics(cfg.run.dir)
     for key in ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_s"):
         assert key in records[-1]
     assert "mfu" not in records[-1], "CPU has no known peak"
-    assert sorted(os.listdir(os.path.join(cfg.run.dir, "checkpoints"))) == ["2"]
+    assert sorted(os.listdir(os.path.join(cfg.run.dir, "checkpoints"))) == [str(STEPS)]
 
 
 def test_learning_rate_schedule():
@@ -210,29 +230,43 @@ def test_the_logged_lr_is_the_one_the_update_applied(tiny):
     assert float(after_skip["lr"]) != float(lr_schedule(cfg.optim, cfg.train.steps)(2))
 
 
-def test_no_first_write_cost_is_timed_as_a_step(tmp_path):
-    """In a fresh process (nothing imported yet), the second step, whose interval holds the first
-    metrics write, is no slower than the steady steps: imports and writer set-up happen before the
-    loop. (An import of tensorboardX inside that interval took 1-2.7 s against 0.03 s steps.)"""
+@pytest.fixture(scope="module")
+def fresh_process_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """(run dir, output) of a 10-step run on 8 devices in a fresh process (nothing imported
+    yet) that logs every program it compiles and saves once, at its end. One process for the
+    two tests below (each had a child of its own: 3.3-3.7 CPU s apiece)."""
     from bench.procs import TINY, run
     from conftest import stdlib_glob
 
-    code, out = run("--config", TINY, f"run.dir={tmp_path}", f"data.path={stdlib_glob('json')}", "train.steps=10",
-                    "train.log_every=1", "checkpoint.every=1000", devices=1)
-    assert code == 0, out
-    step_s = {r["step"]: r["step_s"] for r in read_metrics(tmp_path)}
+    run_dir = str(tmp_path_factory.mktemp("fresh") / "run")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("JAX_LOG_COMPILES", "1")  # the child inherits it
+        code, out = run("--config", TINY, f"run.dir={run_dir}", f"data.path={stdlib_glob('json')}", "train.steps=10",
+                        "train.log_every=1", "checkpoint.every=10", "optim.decay_steps=12")
+    assert code == 0, out[-2000:]
+    return run_dir, out
+
+
+def test_no_first_write_cost_is_timed_as_a_step(fresh_process_run):
+    """In a fresh process (nothing imported yet), the second step, whose interval holds the first
+    metrics write, is no slower than the steady steps: imports and writer set-up happen before the
+    loop. (An import of tensorboardX inside that interval took 1-2.7 s against 0.03-0.1 s steps.)"""
+    run_dir, _ = fresh_process_run
+    step_s = {r["step"]: r["step_s"] for r in read_metrics(run_dir)}
     steady = float(np.median([step_s[s] for s in range(3, 11)]))
     assert step_s[2] < 5 * steady, f"step 2 took {step_s[2]:.3f} s, the steady steps {steady:.3f} s: {step_s}"
 
 
-def test_extending_a_run_continues_its_schedule(tiny, tmp_path, capsys):
-    """A 4-step run extended to 6 keeps the horizon it started with (optim.decay_steps=4): its
-    rates and losses equal, bit for bit, a 6-step run planned with that horizon, not those of a
-    6-step run (whose cosine decays over 6). A resume that changes the schedule says so."""
-    common = ["mesh.data=1", "optim.warmup_steps=1", "checkpoint.every=4"]
+def test_extending_a_run_continues_its_schedule(tiny, tmp_path, capsys, one_device_run):
+    """A 4-step run (the one-device run above) extended to 6 keeps the horizon it started with
+    (optim.decay_steps=4): its rates and losses equal, bit for bit, a 6-step run planned with
+    that horizon, not those of a 6-step run (whose cosine decays over 6). A resume that changes
+    the schedule says so."""
+    assert STEPS == 4
+    common = ["mesh.data=1", WARMUP]
     one = jax.devices()[:1]
-    extended = tmp_path / "extended"
-    first = trainer.run(tiny("train.steps=4", *common, f"run.dir={extended}"), devices=one)
+    extended, first = one_device_run
+    capsys.readouterr()
     second = trainer.run(tiny("train.steps=6", *common, f"run.dir={extended}"), devices=one)
     out = capsys.readouterr().out
     planned = trainer.run(tiny("train.steps=6", "optim.decay_steps=4", *common, f"run.dir={tmp_path / 'planned'}"),
@@ -256,22 +290,17 @@ def test_extending_a_run_continues_its_schedule(tiny, tmp_path, capsys):
     assert "resumed from step 4\nthe learning-rate schedule keeps its horizon optim.decay_steps=4 (train.steps=6)" in out
     from configs import load_config
 
-    assert load_config(str(extended / "config.yaml")).optim.decay_steps == 4, "the resolved horizon is recorded"
+    assert load_config(os.path.join(extended, "config.yaml")).optim.decay_steps == 4, "the resolved horizon is recorded"
     trainer.run(tiny("train.steps=7", "optim.decay_steps=10", *common, f"run.dir={extended}"), devices=one)
     assert "the learning-rate schedule changes on this resume: optim.decay_steps 4 -> 10" in capsys.readouterr().out
 
 
-def test_a_one_process_save_slices_no_replica_on_device(tmp_path, monkeypatch):
+def test_a_one_process_save_slices_no_replica_on_device(fresh_process_run):
     """A one-process run on 8 devices saves each replicated array from one replica: no
     jit-compiled device slice per replica and array (orbax's replica-parallel default, which
     cost 2.5-4.3 s of a tiny run's first save), and the save resumes exactly as any other
     (test_resume_is_bitwise_exact and the fault tests)."""
-    from bench.procs import TINY, run
-    from conftest import stdlib_glob
-
-    monkeypatch.setenv("JAX_LOG_COMPILES", "1")  # a fresh process logs every program it compiles
-    code, out = run("--config", TINY, f"run.dir={tmp_path}", f"data.path={stdlib_glob('json')}", "train.steps=2",
-                    "checkpoint.every=2", "optim.decay_steps=12")
-    assert code == 0 and "Compiling jit(train_step)" in out, out[-2000:]
+    run_dir, out = fresh_process_run
+    assert "Compiling jit(train_step)" in out, out[-2000:]
     assert "Compiling jit(slice)" not in out, [line for line in out.splitlines() if "jit(slice)" in line][:3]
-    assert os.path.isdir(tmp_path / "checkpoints" / "2")
+    assert os.path.isdir(os.path.join(run_dir, "checkpoints", "10"))
