@@ -230,29 +230,17 @@ def test_the_logged_lr_is_the_one_the_update_applied(tiny):
     assert float(after_skip["lr"]) != float(lr_schedule(cfg.optim, cfg.train.steps)(2))
 
 
-@pytest.fixture(scope="module")
-def fresh_process_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    """(run dir, output) of a 10-step run on 8 devices in a fresh process (nothing imported
-    yet) that logs every program it compiles and saves once, at its end. One process for the
-    two tests below (each had a child of its own: 3.3-3.7 CPU s apiece)."""
+def test_no_first_write_cost_is_timed_as_a_step(tmp_path):
+    """In a fresh process (nothing imported yet), the second step, whose interval holds the first
+    metrics write, is no slower than the steady steps: imports and writer set-up happen before the
+    loop. (An import of tensorboardX inside that interval took 1-2.7 s against 0.03 s steps.)"""
     from bench.procs import TINY, run
     from conftest import stdlib_glob
 
-    run_dir = str(tmp_path_factory.mktemp("fresh") / "run")
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("JAX_LOG_COMPILES", "1")  # the child inherits it
-        code, out = run("--config", TINY, f"run.dir={run_dir}", f"data.path={stdlib_glob('json')}", "train.steps=10",
-                        "train.log_every=1", "checkpoint.every=10", "optim.decay_steps=12")
-    assert code == 0, out[-2000:]
-    return run_dir, out
-
-
-def test_no_first_write_cost_is_timed_as_a_step(fresh_process_run):
-    """In a fresh process (nothing imported yet), the second step, whose interval holds the first
-    metrics write, is no slower than the steady steps: imports and writer set-up happen before the
-    loop. (An import of tensorboardX inside that interval took 1-2.7 s against 0.03-0.1 s steps.)"""
-    run_dir, _ = fresh_process_run
-    step_s = {r["step"]: r["step_s"] for r in read_metrics(run_dir)}
+    code, out = run("--config", TINY, f"run.dir={tmp_path}", f"data.path={stdlib_glob('json')}", "train.steps=10",
+                    "train.log_every=1", "checkpoint.every=1000", devices=1)
+    assert code == 0, out
+    step_s = {r["step"]: r["step_s"] for r in read_metrics(tmp_path)}
     steady = float(np.median([step_s[s] for s in range(3, 11)]))
     assert step_s[2] < 5 * steady, f"step 2 took {step_s[2]:.3f} s, the steady steps {steady:.3f} s: {step_s}"
 
@@ -295,12 +283,17 @@ def test_extending_a_run_continues_its_schedule(tiny, tmp_path, capsys, one_devi
     assert "the learning-rate schedule changes on this resume: optim.decay_steps 4 -> 10" in capsys.readouterr().out
 
 
-def test_a_one_process_save_slices_no_replica_on_device(fresh_process_run):
+def test_a_one_process_save_slices_no_replica_on_device(tmp_path, monkeypatch):
     """A one-process run on 8 devices saves each replicated array from one replica: no
     jit-compiled device slice per replica and array (orbax's replica-parallel default, which
     cost 2.5-4.3 s of a tiny run's first save), and the save resumes exactly as any other
     (test_resume_is_bitwise_exact and the fault tests)."""
-    run_dir, out = fresh_process_run
-    assert "Compiling jit(train_step)" in out, out[-2000:]
+    from bench.procs import TINY, run
+    from conftest import stdlib_glob
+
+    monkeypatch.setenv("JAX_LOG_COMPILES", "1")  # a fresh process logs every program it compiles
+    code, out = run("--config", TINY, f"run.dir={tmp_path}", f"data.path={stdlib_glob('json')}", "train.steps=2",
+                    "checkpoint.every=2", "optim.decay_steps=12")
+    assert code == 0 and "Compiling jit(train_step)" in out, out[-2000:]
     assert "Compiling jit(slice)" not in out, [line for line in out.splitlines() if "jit(slice)" in line][:3]
-    assert os.path.isdir(os.path.join(run_dir, "checkpoints", "10"))
+    assert os.path.isdir(tmp_path / "checkpoints" / "2")
