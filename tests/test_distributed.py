@@ -65,7 +65,10 @@ def test_two_processes_train_like_one(tmp_path):
 @pytest.mark.parametrize("layout", [
     # pipeline is the outermost mesh axis and each process's devices are consecutive: one stage per process
     pytest.param(["mesh.pipeline=2", "mesh.data=2", "mesh.tensor=2"], id="pipeline-across-processes"),
-    pytest.param([*LAYOUT, "data.packing=document"], id="document-packing"),
+    # The settings of tests/test_data_run.py's document-packing runs: the reference here is their
+    # program, compiled once in the suite (the shared compilation cache).
+    pytest.param([*LAYOUT, "data.packing=document", "optim.schedule=constant", "optim.warmup_steps=0"],
+                 id="document-packing"),
 ])
 def test_two_processes_train_like_one_with(tmp_path, layout):
     procs = two_processes(tmp_path / "two", *layout, "train.steps=3")  # started first: see above
