@@ -137,17 +137,16 @@ def test_unknown_mode_is_refused(tiny):
         tiny("model.quant=fp4")
 
 
-def test_precision_bench_refuses_an_unknown_mode_before_any_run():
-    import subprocess
-    import sys
+def test_precision_bench_refuses_an_unknown_mode_before_any_run(capsys):
+    # Its main in this process, not `python -m bench.precision` (2-3 CPU s of a process's imports
+    # for one line of argument checking; tests/test_bench_step.py runs the module as a process).
+    from bench.precision import main
 
-    from conftest import ROOT
-
-    done = subprocess.run([sys.executable, "-m", "bench.precision", "--config", "tiny", "--quant", "fp8,fp4"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert done.stderr.strip().splitlines()[-1] == "error: model.quant: 'fp4' is not one of none, fp8, int8"
-    assert "step" not in done.stdout
+    code = main(["--config", "tiny", "--quant", "fp8,fp4"])
+    out, err = capsys.readouterr()
+    assert code == 2, err[-2000:]
+    assert err.strip().splitlines()[-1] == "error: model.quant: 'fp4' is not one of none, fp8, int8"
+    assert "step" not in out
 
 
 @pytest.mark.parametrize("hardware, quant, has", [("tpu-v5e", "fp8", "int8"), ("tpu-v6e", "fp8", "int8"),
