@@ -23,7 +23,7 @@ if __name__ == "__main__" and "jax" not in sys.modules:  # fake devices must be 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from trainer.xla_env import set_cpu_collective_env
 
-    set_cpu_collective_env(8)  # the ring's collective-permutes: room in XLA:CPU's pool (trainer/xla_env.py)
+    set_cpu_collective_env(8)  # the ring's collective-permutes: XLA:CPU's pool and loops (trainer/xla_env.py)
 
 
 def measure(seq: int, context: int, strategy: str, steps: int, max_gib: float) -> dict:

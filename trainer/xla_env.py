@@ -8,7 +8,8 @@ flag here is also accepted (and ignored) by the CPU backend, so tests run with t
 Also here: the CPU device count a mesh needs (a CPU-only machine gets as many CPU devices as
 the config's mesh names, so `mesh.data=2 mesh.fsdp=2 mesh.tensor=2` runs without the user knowing
 `--xla_force_host_platform_device_count`) with a thread pool that several CPU devices' collectives
-cannot exhaust, and the persistent compilation cache (`run.compile_cache`).
+cannot exhaust and collectives kept in their loops (XLA:CPU deadlocks on hoisted ones), and the
+persistent compilation cache (`run.compile_cache`).
 """
 
 from __future__ import annotations
