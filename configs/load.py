@@ -29,8 +29,10 @@ PRESET_DIR = os.path.dirname(os.path.abspath(__file__))
 RULE_TABLES = ("sharding.params", "sharding.activations")  # dict fields: one key each, entries below
 
 
+@functools.cache  # every key of every load_config resolves here: typing.get_type_hints is slow
 def _annotations(cls: type = Config, prefix: str = "") -> dict[str, Any]:
-    """Dotted key -> annotated type, for every settable key (a dict field is one key)."""
+    """Dotted key -> annotated type, for every settable key (a dict field is one key). Shared
+    between callers: read it, never change it."""
     out = {}
     for name, tp in typing.get_type_hints(cls).items():
         if dataclasses.is_dataclass(tp):
