@@ -25,6 +25,11 @@ FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitter
                 "--xla_cpu_parallel_codegen_split_count=1")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 {FAST_COMPILE}")
 os.environ["JAX_PLATFORMS"] = "cpu"
+# Each op's location in the lowered program names its innermost frame only, not the whole stack
+# (up to 100 frames, most of them pytest's under a test): lowering and the cache key's
+# strip-debuginfo walk less (test_context+test_moe+test_quant 67.0 -> 64.4 s, one process, idle).
+# Compiled code is the same; train.py keeps JAX's default of full tracebacks for profiles.
+os.environ["JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS"] = "false"
 # One persistent compilation cache for the session, shared by pytest-xdist's workers (they inherit
 # the variable from the pytest process, which loads this file before starting them) and every
 # train.py the tests start: most tests compile the same tiny programs, and a cache hit turns
@@ -119,18 +124,18 @@ def tiny(tmp_path):
     return make
 
 
-# CPU seconds per file (`--durations=0` of an idle `make test` run, 2026-11-24 20:27), heaviest
+# Worker seconds per file (`--durations=0` of an idle fake-CPU run, 2026-11-25 01:38), heaviest
 # first. `--dist loadfile` hands each xdist worker whole files in collection order, so with the
 # files in alphabetical order a worker could pick up a long file last while the other sat idle
 # (396 against 354 worker seconds in that run); handed out longest first, the last files are
 # short ones and the two workers end together. A file not listed goes after these, in its own
 # order; a stale weight only costs time.
 FILE_SECONDS = {
-    "test_pipeline": 101, "test_faults": 78, "test_distributed": 63, "test_train": 47, "test_moe": 44,
-    "test_optimizers": 36, "test_bench_step": 34, "test_data_run": 34, "test_plan": 31, "test_cli": 31,
-    "test_quant": 29, "test_generate": 26, "test_context": 25, "test_lock": 23, "test_hf_moe": 21,
-    "test_pipeline_train": 20, "test_observe": 15, "test_accumulation": 13, "test_hf": 11, "test_model": 11,
-    "test_golden": 9, "test_sweep": 8,
+    "test_pipeline": 83, "test_faults": 60, "test_distributed": 47, "test_moe": 33, "test_bench_step": 31,
+    "test_train": 29, "test_data_run": 26, "test_cli": 24, "test_quant": 24, "test_optimizers": 22, "test_plan": 21,
+    "test_context": 20, "test_hf_moe": 17, "test_pipeline_train": 17, "test_generate": 15, "test_accumulation": 15,
+    "test_observe": 12, "test_lock": 11, "test_hf": 10, "test_model": 8, "test_golden": 7, "test_loss": 7,
+    "test_prepare": 6, "test_sweep": 6, "test_sharding": 6,
 }
 
 
