@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import importlib
+import importlib.util
 import os
 import shutil
 import sys
@@ -86,11 +87,24 @@ REQUIRE_EXTRAS = "MESHLM_REQUIRE_EXTRAS"
 SCANNED = "model.scan_unroll=1"
 
 
-def require(module: str, extra: str) -> ModuleType:
+class _Deferred(ModuleType):
+    """A module imported at its first attribute read (the real one, whatever it puts in sys.modules)."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(importlib.import_module(self.__name__), name)
+
+
+def require(module: str, extra: str, lazy: bool = False) -> ModuleType:
     """Imports an optional package the tests need. Missing, it skips the caller (a user running a
-    subset by hand without `pip install 'meshlm[extra]'`) or, under REQUIRE_EXTRAS=1, fails it."""
+    subset by hand without `pip install 'meshlm[extra]'`) or, under REQUIRE_EXTRAS=1, fails it.
+    `lazy`: found but loaded at its first use (for a module-level call: every xdist worker
+    collects every file, and torch with transformers' Mixtral took 4.7 s of each one's collection)."""
     try:
-        return importlib.import_module(module)
+        if not lazy:
+            return importlib.import_module(module)
+        if importlib.util.find_spec(module) is None:
+            raise ImportError(f"No module named {module!r}")
+        return _Deferred(module)
     except ImportError as e:
         why = str(e)
     # Outside the except block, so the report is this one line, not the import's traceback too.

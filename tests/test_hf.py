@@ -21,8 +21,8 @@ import pytest
 from bench.procs import cpu_env
 from conftest import ROOT, require, stdlib_glob
 
-torch = require("torch", "hf")
-transformers = require("transformers", "hf")
+torch = require("torch", "hf", lazy=True)
+transformers = require("transformers", "hf", lazy=True)
 
 import trainer  # noqa: E402
 from configs import ConfigError, load_config  # noqa: E402

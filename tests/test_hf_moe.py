@@ -21,8 +21,8 @@ from flax import nnx
 
 from conftest import require, stdlib_glob
 
-torch = require("torch", "hf")
-transformers = require("transformers", "hf")
+torch = require("torch", "hf", lazy=True)
+transformers = require("transformers", "hf", lazy=True)
 # One torch thread: on these tiny models a second one only spins beside the other test worker.
 torch.set_num_threads(1)
 
@@ -41,7 +41,7 @@ def logits(cfg, params: dict) -> np.ndarray:  # noqa: ANN001 (a ModelConfig)
     """Our logits of TOKENS, jitted: op by op, the routed experts' many small ops cost more."""
     return np.asarray(jax.jit(lambda p, t: transformer_from_params(cfg, p)(t))(params, jax.numpy.asarray(TOKENS)))
 
-CLASSES = {"mixtral": transformers.MixtralForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM}
+CLASSES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}  # transformers classes, looked up at use
 
 
 def make_hf(path: str, arch: str, *, norm_topk: bool = False, tied: bool = False, seed: int = 0,
@@ -55,7 +55,7 @@ def make_hf(path: str, arch: str, *, norm_topk: bool = False, tied: bool = False
     else:
         config = transformers.Qwen3MoeConfig(intermediate_size=40, moe_intermediate_size=24, num_experts=4,
                                              norm_topk_prob=norm_topk, decoder_sparse_step=sparse_step, **common)
-    model = CLASSES[arch](config).eval()
+    model = getattr(transformers, CLASSES[arch])(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
@@ -76,7 +76,7 @@ def export_and_load(params: dict, cfg, out: str, arch: str) -> torch.nn.Module: 
     write_safetensors(hf.to_hf_tensors(params, cfg), os.path.join(out, "model.safetensors"))
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(hf_arch.hf_config(cfg, {"eos_token_id": 256}), f)
-    model, info = CLASSES[arch].from_pretrained(out, output_loading_info=True)
+    model, info = getattr(transformers, CLASSES[arch]).from_pretrained(out, output_loading_info=True)
     assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), info
     return model.eval()
 

@@ -17,8 +17,8 @@ from conftest import require, stdlib_glob
 from trainer import trackers
 from trainer.program import prepare
 
-require("wandb", "trackers")
-require("mlflow", "trackers")
+require("wandb", "trackers", lazy=True)
+require("mlflow", "trackers", lazy=True)
 
 
 def _wandb_records(path: str) -> list:
