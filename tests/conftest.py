@@ -88,9 +88,13 @@ SCANNED = "model.scan_unroll=1"
 
 
 class _Deferred(ModuleType):
-    """A module imported at its first attribute read (the real one, whatever it puts in sys.modules)."""
+    """A module imported at its first public attribute read (the real one, whatever it puts in
+    sys.modules). Until then a private name is missing: pytest probes every global of a test file
+    for fixture markers (`_pytestfixturefunction`), which must not load torch."""
 
     def __getattr__(self, name: str) -> object:
+        if name.startswith("_") and self.__name__ not in sys.modules:
+            raise AttributeError(name)
         return getattr(importlib.import_module(self.__name__), name)
 
 
@@ -112,6 +116,13 @@ def require(module: str, extra: str, lazy: bool = False) -> ModuleType:
         pytest.fail(f"{module} is missing but {REQUIRE_EXTRAS}=1 (make test installs meshlm[{extra}]): {why}",
                     pytrace=False)
     pytest.skip(f"needs {module} ({why}): pip install 'meshlm[{extra}]'", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> None:
+    """One torch thread for the oracle models: on these tiny ones a second only spins beside the
+    other test worker."""
+    require("torch", "hf").set_num_threads(1)
 
 
 def real_target_env() -> dict[str, str]:

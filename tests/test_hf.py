@@ -23,6 +23,7 @@ from conftest import ROOT, require, stdlib_glob
 
 torch = require("torch", "hf", lazy=True)
 transformers = require("transformers", "hf", lazy=True)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 import trainer  # noqa: E402
 from configs import ConfigError, load_config  # noqa: E402

@@ -23,8 +23,7 @@ from conftest import require, stdlib_glob
 
 torch = require("torch", "hf", lazy=True)
 transformers = require("transformers", "hf", lazy=True)
-# One torch thread: on these tiny models a second one only spins beside the other test worker.
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 import trainer  # noqa: E402
 import hf as hf_cli  # noqa: E402
