@@ -1,8 +1,9 @@
 """The optional packages' gate: under `make test` a missing extra fails the tests that need it;
 a user who runs a file by hand without the extra sees it skipped.
 
-The real tests/test_hf.py is collected in a child pytest whose `torch` is shadowed by a package
-that fails to import, once with MESHLM_REQUIRE_EXTRAS=1 and once without.
+The real tests/test_hf.py is collected in a child pytest that cannot find `torch` (a plugin puts
+a finder first on sys.meta_path that says it is not installed), once with MESHLM_REQUIRE_EXTRAS=1
+and once without.
 """
 
 from __future__ import annotations
@@ -16,14 +17,22 @@ from conftest import REQUIRE_EXTRAS, ROOT
 
 
 def _pytest_without_torch(tmp_path, require: bool) -> subprocess.CompletedProcess:  # noqa: ANN001 (a Path)
-    shadow = tmp_path / "shadow" / "torch"
-    shadow.mkdir(parents=True, exist_ok=True)
-    (shadow / "__init__.py").write_text('raise ImportError("torch shadowed by the test")\n')
+    plugins = tmp_path / "plugins"
+    plugins.mkdir(exist_ok=True)
+    # Not found, as when the extra is not installed (a finder that answers first and raises).
+    (plugins / "hide_torch.py").write_text(
+        "import sys\n\n\n"
+        "class HideTorch:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'torch':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r} (hidden by the test)')\n\n\n"
+        "sys.meta_path.insert(0, HideTorch())\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != REQUIRE_EXTRAS}
-    env["PYTHONPATH"] = str(shadow.parent)
+    env["PYTHONPATH"] = str(plugins)
     if require:
         env[REQUIRE_EXTRAS] = "1"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_hf.py"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "hide_torch", "tests/test_hf.py"]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
