@@ -15,14 +15,17 @@ import pytest
 
 import trainer
 from configs import ConfigError
+from conftest import SCANNED
 from model.quant import E4M3, E5M2, fp8_einsum, int8_einsum
+from test_train import WARMUP
 
 SPEC = "bld,dhk->blhk"  # a q/k/v projection: the weight keeps two output dims
 STEPS = 3
-# The learning-rate horizon of every run here (the schedule is a constant of the compiled step):
-# tests/test_train.py's 4-step runs', so the one-device and fsdp=8 full-precision runs below are
-# its programs, served by the shared compilation cache; 3 steps of it show the loss falling.
-HORIZON = "optim.decay_steps=4"
+# The learning-rate schedule of every run here (a constant of the compiled step) and its scanned
+# stack: tests/test_train.py's 4-step runs', so the one-device and fsdp=8 full-precision runs
+# below are its programs, served by the shared compilation cache; 3 steps of it show the loss
+# falling. (What the runs here test is the matmuls, not the layer loop: conftest.SCANNED.)
+HORIZON = ["optim.decay_steps=4", WARMUP, SCANNED]
 # Loss gaps allowed between a sharded layout and one device in each mode. float32 layouts agree
 # to 2e-5 (test_train.py); a reduction order that moves one value across a rounding boundary
 # moves it one step of the format: 2^-3 relative for e4m3, 2^-7 for int8 near its channel max.
@@ -85,7 +88,7 @@ def run_losses(run_dir, *overrides: str, devices: list | None = None) -> np.ndar
     from conftest import ROOT, stdlib_glob
 
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
-        f"run.dir={run_dir}", f"data.path={stdlib_glob('json')}", "train.log_every=1", HORIZON, *overrides])
+        f"run.dir={run_dir}", f"data.path={stdlib_glob('json')}", "train.log_every=1", *HORIZON, *overrides])
     return losses(trainer.run(cfg, devices))
 
 
