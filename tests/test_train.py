@@ -201,7 +201,8 @@ def test_a_skipped_step_holds_the_schedule_back(tiny):
     update, at the rate of update 1, and logs that rate, not schedule(state.step)."""
     from trainer.optimizer import lr_schedule
 
-    cfg = tiny("train.steps=3", "debug.nan_steps=2", "mesh.data=8", SCANNED)
+    # The data=8 layout run's program (its schedule: WARMUP, over STEPS): a compile served by the cache.
+    cfg = tiny("train.steps=3", "debug.nan_steps=2", *LAYOUTS["data=8"], WARMUP, SCANNED, f"optim.decay_steps={STEPS}")
     history = trainer.run(cfg)
     schedule = lr_schedule(cfg.optim, cfg.train.steps)
     assert [r["skipped_steps"] for r in history] == [0, 1, 1]
@@ -217,7 +218,7 @@ def test_the_logged_lr_is_the_one_the_update_applied(tiny):
     from trainer.program import abstract_program
     from trainer.state import init_state
 
-    cfg = tiny("mesh.data=8", SCANNED)
+    cfg = tiny(*LAYOUTS["data=8"], WARMUP, SCANNED, f"optim.decay_steps={STEPS}")  # the data=8 layout run's program
     program = abstract_program(cfg)
     step, _ = program.compile()
     tokens = np.asarray(jax.random.randint(jax.random.key(3), (16, cfg.model.seq_len + 1), 0, 257))
