@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -324,12 +325,17 @@ def test_the_aux_loss_falls_when_the_router_learns_on_a_skewed_batch():
 
 
 def test_checkpoints_move_between_expert_layouts(tmp_path, capsys):
-    common = [*MOE, "optim.schedule=constant", "optim.warmup_steps=0", "train.log_every=1", "checkpoint.every=2"]
-    second = LAYOUTS["expert=2 x fsdp=2 x tensor=2"]
-    straight = trainer.run(load_config(TINY, [*common, *second, "train.steps=4", f"run.dir={tmp_path / 'straight'}"]))
-    moved = tmp_path / "moved"
-    trainer.run(load_config(TINY, [*common, *LAYOUTS["expert=8"], "train.steps=2", f"run.dir={moved}"]))
-    resumed = trainer.run(load_config(TINY, [*common, *second, "train.steps=4", f"run.dir={moved}"]))
+    """A run on expert=8 saves at steps 2 and 4; its step-2 checkpoint, resumed on expert=2 x
+    fsdp=2 x tensor=2, gives the expert=8 run's steps 3 and 4 (step 3 reads the parameters, step 4
+    the optimizer state too)."""
+    common = [*MOE, "optim.schedule=constant", "optim.warmup_steps=0", "train.log_every=1", "checkpoint.every=2",
+              "train.steps=4"]
+    straight = trainer.run(load_config(TINY, [*common, *LAYOUTS["expert=8"], f"run.dir={tmp_path / 'straight'}"]))
+    # The same run stopped at step 2: its directory without the step-4 checkpoint.
+    moved = shutil.copytree(tmp_path / "straight", tmp_path / "moved")
+    shutil.rmtree(moved / "checkpoints" / "4")
+    capsys.readouterr()
+    resumed = trainer.run(load_config(TINY, [*common, *LAYOUTS["expert=2 x fsdp=2 x tensor=2"], f"run.dir={moved}"]))
     assert "resumed from step 2" in capsys.readouterr().out
     losses = [r["loss"] for r in straight]
     assert len(set(losses)) == 4 and straight[0]["moe_aux_loss"] > 1.0  # the steps really update

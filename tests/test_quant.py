@@ -6,6 +6,8 @@ tests/test_targets.py), and a layout that gathers nothing is refused."""
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,14 +15,17 @@ import pytest
 
 import trainer
 from configs import ConfigError
+from conftest import SCANNED
 from model.quant import E4M3, E5M2, fp8_einsum, int8_einsum
+from test_train import WARMUP
 
 SPEC = "bld,dhk->blhk"  # a q/k/v projection: the weight keeps two output dims
 STEPS = 3
-# The learning-rate horizon of every run here (the schedule is a constant of the compiled step):
-# tests/test_train.py's 4-step runs', so the one-device and fsdp=8 full-precision runs below are
-# its programs, served by the shared compilation cache; 3 steps of it show the loss falling.
-HORIZON = "optim.decay_steps=4"
+# The learning-rate schedule of every run here (a constant of the compiled step) and its scanned
+# stack: tests/test_train.py's 4-step runs', so the one-device and fsdp=8 full-precision runs
+# below are its programs, served by the shared compilation cache; 3 steps of it show the loss
+# falling. (What the runs here test is the matmuls, not the layer loop: conftest.SCANNED.)
+HORIZON = ["optim.decay_steps=4", WARMUP, SCANNED]
 # Loss gaps allowed between a sharded layout and one device in each mode. float32 layouts agree
 # to 2e-5 (test_train.py); a reduction order that moves one value across a rounding boundary
 # moves it one step of the format: 2^-3 relative for e4m3, 2^-7 for int8 near its channel max.
@@ -79,13 +84,11 @@ def losses(history: list[dict]) -> np.ndarray:
 
 def run_losses(run_dir, *overrides: str, devices: list | None = None) -> np.ndarray:
     """The losses of a tiny run in `run_dir` (the `tiny` fixture's settings, for module fixtures)."""
-    import os
-
     from configs import load_config
     from conftest import ROOT, stdlib_glob
 
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
-        f"run.dir={run_dir}", f"data.path={stdlib_glob('json')}", "train.log_every=1", HORIZON, *overrides])
+        f"run.dir={run_dir}", f"data.path={stdlib_glob('json')}", "train.log_every=1", *HORIZON, *overrides])
     return losses(trainer.run(cfg, devices))
 
 
@@ -102,9 +105,11 @@ SHARDED = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
-    """Per 8-bit mode: the tiny run's losses on data=2 x fsdp=2 x tensor=2 (fp8's is also the
-    straight run test_fp8_resume_is_bitwise_exact resumes against)."""
-    return {quant: run_losses(tmp_path_factory.mktemp(quant), f"train.steps={STEPS}", *SHARDED, f"model.quant={quant}")
+    """Per 8-bit mode: the tiny run's losses on data=2 x fsdp=2 x tensor=2, and its run dir (fp8's
+    keeps its step-2 checkpoint too: test_fp8_resume_is_bitwise_exact resumes from it)."""
+    dirs = {quant: tmp_path_factory.mktemp(quant) for quant in ("fp8", "int8")}
+    return {quant: (run_losses(dirs[quant], f"train.steps={STEPS}", *SHARDED, f"model.quant={quant}",
+                               *(["checkpoint.every=2"] if quant == "fp8" else [])), dirs[quant])
             for quant in ("fp8", "int8")}
 
 
@@ -118,18 +123,27 @@ def test_each_mode_learns_and_differs_from_full_precision(one_device, quant):
 
 @pytest.mark.parametrize("quant", ["fp8", "int8"])
 def test_sharded_layout_matches_one_device(sharded, one_device, quant):
-    np.testing.assert_allclose(sharded[quant], one_device[quant], rtol=LAYOUT_RTOL[quant])
+    np.testing.assert_allclose(sharded[quant][0], one_device[quant], rtol=LAYOUT_RTOL[quant])
 
 
-def test_fp8_resume_is_bitwise_exact(tiny, sharded, capsys):
-    """2 steps planned over the straight run's horizon (HORIZON: the same program, the same
-    rates), then resumed to STEPS: the straight run's losses, bit for bit."""
-    common = ["model.quant=fp8", "checkpoint.every=2", *SHARDED, HORIZON]
-    first = trainer.run(tiny("train.steps=2", *common))
-    assert "model.quant=fp8: the block matmuls run in 8 bits (emulated on this device)" in capsys.readouterr().out
-    second = trainer.run(tiny(f"train.steps={STEPS}", *common))
-    assert "resumed from step 2" in capsys.readouterr().out
-    np.testing.assert_array_equal(losses(first + second), sharded["fp8"])
+def test_fp8_resume_is_bitwise_exact(sharded, tmp_path, capsys):
+    """The sharded fp8 run's step-2 checkpoint (its run dir without the later one), resumed to
+    STEPS: that run's last loss, bit for bit."""
+    import shutil
+
+    straight, run_dir = sharded["fp8"]
+    moved = shutil.copytree(run_dir, tmp_path / "moved")
+    later = [d for d in os.listdir(moved / "checkpoints") if d.isdigit() and int(d) > 2]
+    assert later, "the straight run must have saved past step 2"
+    for d in later:
+        shutil.rmtree(moved / "checkpoints" / d)
+    capsys.readouterr()
+    second = run_losses(moved, f"train.steps={STEPS}", "checkpoint.every=2", *SHARDED, "model.quant=fp8")
+    out = capsys.readouterr().out
+    assert "model.quant=fp8: the block matmuls run in 8 bits (emulated on this device)" in out
+    assert "resumed from step 2" in out
+    assert len(second) == STEPS - 2
+    np.testing.assert_array_equal(second, straight[2:])
 
 
 def test_unknown_mode_is_refused(tiny):
