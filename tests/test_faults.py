@@ -84,11 +84,18 @@ def test_signal_saves_the_current_step_and_the_same_command_resumes(tmp_path, ca
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The reference: 12 steps without interruption."""
-    run_dir = tmp_path_factory.mktemp("straight")
-    train_here(run_dir, "train.steps=12", "checkpoint.every=4")
-    return final_losses(run_dir)
+def straight(tmp_path_factory):
+    """The reference run: 12 steps without interruption, its checkpoints at 4, 8 and 12 kept."""
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    train_here(run_dir, "train.steps=12", "checkpoint.every=4", "checkpoint.keep=3")
+    assert steps_on_disk(run_dir) == [4, 8, 12]
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(straight):
+    """The reference's losses."""
+    return final_losses(straight)
 
 
 def test_kill_9_mid_run_resumes_bit_for_bit(tmp_path, capfd, uninterrupted):
@@ -147,12 +154,19 @@ def test_kill_9_mid_save_ignores_the_half_written_checkpoint(tmp_path, capfd):
 
 
 @pytest.fixture(scope="module")
-def finished_8(tmp_path_factory):
-    """A run with checkpoints at steps 4 and 8, to be damaged in copies; on the learning-rate
-    schedule of the 12-step reference, which its resumes to 12 steps keep (optim.decay_steps)."""
+def finished_8(tmp_path_factory, straight):
+    """A run with checkpoints at steps 4 and 8, to be damaged in copies: the reference as it was
+    after step 8 (the same program and data to step 8 as an 8-step run on the 12-step horizon,
+    optim.decay_steps, so the same files; without running those 8 steps again): its checkpoint
+    12, metrics past step 8 and summary removed."""
     run_dir = tmp_path_factory.mktemp("damaged") / "run"
-    train_here(run_dir, "train.steps=8", "checkpoint.every=4", "optim.decay_steps=12")
-    assert steps_on_disk(run_dir) == [4, 8]
+    shutil.copytree(straight, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "12")
+    (run_dir / "summary.json").unlink()
+    metrics = run_dir / "metrics.jsonl"
+    metrics.write_text("".join(line for line in metrics.read_text().splitlines(keepends=True)
+                               if json.loads(line)["step"] <= 8))
+    assert steps_on_disk(run_dir) == [4, 8] and max(final_losses(run_dir)) == 8
     return run_dir
 
 
