@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -34,10 +35,11 @@ def args(run_dir, *extra: str) -> list[str]:
     return ["--config", TINY, f"run.dir={run_dir}", DATA, "train.log_every=1", "optim.decay_steps=12", *extra]
 
 
-def train_here(run_dir, *extra: str) -> None:
-    """The run of `args(run_dir, *extra)` in this process: for the references, whose claim is not
-    about a process (the same program as train.py's, so the same numbers, without its start-up)."""
-    trainer.run(load_config(TINY, args(run_dir, *extra)[2:]))
+def train_here(run_dir, *extra: str, devices: int = 8) -> None:
+    """The run of `args(run_dir, *extra)` in this process, on its first `devices` devices: for the
+    references and resumes, whose claim is not about a process (the same program as train.py's on
+    as many devices, so the same numbers, without its start-up)."""
+    trainer.run(load_config(TINY, args(run_dir, *extra)[2:]), jax.devices()[:devices])
 
 
 def main_here(capfd, *argv: str) -> tuple[int, str]:
@@ -82,11 +84,18 @@ def test_signal_saves_the_current_step_and_the_same_command_resumes(tmp_path, ca
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The reference: 12 steps without interruption."""
-    run_dir = tmp_path_factory.mktemp("straight")
-    train_here(run_dir, "train.steps=12", "checkpoint.every=4")
-    return final_losses(run_dir)
+def straight(tmp_path_factory):
+    """The reference run: 12 steps without interruption, its checkpoints at 4, 8 and 12 kept."""
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    train_here(run_dir, "train.steps=12", "checkpoint.every=4", "checkpoint.keep=3")
+    assert steps_on_disk(run_dir) == [4, 8, 12]
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(straight):
+    """The reference's losses."""
+    return final_losses(straight)
 
 
 def test_kill_9_mid_run_resumes_bit_for_bit(tmp_path, capfd, uninterrupted):
@@ -105,18 +114,22 @@ def test_kill_9_mid_run_resumes_bit_for_bit(tmp_path, capfd, uninterrupted):
 
 
 # Synthetic tokens: a 16k vocabulary is far from the byte tokenizer's, which the text source refuses.
-# The state is the vocabulary's; 64 tokens a step (not the preset's 512) keep its steps short.
+# The state is the vocabulary's; 64 tokens a step (not the preset's 512) keep its steps short. One
+# device: the state's size on disk is the same, but 8 data-parallel replicas made every step (each
+# replica's optimizer update, the gradients' all-reduce) and the trace 3-5x slower.
 BIG_STATE = ["data.source=synthetic", "model.d_model=128", "model.head_dim=8", "model.vocab_size=16384",
-             "train.global_batch=8", "model.seq_len=8", "checkpoint.every=1", "checkpoint.keep=2", "train.steps=6"]
+             "train.global_batch=8", "model.seq_len=8", "checkpoint.every=1", "checkpoint.keep=2", "train.steps=6",
+             "mesh.data=1"]
 
 
 def test_kill_9_mid_save_ignores_the_half_written_checkpoint(tmp_path, capfd):
     """A state of ~27 MB saved every step: kill -9 as soon as a save is seen in flight."""
     reference = tmp_path / "reference"
-    train_here(reference, *BIG_STATE, "checkpoint.every=1000")  # its losses are the claim, not its saves
+    # its losses are the claim, not its saves
+    train_here(reference, *BIG_STATE, "checkpoint.every=1000", devices=1)
     for attempt in range(3):
         run_dir = tmp_path / f"attempt{attempt}"
-        victim = Train(*args(run_dir, *BIG_STATE))
+        victim = Train(*args(run_dir, *BIG_STATE), devices=1)
         victim.wait_for(r"^step +2/6")
         deadline = time.monotonic() + 30
         # At least one complete checkpoint, and a later save half-written.
@@ -131,19 +144,29 @@ def test_kill_9_mid_save_ignores_the_half_written_checkpoint(tmp_path, capfd):
     else:
         pytest.fail("three attempts never caught a save in flight")
     complete = steps_on_disk(run_dir)
-    code, out = main_here(capfd, *args(run_dir, *BIG_STATE))
-    assert code == 0, out
-    assert f"resumed from step {max(complete)}" in out
+    # The resume reads run.dir, whoever runs the command: trainer.run, train.main's call, as on one
+    # device (train.main would refuse a 1-device mesh in this 8-device process); it raises on a failure.
+    capfd.readouterr()
+    train_here(run_dir, *BIG_STATE, devices=1)
+    out = "".join(capfd.readouterr())
+    assert f"resumed from step {max(complete)}" in out, out
     assert final_losses(run_dir) == final_losses(reference)
 
 
 @pytest.fixture(scope="module")
-def finished_8(tmp_path_factory):
-    """A run with checkpoints at steps 4 and 8, to be damaged in copies; on the learning-rate
-    schedule of the 12-step reference, which its resumes to 12 steps keep (optim.decay_steps)."""
+def finished_8(tmp_path_factory, straight):
+    """A run with checkpoints at steps 4 and 8, to be damaged in copies: the reference as it was
+    after step 8 (the same program and data to step 8 as an 8-step run on the 12-step horizon,
+    optim.decay_steps, so the same files; without running those 8 steps again): its checkpoint
+    12, metrics past step 8 and summary removed."""
     run_dir = tmp_path_factory.mktemp("damaged") / "run"
-    train_here(run_dir, "train.steps=8", "checkpoint.every=4", "optim.decay_steps=12")
-    assert steps_on_disk(run_dir) == [4, 8]
+    shutil.copytree(straight, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "12")
+    (run_dir / "summary.json").unlink()
+    metrics = run_dir / "metrics.jsonl"
+    metrics.write_text("".join(line for line in metrics.read_text().splitlines(keepends=True)
+                               if json.loads(line)["step"] <= 8))
+    assert steps_on_disk(run_dir) == [4, 8] and max(final_losses(run_dir)) == 8
     return run_dir
 
 
@@ -277,11 +300,11 @@ sys.exit(train.main(sys.argv[1:]))
 
 
 def test_a_hung_step_dumps_stacks_and_exits(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", HUNG_TRAIN, *args(tmp_path, "train.step_timeout_s=3")],
+    proc = subprocess.run([sys.executable, "-c", HUNG_TRAIN, *args(tmp_path, "train.step_timeout_s=1")],
                           cwd=ROOT, env=cpu_env(8), capture_output=True, text=True, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 4, out
-    assert "error: step 1 has run" in out and "more than train.step_timeout_s=3; stacks of every thread follow" in out
+    assert "error: step 1 has run" in out and "more than train.step_timeout_s=1; stacks of every thread follow" in out
     assert "Current thread" in out or "Thread 0x" in out, "every thread's stack is dumped"
     assert 'in hung_step' in out, "the dump shows where the step hangs"
 
@@ -294,8 +317,10 @@ def test_a_damaged_checkpoint_is_one_line_on_the_console(tmp_path):
     the console fails the test, so one kept in the log is enough to show the noisy path ran."""
     cmd = ["train.steps=2", "checkpoint.every=1", "train.global_batch=4", "model.seq_len=64", "eval.every=0",
            f"run.dir={tmp_path}", DATA]
-    code, out = run(*cmd, devices=1)
-    assert code == 0 and steps_on_disk(tmp_path) == [1, 2], out
+    # The run that writes the checkpoints claims nothing about its process or console: in this
+    # process (trainer.run, train.main's call) on one device, as the resume's process runs.
+    trainer.run(load_config(None, cmd), jax.devices()[:1])
+    assert steps_on_disk(tmp_path) == [1, 2]
     _truncate(_largest_file(tmp_path / "checkpoints" / "2" / "state"))
     code, out = run(*cmd[1:], "train.steps=3", devices=1)
     assert code == 0, out
