@@ -11,6 +11,7 @@ whole decode loop inside one `jit` (a `lax.scan` over new tokens), greedy or sam
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -110,23 +111,25 @@ def generate(
     model: Transformer, prompt: Array, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0, seed: int = 0
 ) -> Array:
     """prompt [batch, t] int -> the next `max_new_tokens` tokens [batch, max_new_tokens]."""
-    graphdef, state = nnx.split(model)
+    return _generate(model, jnp.asarray(prompt, jnp.int32), jax.random.key(seed), max_new_tokens, float(temperature),
+                     int(top_k))
+
+
+# One jitted function for every call (the sampling settings static): calls with the same model
+# structure, shapes and settings run one compiled program, whatever the parameters, prompt or
+# seed; a jit made inside `generate` traced and compiled again on every call.
+@functools.partial(nnx.jit, static_argnums=(3, 4, 5))
+def _generate(m: Transformer, prompt: Array, key: Array, max_new_tokens: int, temperature: float, top_k: int) -> Array:
     batch, length = prompt.shape
+    logits, cache = forward(m, prompt, init_cache(m, batch, length + max_new_tokens), 0)
+    keys = jax.random.split(key, max_new_tokens)
+    first = sample(logits[:, -1], keys[0], temperature, top_k)
 
-    @jax.jit
-    def run(state: nnx.State, prompt: Array, key: Array) -> Array:
-        m = nnx.merge(graphdef, state)
-        logits, cache = forward(m, prompt, init_cache(m, batch, length + max_new_tokens), 0)
-        keys = jax.random.split(key, max_new_tokens)
-        first = sample(logits[:, -1], keys[0], temperature, top_k)
+    def step(carry: tuple[Array, Cache, Array], key: Array) -> tuple[tuple[Array, Cache, Array], Array]:
+        token, cache, pos = carry
+        logits, cache = forward(m, token[:, None], cache, pos)
+        nxt = sample(logits[:, -1], key, temperature, top_k)
+        return (nxt, cache, pos + 1), nxt
 
-        def step(carry: tuple[Array, Cache, Array], key: Array) -> tuple[tuple[Array, Cache, Array], Array]:
-            token, cache, pos = carry
-            logits, cache = forward(m, token[:, None], cache, pos)
-            nxt = sample(logits[:, -1], key, temperature, top_k)
-            return (nxt, cache, pos + 1), nxt
-
-        _, rest = jax.lax.scan(step, (first, cache, jnp.int32(length)), keys[1:])
-        return jnp.concatenate([first[:, None], rest.T], axis=1)
-
-    return run(state, jnp.asarray(prompt, jnp.int32), jax.random.key(seed))
+    _, rest = jax.lax.scan(step, (first, cache, jnp.int32(length)), keys[1:])
+    return jnp.concatenate([first[:, None], rest.T], axis=1)

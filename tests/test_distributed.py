@@ -6,10 +6,12 @@ processes that disagree on the config refuse to start."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
 import time
+from typing import Callable
 
 import jax
 import numpy as np
@@ -23,6 +25,9 @@ from bench.procs import two_processes as start_two
 
 DATA = f"data.path={stdlib_glob('json')}"
 LAYOUT = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+# The learning-rate horizon of tests/test_faults.py's runs (the schedule is a constant of the
+# compiled step): the one-process runs here on their layouts run their programs.
+HORIZON = "optim.decay_steps=12"
 
 
 def cfg(run_dir, *overrides: str):
@@ -44,12 +49,17 @@ def moving(losses: list[float]) -> list[float]:
     return losses
 
 
-def test_two_processes_train_like_one(tmp_path):
-    # The learning-rate horizon of tests/test_faults.py's runs (the schedule is a constant of the
-    # compiled step): the one-process resume below, on their layout, runs their program.
-    # The processes start first: the reference runs here while they import, meet and compile.
-    procs = two_processes(tmp_path / "two", *LAYOUT, "optim.decay_steps=12", "train.steps=3")
-    reference = trainer.run(cfg(tmp_path / "one", *LAYOUT, "optim.decay_steps=12", "train.steps=3"))
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Callable[[], list[dict]]:
+    """The 1 x 8 reference run (LAYOUT, HORIZON, 3 steps), made at the first call and shared: a
+    test calls it after starting its processes, so it runs while they import, meet and compile."""
+    return functools.cache(lambda: trainer.run(cfg(tmp_path_factory.mktemp("one"), *LAYOUT, HORIZON, "train.steps=3")))
+
+
+def test_two_processes_train_like_one(tmp_path, one_process):
+    # The one-process resume below, on test_faults' layout and horizon, runs their program.
+    procs = two_processes(tmp_path / "two", *LAYOUT, HORIZON, "train.steps=3")
+    reference = one_process()
     codes = [p.finish(180) for p in procs]
     assert codes == [0, 0], procs[0].output + procs[1].output
     records = metrics(tmp_path / "two")
@@ -62,17 +72,19 @@ def test_two_processes_train_like_one(tmp_path):
     assert [r["step"] for r in resumed] == [4, 5]
 
 
-@pytest.mark.parametrize("layout", [
-    # pipeline is the outermost mesh axis and each process's devices are consecutive: one stage per process
-    pytest.param(["mesh.pipeline=2", "mesh.data=2", "mesh.tensor=2"], id="pipeline-across-processes"),
+@pytest.mark.parametrize("layout, own_reference", [
+    # pipeline is the outermost mesh axis and each process's devices are consecutive: one stage per
+    # process. Against the shared 1 x 8 run without a pipeline (the pipelined step computes the
+    # plain scan's losses: tests/test_pipeline.py), not a pipelined one-process run of its own.
+    pytest.param(["mesh.pipeline=2", "mesh.data=2", "mesh.tensor=2", HORIZON], False, id="pipeline-across-processes"),
     # The settings of tests/test_data_run.py's document-packing runs: the reference here is their
     # program, compiled once in the suite (the shared compilation cache).
-    pytest.param([*LAYOUT, "data.packing=document", "optim.schedule=constant", "optim.warmup_steps=0"],
+    pytest.param([*LAYOUT, "data.packing=document", "optim.schedule=constant", "optim.warmup_steps=0"], True,
                  id="document-packing"),
 ])
-def test_two_processes_train_like_one_with(tmp_path, layout):
-    procs = two_processes(tmp_path / "two", *layout, "train.steps=3")  # started first: see above
-    reference = trainer.run(cfg(tmp_path / "one", *layout, "train.steps=3"))
+def test_two_processes_train_like_one_with(tmp_path, one_process, layout, own_reference):
+    procs = two_processes(tmp_path / "two", *layout, "train.steps=3")  # started first: see one_process
+    reference = trainer.run(cfg(tmp_path / "one", *layout, "train.steps=3")) if own_reference else one_process()
     codes = [p.finish(180) for p in procs]
     assert codes == [0, 0], procs[0].output + procs[1].output
     assert "2 process(es)" in procs[0].output
@@ -99,7 +111,7 @@ def test_a_second_job_is_refused_and_a_killed_peer_stops_the_others_within_60_s(
     run.dir exits 2 in both processes, naming the holder; then a killed peer stops the first."""
     # The layout and learning-rate horizon of test_two_processes_train_like_one: its compiled
     # program, served by the shared cache, where a program of its own would be compiled here.
-    procs = two_processes(tmp_path, *LAYOUT, "optim.decay_steps=12", "train.steps=100000", "checkpoint.every=100000",
+    procs = two_processes(tmp_path, *LAYOUT, HORIZON, "train.steps=100000", "checkpoint.every=100000",
                           heartbeat=5)
     # The second job starts as soon as the lock is held (while the first compiles), not after
     # steps whose work is no part of the claim.

@@ -22,7 +22,7 @@ import trainer
 from configs.schema import ModelConfig, MoEConfig
 from data.tokenizer import ByteTokenizer
 from model import Transformer
-from model.decode import forward, generate, init_cache
+from model.decode import _generate, forward, generate, init_cache
 from generate import main
 
 # A large init scale spreads the logits, so argmax is far from ties that rounding could flip.
@@ -83,11 +83,13 @@ def test_greedy_with_the_cache_equals_argmax_of_full_recompute(model):
 
 
 def test_sampling_is_seeded_and_top_k_1_is_greedy(model):
+    programs = _generate.jitted_fn._cache_size()
     a = np.asarray(generate(model, PROMPT, 8, temperature=2.0, seed=1))
     b = np.asarray(generate(model, PROMPT, 8, temperature=2.0, seed=1))
     c = np.asarray(generate(model, PROMPT, 8, temperature=2.0, seed=2))
     np.testing.assert_array_equal(a, b)
     assert (a != c).any()
+    assert _generate.jitted_fn._cache_size() == programs + 1, "three calls that differ in the seed: one program"
     greedy = np.asarray(generate(model, PROMPT, 8))
     np.testing.assert_array_equal(np.asarray(generate(model, PROMPT, 8, temperature=1.0, top_k=1, seed=3)), greedy)
     assert (a != greedy).any()
