@@ -8,6 +8,7 @@ import functools
 import json
 import os
 import re
+from typing import Callable
 
 import jax
 import numpy as np
@@ -60,9 +61,11 @@ def config(*overrides: str):
     return load_config(TINY, [f"data.path={stdlib_glob('json')}", SCANNED, *overrides])
 
 
-def loss_and_grads(cfg, devices=None, documents: bool = False) -> tuple[float, dict, str]:
-    """Loss and gradients of one batch under cfg's layout, gathered to the host, and the compiled
-    program's HLO; with `documents`, rows of packed documents (segment ids and positions)."""
+def loss_and_grads(cfg, devices=None, documents: bool = False) -> tuple[float, dict, str, int]:
+    """Loss and gradients of one batch under cfg's layout, gathered to the host, the compiled
+    program's HLO, and how many times tracing it ran the loss function (or the pipeline schedule's
+    gradient function, which replaces autodiff of it); with `documents`, rows of packed documents
+    (segment ids and positions)."""
     program = abstract_program(cfg, devices)
     params = initial_params(program)
     if documents:
@@ -70,16 +73,25 @@ def loss_and_grads(cfg, devices=None, documents: bool = False) -> tuple[float, d
     else:
         rows = {"tokens": np.asarray(jax.random.randint(jax.random.key(7), (16, cfg.model.seq_len + 1), 0, 257))}
     batch = {k: jax.device_put(v, program.batch_sh) for k, v in rows.items()}
-    loss_fn = make_loss_fn(program.spec.model.graphdef, program.runner)
-    fn = jax.jit(lambda params, batch: accumulate(loss_fn, params, batch, cfg.train.grad_accum, program.grad_fn))
+    traces = []
+
+    def counted(f: Callable) -> Callable:
+        def traced(params: dict, batch: dict) -> tuple:
+            traces.append(f)
+            return f(params, batch)
+        return traced
+
+    loss_fn = counted(make_loss_fn(program.spec.model.graphdef, program.runner))
+    grad_fn = counted(program.grad_fn) if program.grad_fn else None
+    fn = jax.jit(lambda params, batch: accumulate(loss_fn, params, batch, cfg.train.grad_accum, grad_fn))
     with activation_rules(program.mesh, program.spec.layout.act_rules):
         compiled = fn.lower(params, batch).compile()
     loss, grads = compiled(params, batch)
-    return float(loss), jax.tree.map(np.asarray, grads), compiled.as_text()
+    return float(loss), jax.tree.map(np.asarray, grads), compiled.as_text(), len(traces)
 
 
 @functools.cache
-def pipelined(layout: str) -> tuple[float, dict, str]:
+def pipelined(layout: str) -> tuple[float, dict, str, int]:
     """loss_and_grads under PIPELINED[layout], computed once in the module: the tests that read
     what a layout's program does share its compile with the test of what it computes."""
     cfg = config(*PIPELINED[layout])
@@ -98,7 +110,7 @@ def reference():
 
 @pytest.mark.parametrize("layout", list(PIPELINED))
 def test_pipelined_loss_and_gradients_equal_the_plain_scan(reference, layout):
-    loss, grads, _ = pipelined(layout)
+    loss, grads, *_ = pipelined(layout)
     ref_loss, ref_grads = reference[layout.endswith("packed documents")]
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     flat_ref, flat = jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads)
@@ -107,6 +119,14 @@ def test_pipelined_loss_and_gradients_equal_the_plain_scan(reference, layout):
     # Gradients must reach every layer (a stage that silently skipped its layers would give zeros).
     per_layer = np.abs(grads["layers"]["mlp"]["down"]).sum(axis=(1, 2))
     assert (per_layer > 0).all()
+
+
+@pytest.mark.parametrize("layout", [layout for layout in PIPELINED if "grad accum" in layout])
+def test_an_accumulated_step_traces_the_loss_once(layout):
+    """Accumulating over micro-batches traces the loss (or the schedule's gradient function) once,
+    in the micro-batch scan (an eval_shape that learnt its aux's structure first traced it twice: a
+    third to a half of tracing and lowering these train steps). The compile is the layout's above."""
+    assert pipelined(layout)[3] == 1
 
 
 STEPS = 4
