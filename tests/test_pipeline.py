@@ -7,7 +7,9 @@ from __future__ import annotations
 import functools
 import json
 import os
+import pathlib
 import re
+import shutil
 from typing import Callable
 
 import jax
@@ -147,9 +149,17 @@ def test_the_compiled_step_really_permutes_between_stages():
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, list[dict]]:
-    """The records (loss, grad_norm, ...) of STEPS steps from the same start under each layout of CURVES."""
-    return {name: trainer.run(config(*layout, *TRAIN, f"run.dir={tmp_path_factory.mktemp('run')}"))
+def run_dirs(tmp_path_factory) -> dict[str, pathlib.Path]:
+    """The run directory of each layout's run in `runs`."""
+    return {name: tmp_path_factory.mktemp("run") for name in CURVES}
+
+
+@pytest.fixture(scope="module")
+def runs(run_dirs) -> dict[str, list[dict]]:
+    """The records (loss, grad_norm, ...) of STEPS steps from the same start under each layout of
+    CURVES; each run also checkpoints at step 2, where test_checkpoints_move_between_pipeline_layouts
+    resumes it under another layout."""
+    return {name: trainer.run(config(*layout, *TRAIN, "checkpoint.every=2", f"run.dir={run_dirs[name]}"))
             for name, layout in CURVES.items()}
 
 
@@ -191,9 +201,11 @@ def test_zero_bubble_with_a_stage_per_process_trains_like_one_process(tmp_path, 
 
 @pytest.mark.parametrize("first, second", [("pipeline=4 x data=2", "data=8"), ("data=8", "circular")],
                          ids=["pipeline=4 -> none", "none -> pipeline=2 x 2 repeats"])
-def test_checkpoints_move_between_pipeline_layouts(tmp_path, capsys, curves, first, second):
-    """2 steps under `first`, resumed under `second`: the last 2 losses of `second`'s straight run."""
-    trainer.run(config(*CURVES[first], *TRAIN, "checkpoint.every=2", "train.steps=2", f"run.dir={tmp_path}"))
+def test_checkpoints_move_between_pipeline_layouts(tmp_path, capsys, run_dirs, curves, first, second):
+    """2 steps under `first` (its straight run's checkpoint at step 2, alone in a copy of its run
+    directory), resumed under `second`: the last 2 losses of `second`'s straight run."""
+    shutil.copytree(run_dirs[first], tmp_path, dirs_exist_ok=True)
+    shutil.rmtree(tmp_path / "checkpoints" / str(STEPS))
     resumed = trainer.run(config(*CURVES[second], *TRAIN, f"run.dir={tmp_path}"))
     assert "resumed from step 2" in capsys.readouterr().out
     assert [r["step"] for r in resumed] == [3, 4]
