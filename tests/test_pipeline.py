@@ -7,7 +7,10 @@ from __future__ import annotations
 import functools
 import json
 import os
+import pathlib
 import re
+import shutil
+from typing import Callable
 
 import jax
 import numpy as np
@@ -60,9 +63,11 @@ def config(*overrides: str):
     return load_config(TINY, [f"data.path={stdlib_glob('json')}", SCANNED, *overrides])
 
 
-def loss_and_grads(cfg, devices=None, documents: bool = False) -> tuple[float, dict, str]:
-    """Loss and gradients of one batch under cfg's layout, gathered to the host, and the compiled
-    program's HLO; with `documents`, rows of packed documents (segment ids and positions)."""
+def loss_and_grads(cfg, devices=None, documents: bool = False) -> tuple[float, dict, str, int]:
+    """Loss and gradients of one batch under cfg's layout, gathered to the host, the compiled
+    program's HLO, and how many times tracing it ran the loss function (or the pipeline schedule's
+    gradient function, which replaces autodiff of it); with `documents`, rows of packed documents
+    (segment ids and positions)."""
     program = abstract_program(cfg, devices)
     params = initial_params(program)
     if documents:
@@ -70,16 +75,25 @@ def loss_and_grads(cfg, devices=None, documents: bool = False) -> tuple[float, d
     else:
         rows = {"tokens": np.asarray(jax.random.randint(jax.random.key(7), (16, cfg.model.seq_len + 1), 0, 257))}
     batch = {k: jax.device_put(v, program.batch_sh) for k, v in rows.items()}
-    loss_fn = make_loss_fn(program.spec.model.graphdef, program.runner)
-    fn = jax.jit(lambda params, batch: accumulate(loss_fn, params, batch, cfg.train.grad_accum, program.grad_fn))
+    traces = []
+
+    def counted(f: Callable) -> Callable:
+        def traced(params: dict, batch: dict) -> tuple:
+            traces.append(f)
+            return f(params, batch)
+        return traced
+
+    loss_fn = counted(make_loss_fn(program.spec.model.graphdef, program.runner))
+    grad_fn = counted(program.grad_fn) if program.grad_fn else None
+    fn = jax.jit(lambda params, batch: accumulate(loss_fn, params, batch, cfg.train.grad_accum, grad_fn))
     with activation_rules(program.mesh, program.spec.layout.act_rules):
         compiled = fn.lower(params, batch).compile()
     loss, grads = compiled(params, batch)
-    return float(loss), jax.tree.map(np.asarray, grads), compiled.as_text()
+    return float(loss), jax.tree.map(np.asarray, grads), compiled.as_text(), len(traces)
 
 
 @functools.cache
-def pipelined(layout: str) -> tuple[float, dict, str]:
+def pipelined(layout: str) -> tuple[float, dict, str, int]:
     """loss_and_grads under PIPELINED[layout], computed once in the module: the tests that read
     what a layout's program does share its compile with the test of what it computes."""
     cfg = config(*PIPELINED[layout])
@@ -98,7 +112,7 @@ def reference():
 
 @pytest.mark.parametrize("layout", list(PIPELINED))
 def test_pipelined_loss_and_gradients_equal_the_plain_scan(reference, layout):
-    loss, grads, _ = pipelined(layout)
+    loss, grads, *_ = pipelined(layout)
     ref_loss, ref_grads = reference[layout.endswith("packed documents")]
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     flat_ref, flat = jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads)
@@ -107,6 +121,14 @@ def test_pipelined_loss_and_gradients_equal_the_plain_scan(reference, layout):
     # Gradients must reach every layer (a stage that silently skipped its layers would give zeros).
     per_layer = np.abs(grads["layers"]["mlp"]["down"]).sum(axis=(1, 2))
     assert (per_layer > 0).all()
+
+
+@pytest.mark.parametrize("layout", [layout for layout in PIPELINED if "grad accum" in layout])
+def test_an_accumulated_step_traces_the_loss_once(layout):
+    """Accumulating over micro-batches traces the loss (or the schedule's gradient function) once,
+    in the micro-batch scan (an eval_shape that learnt its aux's structure first traced it twice: a
+    third to a half of tracing and lowering these train steps). The compile is the layout's above."""
+    assert pipelined(layout)[3] == 1
 
 
 STEPS = 4
@@ -127,9 +149,17 @@ def test_the_compiled_step_really_permutes_between_stages():
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, list[dict]]:
-    """The records (loss, grad_norm, ...) of STEPS steps from the same start under each layout of CURVES."""
-    return {name: trainer.run(config(*layout, *TRAIN, f"run.dir={tmp_path_factory.mktemp('run')}"))
+def run_dirs(tmp_path_factory) -> dict[str, pathlib.Path]:
+    """The run directory of each layout's run in `runs`."""
+    return {name: tmp_path_factory.mktemp("run") for name in CURVES}
+
+
+@pytest.fixture(scope="module")
+def runs(run_dirs) -> dict[str, list[dict]]:
+    """The records (loss, grad_norm, ...) of STEPS steps from the same start under each layout of
+    CURVES; each run also checkpoints at step 2, where test_checkpoints_move_between_pipeline_layouts
+    resumes it under another layout."""
+    return {name: trainer.run(config(*layout, *TRAIN, "checkpoint.every=2", f"run.dir={run_dirs[name]}"))
             for name, layout in CURVES.items()}
 
 
@@ -171,9 +201,11 @@ def test_zero_bubble_with_a_stage_per_process_trains_like_one_process(tmp_path, 
 
 @pytest.mark.parametrize("first, second", [("pipeline=4 x data=2", "data=8"), ("data=8", "circular")],
                          ids=["pipeline=4 -> none", "none -> pipeline=2 x 2 repeats"])
-def test_checkpoints_move_between_pipeline_layouts(tmp_path, capsys, curves, first, second):
-    """2 steps under `first`, resumed under `second`: the last 2 losses of `second`'s straight run."""
-    trainer.run(config(*CURVES[first], *TRAIN, "checkpoint.every=2", "train.steps=2", f"run.dir={tmp_path}"))
+def test_checkpoints_move_between_pipeline_layouts(tmp_path, capsys, run_dirs, curves, first, second):
+    """2 steps under `first` (its straight run's checkpoint at step 2, alone in a copy of its run
+    directory), resumed under `second`: the last 2 losses of `second`'s straight run."""
+    shutil.copytree(run_dirs[first], tmp_path, dirs_exist_ok=True)
+    shutil.rmtree(tmp_path / "checkpoints" / str(STEPS))
     resumed = trainer.run(config(*CURVES[second], *TRAIN, f"run.dir={tmp_path}"))
     assert "resumed from step 2" in capsys.readouterr().out
     assert [r["step"] for r in resumed] == [3, 4]

@@ -160,15 +160,20 @@ def accumulate_stats(
         (total, aux), grads = grad_fn(params, batch)
     else:
 
-        def body(carry: tuple[Array, Any, dict], mb: dict[str, Array]) -> tuple[tuple[Array, Any, dict], None]:
+        def body(carry: tuple[Array, dict], mb: dict[str, Array]) -> tuple[tuple[Array, dict], Any]:
             (total, aux), grads = grad_fn(params, mb)
-            return (carry[0] + total, jax.tree.map(jnp.add, carry[1], aux), jax.tree.map(jnp.add, carry[2], grads)), None
+            return (carry[0] + total, jax.tree.map(jnp.add, carry[1], grads)), aux
 
+        # Each micro-batch's aux leaves the scan stacked rather than summed in its carry: a carry
+        # needs the aux's structure before the scan traces grad_fn, and learning it by eval_shape
+        # traced the whole loss and gradient (or pipeline schedule) once more: a quarter to a half of
+        # tracing and lowering the train step. The sum below adds them in the carry's order, from
+        # zero: the same values bitwise.
         micro = jax.tree.map(lambda x: to_microbatches(x, steps), batch)
-        aux_shape = jax.eval_shape(grad_fn, params, jax.tree.map(lambda m: m[0], micro))[0][1]
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        init = (jnp.zeros((), jnp.float32), jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shape), zeros)
-        (total, aux, grads), _ = jax.lax.scan(body, init, micro)
+        (total, grads), auxes = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), micro)
+        add = lambda carry, a: (jax.tree.map(jnp.add, carry, a), None)  # noqa: E731
+        aux, _ = jax.lax.scan(add, jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), auxes), auxes)
     count = jnp.maximum(jax.tree.leaves(aux)[0], 1.0)  # a batch of padding only: loss and gradients 0, not NaN
     return total / count, jax.tree.map(lambda g: g / count, grads), aux
 
