@@ -6,6 +6,7 @@ import atexit
 import importlib
 import importlib.util
 import os
+import pathlib
 import shutil
 import sys
 import tempfile
@@ -123,6 +124,18 @@ def one_torch_thread() -> None:
     """One torch thread for the oracle models: on these tiny ones a second only spins beside the
     other test worker."""
     require("torch", "hf").set_num_threads(1)
+
+
+def stopped_at(run_dir: str | os.PathLike, dest: str | os.PathLike, step: int) -> pathlib.Path:
+    """A copy of `run_dir` at `dest` without its checkpoints after `step`: the run as a run stopped
+    at `step` left it, for a resume test, without training that shorter run again."""
+    shutil.copytree(run_dir, dest, dirs_exist_ok=True)
+    checkpoints = pathlib.Path(dest) / "checkpoints"
+    later = [d for d in checkpoints.iterdir() if d.name.isdigit() and int(d.name) > step]
+    assert later, f"{run_dir} saved no checkpoint after step {step}"
+    for d in later:
+        shutil.rmtree(d)
+    return pathlib.Path(dest)
 
 
 def real_target_env() -> dict[str, str]:

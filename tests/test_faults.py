@@ -22,7 +22,7 @@ import pytest
 import train
 import trainer
 from configs import load_config
-from conftest import ROOT, stdlib_glob
+from conftest import ROOT, stdlib_glob, stopped_at
 from bench.procs import TINY, Train, cpu_env, run
 
 DATA = f"data.path={stdlib_glob('json')}"
@@ -159,9 +159,7 @@ def finished_8(tmp_path_factory, straight):
     after step 8 (the same program and data to step 8 as an 8-step run on the 12-step horizon,
     optim.decay_steps, so the same files; without running those 8 steps again): its checkpoint
     12, metrics past step 8 and summary removed."""
-    run_dir = tmp_path_factory.mktemp("damaged") / "run"
-    shutil.copytree(straight, run_dir)
-    shutil.rmtree(run_dir / "checkpoints" / "12")
+    run_dir = stopped_at(straight, tmp_path_factory.mktemp("damaged") / "run", 8)
     (run_dir / "summary.json").unlink()
     metrics = run_dir / "metrics.jsonl"
     metrics.write_text("".join(line for line in metrics.read_text().splitlines(keepends=True)

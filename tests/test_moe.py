@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import hf as hf_cli
 import trainer
 from configs import load_config
-from conftest import ROOT, SCANNED
+from conftest import ROOT, SCANNED, stopped_at
 from test_context import initial_params
 from configs import ConfigError
 from model.moe import MoE, expert_rows, local_dispatch, megablox_matmul, router_stats
@@ -332,8 +331,7 @@ def test_checkpoints_move_between_expert_layouts(tmp_path, capsys):
               "train.steps=4"]
     straight = trainer.run(load_config(TINY, [*common, *LAYOUTS["expert=8"], f"run.dir={tmp_path / 'straight'}"]))
     # The same run stopped at step 2: its directory without the step-4 checkpoint.
-    moved = shutil.copytree(tmp_path / "straight", tmp_path / "moved")
-    shutil.rmtree(moved / "checkpoints" / "4")
+    moved = stopped_at(tmp_path / "straight", tmp_path / "moved", 2)
     capsys.readouterr()
     resumed = trainer.run(load_config(TINY, [*common, *LAYOUTS["expert=2 x fsdp=2 x tensor=2"], f"run.dir={moved}"]))
     assert "resumed from step 2" in capsys.readouterr().out

@@ -9,7 +9,6 @@ import json
 import os
 import pathlib
 import re
-import shutil
 from typing import Callable
 
 import jax
@@ -19,7 +18,7 @@ import pytest
 import trainer
 from bench.procs import two_processes
 from configs import ConfigError, load_config
-from conftest import ROOT, SCANNED, stdlib_glob
+from conftest import ROOT, SCANNED, stdlib_glob, stopped_at
 from test_context import initial_params, packed_batch
 from sharding import activation_rules
 from trainer import abstract_program, collective_counts
@@ -204,8 +203,7 @@ def test_zero_bubble_with_a_stage_per_process_trains_like_one_process(tmp_path, 
 def test_checkpoints_move_between_pipeline_layouts(tmp_path, capsys, run_dirs, curves, first, second):
     """2 steps under `first` (its straight run's checkpoint at step 2, alone in a copy of its run
     directory), resumed under `second`: the last 2 losses of `second`'s straight run."""
-    shutil.copytree(run_dirs[first], tmp_path, dirs_exist_ok=True)
-    shutil.rmtree(tmp_path / "checkpoints" / str(STEPS))
+    stopped_at(run_dirs[first], tmp_path, 2)
     resumed = trainer.run(config(*CURVES[second], *TRAIN, f"run.dir={tmp_path}"))
     assert "resumed from step 2" in capsys.readouterr().out
     assert [r["step"] for r in resumed] == [3, 4]

@@ -6,7 +6,6 @@ shared by the module."""
 from __future__ import annotations
 
 import os
-import shutil
 import string
 
 import jax
@@ -15,7 +14,7 @@ import pytest
 
 import trainer
 from configs import load_config
-from conftest import ROOT
+from conftest import ROOT, stopped_at
 from trainer import abstract_program
 
 STEPS, HALF = 4, 2
@@ -53,8 +52,7 @@ def runs(tmp_path_factory) -> dict:
         out[schedule] = losses(trainer.run(cfg(schedule, STEPS, schedule), devices))
     # The straight 1F1B run's checkpoint at HALF (checkpoint.every), alone in a copy of its run
     # directory, resumed to STEPS: a run of its own to HALF would repeat those steps to write it.
-    shutil.copytree(root / "1f1b", root / "resumed")
-    shutil.rmtree(root / "resumed" / "checkpoints" / str(STEPS))
+    stopped_at(root / "1f1b", root / "resumed", HALF)
     out["second half"] = trainer.run(cfg("1f1b", STEPS, "resumed"), devices)
     return out
 

@@ -15,7 +15,7 @@ import pytest
 
 import trainer
 from configs import ConfigError
-from conftest import SCANNED
+from conftest import SCANNED, stopped_at
 from model.quant import E4M3, E5M2, fp8_einsum, int8_einsum
 from test_train import WARMUP
 
@@ -130,14 +130,8 @@ def test_fp8_resume_is_bitwise_exact(sharded, tmp_path, capsys):
     """The sharded fp8 run's step-1 checkpoint (its run dir without the later ones), resumed to
     STEPS: that run's last losses, bit for bit. Two steps after the resume, so the second loss
     also depends on the restored optimizer state (the first one's update used it)."""
-    import shutil
-
     straight, run_dir = sharded["fp8"]
-    moved = shutil.copytree(run_dir, tmp_path / "moved")
-    later = [d for d in os.listdir(moved / "checkpoints") if d.isdigit() and int(d) > 1]
-    assert later, "the straight run must have saved past step 1"
-    for d in later:
-        shutil.rmtree(moved / "checkpoints" / d)
+    moved = stopped_at(run_dir, tmp_path / "moved", 1)
     capsys.readouterr()
     second = run_losses(moved, f"train.steps={STEPS}", "checkpoint.every=1", *SHARDED, "model.quant=fp8")
     out = capsys.readouterr().out
