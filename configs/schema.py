@@ -26,6 +26,7 @@ ATTENTION_IMPLS = ("xla", "dot_product", "cudnn", "splash")
 QUANT_MODES = ("none", "fp8", "int8")  # model.quant: the block matmuls' operand precision (model/quant.py)
 GRAD_REDUCE_DTYPES = ("compute", "float32", "bfloat16")  # model.grad_reduce
 GATHER_DTYPES = ("compute", "fp8")  # model.gather_dtype
+LOGITS_DTYPES = ("compute", "float32")  # model.logits_dtype
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SOURCES = ("text", "prepared", "synthetic")
 PACKINGS = ("concat", "document")
@@ -187,7 +188,11 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype; parameters are always float32
     remat: str = "none"
     attention: str = "xla"
-    loss_chunk: int = 0  # > 0: output head + loss this many positions at a time (no full f32 logits)
+    loss_chunk: int = 0  # > 0: output head + loss this many positions at a time (no full logits)
+    # The dtype the output head's matmul writes the logits in: "compute" (model.dtype, as MaxText,
+    # torchtitan and Megatron do; the loss upcasts inside its own fused reductions, so no float32
+    # [batch, length, vocab] array exists) or "float32". Same for a float32 model.
+    logits_dtype: str = "compute"
     # > 0: with data.packing=document a row holds at most this many documents (pieces), and
     # cudnn attention takes them as cuDNN's packed layout; 0: no bound (cudnn builds a dense mask).
     max_documents: int = 0

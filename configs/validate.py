@@ -12,6 +12,7 @@ from configs.schema import (
     DTYPES,
     GATHER_DTYPES,
     GRAD_REDUCE_DTYPES,
+    LOGITS_DTYPES,
     GROUPED_MATMULS,
     LOGICAL_AXES,
     MESH_AXES,
@@ -166,6 +167,7 @@ def validate_static(cfg: Config) -> None:
     _one_of(m.quant, "model.quant", QUANT_MODES)
     _one_of(m.grad_reduce, "model.grad_reduce", GRAD_REDUCE_DTYPES)
     _one_of(m.gather_dtype, "model.gather_dtype", GATHER_DTYPES)
+    _one_of(m.logits_dtype, "model.logits_dtype", LOGITS_DTYPES)
     _one_of(cfg.context.strategy, "context.strategy", CONTEXT_STRATEGIES)
     _check_data(cfg)
     _check_moe(cfg)

@@ -84,24 +84,24 @@ class BlockGroup(nnx.Module):
         return self.moe(x, positions, segment_ids)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def head_logits(x: Array, w: Array, w_dims: str, tied_grads: bool = True) -> Array:
-    """Output-head logits in float32 from x [batch, length, embed] and the head weight in the
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def head_logits(x: Array, w: Array, w_dims: str, tied_grads: bool = True, out_dtype: str = "float32") -> Array:
+    """Output-head logits in `out_dtype` from x [batch, length, embed] and the head weight in the
     compute dtype (`w_dims` "dv", or "vd" for the tied embedding table). `tied_grads`: the
     backward pass computes the weight gradient together with the input gradient."""
-    return jnp.einsum(f"bld,{w_dims}->blv", x, w, preferred_element_type=jnp.float32)
+    return jnp.einsum(f"bld,{w_dims}->blv", x, w, preferred_element_type=jnp.dtype(out_dtype))
 
 
-def _head_fwd(x: Array, w: Array, w_dims: str, tied_grads: bool) -> tuple[Array, tuple[Array, Array]]:
-    return head_logits(x, w, w_dims, tied_grads), (x, w)
+def _head_fwd(x: Array, w: Array, w_dims: str, tied_grads: bool, out_dtype: str) -> tuple[Array, tuple[Array, Array]]:
+    return head_logits(x, w, w_dims, tied_grads, out_dtype), (x, w)
 
 
-def _head_bwd(w_dims: str, tied_grads: bool, res: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
-    # The float32 logit gradient is rounded to the compute dtype before both matmuls, as every
-    # other layer's is: the weight gradient then comes out of its matmul in the compute dtype,
-    # so its reduction over the batch shards moves that dtype (autodiff's own transpose emits
-    # it in float32 and the partitioner reduces it there: twice the bytes for the largest
-    # matrix of the model), and the matmuls run at the compute dtype's rate.
+def _head_bwd(w_dims: str, tied_grads: bool, out_dtype: str, res: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
+    # The logit gradient is in the compute dtype before both matmuls (float32 logits' is rounded
+    # to it), as every other layer's is: the weight gradient then comes out of its matmul in the
+    # compute dtype, so its reduction over the batch shards moves that dtype (autodiff's own
+    # transpose of float32 logits emits it in float32 and the partitioner reduces it there: twice
+    # the bytes for the largest matrix of the model), and the matmuls run at the compute dtype's rate.
     x, w = res
     g = g.astype(x.dtype)
     dx = jnp.einsum(f"blv,{w_dims}->bld", g, w)
@@ -175,14 +175,16 @@ class Transformer(nnx.Module):
         return constrain(x, ("batch", "length", "embed"))
 
     def logits(self, x: Array, tied_grads: bool = True) -> Array:
-        """Hidden states [batch, length, embed] -> logits [batch, length, vocab] in float32.
+        """Hidden states [batch, length, embed] -> logits [batch, length, vocab] in
+        `model.logits_dtype` (the compute dtype, or float32).
         `tied_grads=False` lets the compiler order the head's two gradients freely: the chunked
         loss, where tying them cost memory on TPU (BENCHMARKS.md, issue 20)."""
         dt = x.dtype
+        out_dtype = jnp.dtype(dt if self.cfg.logits_dtype == "compute" else jnp.float32).name
         if self.cfg.tie_embeddings:
-            out = head_logits(x, self.embedding[...].astype(dt), "vd", tied_grads)
+            out = head_logits(x, self.embedding[...].astype(dt), "vd", tied_grads, out_dtype)
         else:
-            out = head_logits(x, self.lm_head[...].astype(dt), "dv", tied_grads)
+            out = head_logits(x, self.lm_head[...].astype(dt), "dv", tied_grads, out_dtype)
         return constrain(out, ("batch", "length", "vocab"))
 
     def __call__(

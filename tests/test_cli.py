@@ -122,6 +122,7 @@ BAD = {
     "fp8 gathers with nothing gathered": (["mesh.data=8", "model.gather_dtype=fp8"],
                                           "model.gather_dtype=fp8: this layout gathers no parameter"),
     "gather dtype name": (["model.gather_dtype=fp4"], "model.gather_dtype: 'fp4' is not one of compute, fp8"),
+    "logits dtype name": (["model.logits_dtype=bf16"], "model.logits_dtype: 'bf16' is not one of compute, float32"),
 }
 
 

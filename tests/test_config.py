@@ -131,6 +131,7 @@ EXPLICIT: dict[str, tuple[Any, list[str]]] = {
     "model.quant": ("fp8", []),
     "model.grad_reduce": ("bfloat16", []),
     "model.gather_dtype": ("fp8", []),
+    "model.logits_dtype": ("float32", []),
     "context.strategy": ("ring", []),
     "pipeline.schedule": ("interleaved_1f1b", ["pipeline.repeats=2"]),
     "data.source": ("synthetic", []),

@@ -76,3 +76,38 @@ def test_the_head_weight_gradient_is_computed_with_its_input_gradient(tiny, tied
     head = (m.vocab_size, m.d_model) if tied else (m.d_model, m.vocab_size)
     length = chunk or m.seq_len
     assert ([(2, length, m.d_model), head] in _barrier_shapes(jaxpr)) == (chunk == 0)
+
+
+def test_the_head_writes_logits_in_model_logits_dtype_and_the_loss_reads_either(tiny):
+    """A bf16 model's head writes bf16 logits by default (`model.logits_dtype=compute`: no float32
+    [batch, length, vocab] array for the loss to hold) and float32 ones when asked; the loss
+    upcasts either and takes the targets' logits by a gather or a masked sum with the same values
+    and, to float32 rounding, the same gradients."""
+    from flax import nnx
+
+    from trainer.step import cross_entropy_sum
+
+    rng = np.random.default_rng(0)
+    tokens = jax.numpy.asarray(rng.integers(0, 257, (2, 32)), jax.numpy.int32)
+    logits = {}
+    for dtype in ("compute", "float32"):
+        cfg = tiny("model.dtype=bfloat16", f"model.logits_dtype={dtype}")
+        model = nnx.merge(abstract_program(cfg).spec.model.graphdef,
+                          init_state(cfg.model, abstract_program(cfg).tx, 0, None).params)
+        logits[dtype] = model(tokens)
+    assert logits["compute"].dtype == jax.numpy.bfloat16 and logits["float32"].dtype == jax.numpy.float32
+    # The same head, rounded once more: bf16's 8 bits of mantissa apart, not more.
+    np.testing.assert_allclose(np.asarray(logits["compute"], np.float32), logits["float32"], rtol=1 / 128, atol=1e-2)
+    assert not np.array_equal(np.asarray(logits["compute"], np.float32), logits["float32"])
+
+    targets = tokens[:, 1:].astype(jax.numpy.int32)
+    weights = jax.numpy.asarray(rng.integers(0, 2, targets.shape), jax.numpy.float32)
+    for x in logits.values():
+        x = x[:, :-1]
+        gathered = jax.value_and_grad(lambda l: cross_entropy_sum(l.astype(jax.numpy.float32), targets, weights, True))(x)
+        masked = jax.value_and_grad(lambda l: cross_entropy_sum(l.astype(jax.numpy.float32), targets, weights, False))(x)
+        auto = jax.value_and_grad(lambda l: cross_entropy_sum(l, targets, weights))(x)
+        assert float(gathered[0]) == float(masked[0]) == float(auto[0])
+        np.testing.assert_allclose(masked[1].astype(np.float32), gathered[1].astype(np.float32), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(auto[1].astype(np.float32), gathered[1].astype(np.float32), rtol=1e-6, atol=1e-7)
+        assert np.abs(np.asarray(gathered[1], np.float32)).max() > 0

@@ -29,16 +29,26 @@ GradFn = Callable[[dict, dict], tuple[tuple[Array, Any], dict]]  # ((loss sum, a
 MOE_METRICS = ("lm_loss",) + tuple(f"moe_{name}" for name in STATS)
 
 
-def cross_entropy_sum(logits: Array, targets: Array, weights: Array, gather: bool = True) -> Array:
-    """Sum of the next-token losses weighted by `weights` (1 for a target, 0 for none); logits
-    arrive in float32 so the log-softmax is exact enough. `gather=False` picks each target's
-    logit by a masked sum over the vocabulary instead of a gather (the same values and
-    gradients): under a `vmap` sharded over a mesh axis (the pipeline head's pieces) the
-    partitioner all-gathers a gather's whole operand, the logits, onto every device."""
+def cross_entropy_sum(logits: Array, targets: Array, weights: Array, gather: bool | None = None) -> Array:
+    """Sum of the next-token losses weighted by `weights` (1 for a target, 0 for none), in
+    float32 whatever the logits' dtype (`model.logits_dtype`).
+
+    Each target's logit is taken by a gather (`gather=True`) or by a masked sum over the
+    vocabulary (`False`): the same values, gradients equal to float32 rounding. `None` picks the
+    masked sum for logits narrower than float32 and the gather for float32 ones, which is what
+    measured least memory on TPU (Llama-3-8B, v5p-64, BENCHMARKS.md, issue 20): from bf16 logits
+    every use is then one upcast-and-reduce fusion, no float32 [batch, length, vocab] copy exists
+    and the logits die before the layers' backward pass (8.99 GB of temporaries; with a gather,
+    libtpu kept the upcast copy and ran the gather after the layers' backward loop: 13.19 GB);
+    from float32 logits the masked sum needed more (14.26 against 13.19 GB). Under a `vmap`
+    sharded over a mesh axis (the pipeline head's pieces) pass False: the partitioner would
+    all-gather a gather's whole operand, the logits, onto every device."""
+    if gather is None:
+        gather = logits.dtype == jnp.float32
+    logits = logits.astype(jnp.float32)
     if gather:
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     else:
-        logits = logits.astype(jnp.float32)
         shifted = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
         hit = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == targets[..., None]
         losses = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1)) - jnp.sum(jnp.where(hit, shifted, 0.0), axis=-1)
@@ -46,9 +56,9 @@ def cross_entropy_sum(logits: Array, targets: Array, weights: Array, gather: boo
 
 
 def chunked_cross_entropy_sum(model: nnx.Module, x: Array, targets: Array, weights: Array, chunk: int,
-                              gather: bool = True) -> Array:
+                              gather: bool | None = None) -> Array:
     """The same sum as `cross_entropy_sum(model.logits(x), ...)`, computed `chunk` positions at
-    a time under remat: the [batch, length, vocab] float32 logits never exist at once (with a
+    a time under remat: the [batch, length, vocab] logits never exist at once (with a
     128k vocabulary they would be the largest tensor of the step); the backward pass recomputes
     each chunk's logits instead of storing them."""
     b, length, d = x.shape
@@ -128,7 +138,7 @@ def model_inputs(batch: dict[str, Array]) -> dict[str, Array]:
 
 
 def head_loss(model: nnx.Module, x: Array, targets: Array, weights: Array, loss_chunk: int,
-              gather: bool = True) -> Array:
+              gather: bool | None = None) -> Array:
     """The weighted loss sum of the final hidden states x [batch, length, embed] (`gather`:
     `cross_entropy_sum`'s)."""
     if loss_chunk:
