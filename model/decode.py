@@ -57,13 +57,15 @@ def _block(
 
 
 def forward(model: Transformer, tokens: Array, cache: Cache, start: Array | int) -> tuple[Array, Cache]:
-    """tokens [batch, t] at positions start..start+t-1 -> (logits [batch, t, vocab] float32, cache)."""
+    """tokens [batch, t] at positions start..start+t-1 -> (logits [batch, t, vocab] float32, cache).
+    The head writes `model.logits_dtype` (bf16 for a bf16 model by default); sampling divides,
+    ranks and draws in float32."""
     positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
     x = jnp.take(model.embedding[...], tokens, axis=0).astype(jnp.dtype(model.cfg.dtype))
     every = model.cfg.moe.every if isinstance(model.layers, BlockGroup) else 1
     if every == 1:
         x, k, v = _scan_blocks(model.layers, x, positions, start, cache.k, cache.v)
-        return model.logits(model.final_norm(x)), Cache(k, v)
+        return model.logits(model.final_norm(x)).astype(jnp.float32), Cache(k, v)
     # Layer groups (model.moe.every): the cache's layers as [groups, every, ...], the group's
     # dense layers first, its MoE layer last.
     graphdef, stacked = nnx.split(model.layers)
@@ -77,7 +79,7 @@ def forward(model: Transformer, tokens: Array, cache: Cache, start: Array | int)
         return h, (jnp.concatenate([k_dense, k_moe[None]]), jnp.concatenate([v_dense, v_moe[None]]))
 
     x, (k, v) = jax.lax.scan(group, x, (stacked, grouped(cache.k), grouped(cache.v)))
-    return model.logits(model.final_norm(x)), Cache(k.reshape(cache.k.shape), v.reshape(cache.v.shape))
+    return model.logits(model.final_norm(x)).astype(jnp.float32), Cache(k.reshape(cache.k.shape), v.reshape(cache.v.shape))
 
 
 def _scan_blocks(

@@ -5,6 +5,7 @@ The reference is the training forward pass recomputed on the whole sequence at e
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -70,6 +71,16 @@ def test_cached_logits_match_the_full_forward(model):
     # The cache matters: the same token without its context scores differently.
     alone = np.asarray(_full_forward(model, jnp.asarray(nxt)))[:, -1]
     assert np.abs(alone - full).max() > 1e-2
+
+
+def test_a_bf16_model_decodes_from_float32_logits():
+    """A bf16 model's head writes bf16 logits (`model.logits_dtype=compute`); the cached forward
+    hands sampling the same values in float32, so temperature, top-k and the draw run in float32."""
+    bf16 = Transformer(dataclasses.replace(CFG, dtype="bfloat16"), rngs=nnx.Rngs(0))
+    logits, _ = forward(bf16, jnp.asarray(PROMPT), init_cache(bf16, batch=2, max_len=8), 0)
+    full = bf16(jnp.asarray(PROMPT))
+    assert logits.dtype == jnp.float32 and full.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(logits, full.astype(jnp.float32))
 
 
 def test_greedy_with_the_cache_equals_argmax_of_full_recompute(model):
