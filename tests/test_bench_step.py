@@ -4,6 +4,7 @@ without overriding the user's."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -43,6 +44,21 @@ def test_the_attention_block_benchmark_prints_a_row_per_block(capsys):
     assert [r.split(" |")[0] for r in rows] == ["| 32 (one block)", "| 8"]
     diffs = [float(r.rstrip(" |").rsplit("| ", 1)[1]) for r in rows]
     assert diffs[0] == 0 and 0 < diffs[1] < 1e-5  # blocks of 8 really run other matmuls, to float32 rounding
+
+
+def test_the_thread_profile_accounts_for_the_traced_wall_time(capsys):
+    """bench.cpu_threads splits the traced steps' wall time by how many XLA:CPU pool threads
+    work (the shares add up to the whole window) and names the operations by their HLO op."""
+    from bench.cpu_threads import main
+
+    assert main(["--config", "tiny", "--steps", "2", "--top", "3", "mesh.data=1"]) == 0
+    out = capsys.readouterr().out
+    shares = [float(m) for m in re.findall(r"^\| \d+ \| \d+ \| ([0-9.]+)% \|$", out, re.M)]
+    assert len(shares) >= 2 and abs(sum(shares) - 100) < 0.5, out  # at least idle and one thread busy
+    ops = re.findall(r"^\| (\S[^|]*) \| [0-9.]+ \| [0-9.]+ \| \d+% \|$", out, re.M)
+    assert len(ops) == 3 and any("dot_general" in op for op in ops), out
+    assert main(["--config", "tiny", "model.attention_block=-1"]) == 2
+    assert "model.attention_block" in capsys.readouterr().err
 
 
 def test_default_flags_never_override_the_users():
