@@ -27,12 +27,9 @@ import sys
 import tempfile
 
 import jax
-import numpy as np
 
+from bench.step import compiled_step  # importing trainer (there) sets the stack's XLA flags
 from configs import ConfigError, load_config
-from data import batch_fields
-from trainer.program import abstract_program  # importing trainer sets the stack's XLA flags
-from trainer.state import init_state
 from trainer.xla_env import mesh_device_count
 
 Interval = tuple[float, float]
@@ -105,17 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, ["mesh.data=1", *args.overrides, "data.source=synthetic", "data.packing=concat"])
         # The mesh's own devices (a test process has more CPU devices than the one the default uses).
-        program = abstract_program(cfg, jax.devices()[:mesh_device_count(cfg)])
+        _, step, _, state, batch = compiled_step(cfg, jax.devices()[:mesh_device_count(cfg)])
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    state = init_state(cfg.model, program.tx, cfg.run.seed, program.state_sh)
-    step, _ = program.compile(state)
     op_names = dict(re.findall(r'%?(\S+) = [^\n]*?kind=kCustom[^\n]*?op_name="([^"]+)"', step.as_text()))
-    rng = np.random.default_rng(0)
-    shape = (cfg.train.global_batch, cfg.model.seq_len + 1)
-    batch = {f: jax.device_put(rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32), program.batch_sh)
-             for f in batch_fields(cfg)}
     for _ in range(3):
         state, metrics = step(state, batch)
     jax.block_until_ready(metrics)

@@ -18,15 +18,16 @@ import json
 import statistics
 import sys
 import time
+from typing import Any
 
 import jax
 import numpy as np
 
-from configs import ConfigError, load_config
+from configs import Config, ConfigError, load_config
 from data import batch_fields
 from model import flops_per_token
 from trainer.metrics import peak_flops  # importing trainer sets the stack's XLA flags
-from trainer.program import abstract_program, compiled_stats
+from trainer.program import Program, abstract_program, compiled_stats
 from trainer.state import init_state, param_count
 
 
@@ -39,16 +40,23 @@ def peak_memory(compiled: jax.stages.Compiled) -> tuple[float, str]:
     return float(compiled_stats(compiled)["total_bytes"]), "compiler"
 
 
-def bench(config: str | None, overrides: list[str], steps: int, warmup: int) -> dict:
-    """Compiles and times the step (`cpu_ms`: the process CPU ms per timed step)."""
-    cfg = load_config(config, [*overrides, "data.source=synthetic", "data.packing=concat"])
-    program = abstract_program(cfg)
+def compiled_step(cfg: Config, devices: list | None = None) -> tuple[Program, jax.stages.Compiled, float, Any, dict]:
+    """The config's train step compiled (state donated), with the seconds it took, a fresh state
+    and a batch of random tokens on the step's shardings: what the step benchmarks time."""
+    program = abstract_program(cfg, devices)
     state = init_state(cfg.model, program.tx, cfg.run.seed, program.state_sh)
     step, compile_s = program.compile(state)
     rng = np.random.default_rng(0)
     shape = (cfg.train.global_batch, cfg.model.seq_len + 1)
     batch = {f: jax.device_put(rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32), program.batch_sh)
              for f in batch_fields(cfg)}
+    return program, step, compile_s, state, batch
+
+
+def bench(config: str | None, overrides: list[str], steps: int, warmup: int) -> dict:
+    """Compiles and times the step (`cpu_ms`: the process CPU ms per timed step)."""
+    cfg = load_config(config, [*overrides, "data.source=synthetic", "data.packing=concat"])
+    program, step, compile_s, state, batch = compiled_step(cfg)
     for _ in range(warmup):
         state, metrics = step(state, batch)
     jax.block_until_ready(metrics)
