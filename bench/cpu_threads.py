@@ -33,6 +33,7 @@ from configs import ConfigError, load_config
 from trainer.xla_env import mesh_device_count
 
 Interval = tuple[float, float]
+Thread = tuple[int, int]  # the trace's (pid, tid)
 
 
 def _merge(intervals: list[Interval]) -> list[Interval]:
@@ -49,16 +50,16 @@ def _overlap(a: float, b: float, merged: list[Interval]) -> float:
     return sum(max(0.0, min(b, y) - max(a, x)) for x, y in merged if y > a and x < b)
 
 
-def busy_intervals(trace: dict) -> tuple[dict[int, list[Interval]], list[tuple[float, float, int, str]]]:
+def busy_intervals(trace: dict) -> tuple[dict[Thread, list[Interval]], list[tuple[float, float, Thread, str]]]:
     """Per pool thread, its merged busy intervals (us); and every thunk as (start, end, thread, name)."""
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
              if e.get("ph") == "M" and e.get("name") == "thread_name"}
     events = sorted((e for e in trace["traceEvents"] if e.get("ph") == "X"
                      and "Eigen" in names.get((e["pid"], e["tid"]), "")), key=lambda e: e["ts"])
-    busy: dict[int, list[Interval]] = collections.defaultdict(list)
+    busy: dict[Thread, list[Interval]] = collections.defaultdict(list)
     thunks, opened = [], {}
     for e in events:
-        thread, name = hash((e["pid"], e["tid"])), e["name"]
+        thread, name = (e["pid"], e["tid"]), e["name"]
         if name == "ThreadpoolListener::StartRegion":
             opened[thread] = e["ts"]
         elif name == "ThreadpoolListener::StopRegion":
@@ -70,7 +71,7 @@ def busy_intervals(trace: dict) -> tuple[dict[int, list[Interval]], list[tuple[f
     return {t: _merge(iv) for t, iv in busy.items()}, thunks
 
 
-def concurrency(busy: dict[int, list[Interval]]) -> dict[int, float]:
+def concurrency(busy: dict[Thread, list[Interval]]) -> dict[int, float]:
     """Microseconds of the traced window spent with n threads busy, for each n."""
     points = sorted((x, d) for merged in busy.values() for a, b in merged for x, d in ((a, 1), (b, -1)))
     spent: dict[int, float] = collections.Counter()
@@ -81,7 +82,7 @@ def concurrency(busy: dict[int, list[Interval]]) -> dict[int, float]:
     return dict(spent)
 
 
-def alone_by_op(busy: dict[int, list[Interval]], thunks: list, op_names: dict[str, str]) -> dict[str, list[float]]:
+def alone_by_op(busy: dict[Thread, list[Interval]], thunks: list, op_names: dict[str, str]) -> dict[str, list[float]]:
     """Per HLO op (the thunk's op_name, else its fusion kind): [thunk time, time no other thread worked]."""
     out: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
     for a, b, thread, name in thunks:

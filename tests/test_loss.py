@@ -92,8 +92,8 @@ def test_the_head_writes_logits_in_model_logits_dtype_and_the_loss_reads_either(
     logits = {}
     for dtype in ("compute", "float32"):
         cfg = tiny("model.dtype=bfloat16", f"model.logits_dtype={dtype}")
-        model = nnx.merge(abstract_program(cfg).spec.model.graphdef,
-                          init_state(cfg.model, abstract_program(cfg).tx, 0, None).params)
+        program = abstract_program(cfg)
+        model = nnx.merge(program.spec.model.graphdef, init_state(cfg.model, program.tx, 0, None).params)
         logits[dtype] = model(tokens)
     assert logits["compute"].dtype == jax.numpy.bfloat16 and logits["float32"].dtype == jax.numpy.float32
     # The same head, rounded once more: bf16's 8 bits of mantissa apart, not more.
