@@ -27,6 +27,7 @@ QUANT_MODES = ("none", "fp8", "int8")  # model.quant: the block matmuls' operand
 GRAD_REDUCE_DTYPES = ("compute", "float32", "bfloat16")  # model.grad_reduce
 GATHER_DTYPES = ("compute", "fp8")  # model.gather_dtype
 LOGITS_DTYPES = ("compute", "float32")  # model.logits_dtype
+FLAT_WEIGHT_GRADS = ("auto", "on", "off")  # model.flat_weight_grads
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SOURCES = ("text", "prepared", "synthetic")
 PACKINGS = ("concat", "document")
@@ -206,6 +207,11 @@ class ModelConfig:
     # (XLA:CPU spends most of the attention's time on the [T, T] passes), everywhere else one
     # block; seq_len or more: one block (the plain kernel).
     attention_block: int = 0
+    # The block weight gradients' sum over the tokens as one merged (batch x length) dim ("on")
+    # or over the two dims ("off"): the same sums; XLA:CPU writes the activation transposed for
+    # the two-dim form (model/quant.py). "auto": on for CPU programs whose sequence is not split
+    # (mesh.context=1), off elsewhere (trainer/layout.py `flat_weight_grads`).
+    flat_weight_grads: str = "auto"
     quant: str = "none"  # none | fp8 | int8: the blocks' matmuls (model/quant.py)
     # The dtype block weight gradients leave their matmuls in, so the dtype their reductions over
     # the batch shards move ("compute": the compute dtype).

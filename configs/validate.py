@@ -10,6 +10,7 @@ from configs.schema import (
     CONTEXT_STRATEGIES,
     DATA_SOURCES,
     DTYPES,
+    FLAT_WEIGHT_GRADS,
     GATHER_DTYPES,
     GRAD_REDUCE_DTYPES,
     LOGITS_DTYPES,
@@ -168,6 +169,7 @@ def validate_static(cfg: Config) -> None:
     _one_of(m.grad_reduce, "model.grad_reduce", GRAD_REDUCE_DTYPES)
     _one_of(m.gather_dtype, "model.gather_dtype", GATHER_DTYPES)
     _one_of(m.logits_dtype, "model.logits_dtype", LOGITS_DTYPES)
+    _one_of(m.flat_weight_grads, "model.flat_weight_grads", FLAT_WEIGHT_GRADS)
     _one_of(cfg.context.strategy, "context.strategy", CONTEXT_STRATEGIES)
     _check_data(cfg)
     _check_moe(cfg)

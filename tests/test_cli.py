@@ -123,6 +123,7 @@ BAD = {
                                           "model.gather_dtype=fp8: this layout gathers no parameter"),
     "gather dtype name": (["model.gather_dtype=fp4"], "model.gather_dtype: 'fp4' is not one of compute, fp8"),
     "logits dtype name": (["model.logits_dtype=bf16"], "model.logits_dtype: 'bf16' is not one of compute, float32"),
+    "flat weight gradients": (["model.flat_weight_grads=yes"], "model.flat_weight_grads: 'yes' is not one of auto, on, off"),
 }
 
 

@@ -132,6 +132,7 @@ EXPLICIT: dict[str, tuple[Any, list[str]]] = {
     "model.grad_reduce": ("bfloat16", []),
     "model.gather_dtype": ("fp8", []),
     "model.logits_dtype": ("float32", []),
+    "model.flat_weight_grads": ("off", []),
     "context.strategy": ("ring", []),
     "pipeline.schedule": ("interleaved_1f1b", ["pipeline.repeats=2"]),
     "data.source": ("synthetic", []),

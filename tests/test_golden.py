@@ -81,10 +81,28 @@ def test_query_blocks_lower_to_more_matmuls_than_one_block():
     assert attention_dots("model.seq_len=128") > attention_dots("model.seq_len=128", "model.attention_block=128")
 
 
+def merged_token_dots(*overrides: str) -> int:
+    """How many matmuls of the tiny preset's compiled step on one CPU device contract the lhs's
+    leading dim (a weight gradient over merged tokens, taken by the dot as it is laid out)."""
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), ["mesh.data=1", "data.source=synthetic", *overrides])
+    compiled, _ = trainer.abstract_program(cfg, jax.devices()[:1]).compile()
+    return compiled.as_text().count("lhs_contracting_dims={0}")
+
+
+def test_on_cpu_the_weight_gradients_sum_over_merged_tokens():
+    # model.flat_weight_grads=auto on CPU: every block weight gradient is one dot on the
+    # activation as laid out (6 a layer: XLA merges k's and v's, which share their input); the
+    # two-dim sums make XLA:CPU write the activation transposed first.
+    layers = load_config(os.path.join(ROOT, "configs", "tiny.yaml")).model.num_layers
+    assert merged_token_dots() >= 6 * layers
+    assert merged_token_dots("model.flat_weight_grads=off") == 0
+
+
 # Both ways of running the stack and of attending: the golden values are one computation,
 # whatever the loop, and whether the queries go in blocks (the sums skip only exact zeros).
-@pytest.mark.parametrize("extra", [(), ("model.scan_unroll=1",), ("model.attention_block=8",)],
-                         ids=["cpu-default-unrolled", "scanned", "query-blocked"])
+@pytest.mark.parametrize("extra", [(), ("model.scan_unroll=1",), ("model.attention_block=8",),
+                                   ("model.flat_weight_grads=off",)],
+                         ids=["cpu-default-unrolled", "scanned", "query-blocked", "two-dim-weight-grads"])
 def test_the_first_steps_of_the_tiny_preset_match_the_golden_values(tmp_path, extra):
     with open(GOLDEN) as f:
         golden = json.load(f)

@@ -183,6 +183,16 @@ def attention_block(model: ModelConfig, context: int, platform: str) -> int:
     return CPU_ATTENTION_BLOCK if platform == "cpu" and context == 1 else model.seq_len
 
 
+def flat_weight_grads(model: ModelConfig, context: int, platform: str) -> bool:
+    """Whether the block weight gradients sum over the tokens as one merged dim
+    (`model.flat_weight_grads`; "auto": on CPU when the sequence is not split, `context` == 1).
+    On XLA:CPU the two-dim form writes each activation transposed first: the default step took
+    7% less CPU time merged (BENCHMARKS.md, "The CPU step")."""
+    if model.flat_weight_grads != "auto":
+        return model.flat_weight_grads == "on"
+    return platform == "cpu" and context == 1
+
+
 def sequence_split(cfg: Config, layout: Layout, platform: str) -> SequenceSplit | None:
     """The load-balanced order and the attention kernel the layout needs (None: neither), for
     devices of `platform`: a sharded kernel under a sequence split (splash runs as the TPU kernel

@@ -9,10 +9,11 @@ jitted step and its ahead-of-time compile (on real devices, or abstractly for pl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -37,10 +38,12 @@ from sharding.cast import cast_for_compute
 from sharding.context import SequenceSplit
 from sharding.hlo import COLLECTIVES, static_counts  # noqa: F401  (COLLECTIVES: re-exported)
 from model import hf
+from model.quant import token_major_weight_grads
 from trainer.checkpoint import check_resumable, has_checkpoints
 from trainer.layout import (
     Layout,
     expert_dispatcher,
+    flat_weight_grads,
     grouped_matmul,
     layer_runner,
     plan_layout,
@@ -107,6 +110,7 @@ class Program:
     eval_loss: Callable  # jitted (params, batch) -> (loss sum, target tokens), no update
     split: SequenceSplit | None = None  # load-balanced order and sharded attention (None: neither)
     grad_fn: Callable | None = None  # the pipeline schedule's (loss, gradients) (None: autodiff)
+    flat_grads: bool = False  # block weight gradients over merged token dims (layout.flat_weight_grads)
 
     def abstract_state(self) -> TrainState:
         return abstract_state(self.tx, self.spec.model.shapes, self.state_sh)
@@ -116,8 +120,15 @@ class Program:
         shape = (cfg.train.global_batch, cfg.model.seq_len + 1)
         return {f: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sh) for f in batch_fields(cfg)}
 
+    @contextlib.contextmanager
+    def tracing(self) -> Iterator[None]:
+        """What binds while the step and eval loss trace: the model's activation constraints and
+        the weight gradients' layout."""
+        with activation_rules(self.mesh, self.spec.layout.act_rules), token_major_weight_grads(self.flat_grads):
+            yield
+
     def lower(self, state: Any = None) -> jax.stages.Lowered:
-        with activation_rules(self.mesh, self.spec.layout.act_rules):  # the model's constraints bind while tracing
+        with self.tracing():
             return self.step.lower(self.abstract_state() if state is None else state, self.abstract_batch())
 
     def compile(self, state: Any = None) -> tuple[jax.stages.Compiled, float]:
@@ -127,7 +138,7 @@ class Program:
         return compiled, time.perf_counter() - t0
 
     def compile_eval(self) -> jax.stages.Compiled:
-        with activation_rules(self.mesh, self.spec.layout.act_rules):
+        with self.tracing():
             return self.eval_loss.lower(self.abstract_state().params, self.abstract_batch()).compile()
 
 
@@ -150,7 +161,8 @@ def make_program(spec: RunSpec, devices: list) -> Program:
     )
     eval_loss = jax.jit(make_loss_fn(model.graphdef, runner, cfg.model.loss_chunk, cast, split, dispatch=dispatch),
                         in_shardings=(state_sh.params, batch_sh))
-    return Program(spec, mesh, tx, state_sh, batch_sh, runner, step, eval_loss, split, grad_fn)
+    flat = flat_weight_grads(cfg.model, layout.sizes["context"], devices[0].platform)
+    return Program(spec, mesh, tx, state_sh, batch_sh, runner, step, eval_loss, split, grad_fn, flat)
 
 
 def abstract_program(cfg: Config, devices: list | None = None) -> Program:
