@@ -9,6 +9,7 @@ and `=int8` (no float32 run then), on the same real text, step by step.
                                                                  # (cuDNN attention has no float32 path)
 
     python -m bench.precision --steps 200 --quant fp8,int8      # issue 21: each mode against bf16
+    python -m bench.precision --steps 200 --quant fp8,int8 --seeds 3   # the same, judged on 3 seeds' mean
     python -m bench.precision --steps 200 --grad-reduce         # float32 against bf16 gradient reductions
 
 Prints both losses at a few steps, the largest per-step relative gap, and the largest gap between
@@ -17,7 +18,15 @@ both runs see the same batches, but once rounding has moved the weights their si
 wander apart and back (measured: 2.2% at one step, 0.02% at the last); a precision bug, such as a
 softmax or loss in bf16, shows as a sustained offset instead, which the windowed gap keeps.
 Each `--quant` mode is judged against the bfloat16 run with the same tolerance; on CPU its FP8
-and int8 matmuls are emulated (the same rounding, float32 arithmetic). `--grad-reduce` judges a
+and int8 matmuls are emulated (the same rounding, float32 arithmetic).
+
+`--seeds N` runs every variant with `run.seed` 0..N-1 (each seed its own initialization and batch
+order, the same for every variant) and judges the mean of the N loss curves, step by step, with
+the same windows and tolerance; each seed's own windowed gap is printed too. Why: on one seed,
+changes of one rounding (float32 against bf16 logits, or the gradient matmuls' output dtype) were
+measured to move the 10-step means by 1.5-3% (BENCHMARKS.md, "Low precision"), about the size
+of the tolerance, in either direction depending on the seed; what a precision bug does, a
+sustained offset, survives the mean over seeds, and the trajectory noise shrinks with it. `--grad-reduce` judges a
 float32 run with `model.grad_reduce=bfloat16` (every block weight gradient leaves its matmul
 rounded to bfloat16, the dtype its reduction over the batch shards then moves) against the plain
 float32 run; in a bfloat16 run that key changes nothing, the gradients are bfloat16 already.
@@ -26,6 +35,7 @@ float32 run; in a bfloat16 run that key changes nothing, the gradients are bfloa
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import tempfile
@@ -39,15 +49,22 @@ WINDOW = 10
 
 
 def losses(config: str | None, overrides: list[str], dtype: str, steps: int, root: str, quant: str = "none",
-           grad_reduce: str = "compute") -> np.ndarray:
+           grad_reduce: str = "compute", seeds: int = 0) -> np.ndarray:
     """Per-step training losses of a fresh run with compute dtype `dtype`, `model.quant` and
-    `model.grad_reduce`."""
+    `model.grad_reduce`; with `seeds` > 0, [seeds, steps]: one run per `run.seed` 0..seeds-1."""
+    if seeds:
+        return np.stack([losses(config, [*overrides, f"run.seed={s}"], dtype, steps, root, quant, grad_reduce)
+                         for s in range(seeds)])
+    seed = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("run.seed=")), "")
+    name = f"{dtype}-{quant}-{grad_reduce}" + (f"-seed{seed}" if seed else "")
     cfg = load_config(config, [
         *overrides, f"model.dtype={dtype}", f"model.quant={quant}", f"model.grad_reduce={grad_reduce}",
         f"train.steps={steps}", "train.log_every=1", "eval.every=0", f"checkpoint.every={steps}",
-        f"run.dir={os.path.join(root, f'{dtype}-{quant}-{grad_reduce}')}",
+        f"run.dir={os.path.join(root, name)}",
     ])
-    return np.array([r["loss"] for r in trainer.run(cfg)])
+    got = np.array([r["loss"] for r in trainer.run(cfg)])
+    print(f"ran {name}: loss {got[0]:.4f} -> {got[-1]:.4f}", flush=True)
+    return got
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,31 +75,58 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quant", default="", help="comma-separated model.quant modes to compare against bfloat16 (fp8, int8)")
     parser.add_argument("--grad-reduce", action="store_true",
                         help="float32 against float32 with model.grad_reduce=bfloat16 (instead of the bfloat16 run)")
+    parser.add_argument("--seeds", type=int, default=0,
+                        help="run every variant with run.seed 0..N-1 and judge the mean curve (0: one run, the config's seed)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
+    if args.seeds < 0:
+        print(f"error: --seeds must be >= 0, got {args.seeds}", file=sys.stderr)
+        return 2
     modes = [q.strip() for q in args.quant.split(",") if q.strip()]
     root = tempfile.mkdtemp(prefix="bench-precision-")
     try:
         for q in modes:  # a bad mode fails before any run
             load_config(args.config, [*args.overrides, f"model.quant={q}"])
-        f32 = None if modes else losses(args.config, args.overrides, "float32", args.steps, root)
+        run = functools.partial(losses, args.config, args.overrides, steps=args.steps, root=root, seeds=args.seeds)
+        f32 = None if modes else run("float32")
         if args.grad_reduce:
-            reduced = losses(args.config, args.overrides, "float32", args.steps, root, grad_reduce="bfloat16")
-            lines, ok = compare(f32, reduced, args.tolerance, ("float32", "float32, bf16 gradient reductions"))
+            reduced = run("float32", grad_reduce="bfloat16")
+            lines, ok = judge(f32, reduced, args.tolerance, ("float32", "float32, bf16 gradient reductions"))
             print("\n".join(lines))
             return 0 if ok else 1
-        bf16 = losses(args.config, args.overrides, "bfloat16", args.steps, root)
-        quantized = {q: losses(args.config, args.overrides, "bfloat16", args.steps, root, q) for q in modes}
+        bf16 = run("bfloat16")
+        quantized = {q: run("bfloat16", quant=q) for q in modes}
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    lines, ok = ([], True) if f32 is None else compare(f32, bf16, args.tolerance)
+    lines, ok = ([], True) if f32 is None else judge(f32, bf16, args.tolerance)
     for q, got in quantized.items():
-        more, good = compare(bf16, got, args.tolerance, ("bfloat16", f"bfloat16 {q}"))
+        more, good = judge(bf16, got, args.tolerance, ("bfloat16", f"bfloat16 {q}"))
         lines += ["", *more]
         ok = ok and good
     print("\n".join(lines))
     return 0 if ok else 1
+
+
+def judge(ref: np.ndarray, got: np.ndarray, tolerance: float, names: tuple[str, str] = ("float32", "bfloat16")
+          ) -> tuple[list[str], bool]:
+    """`compare` on one run's curves ([steps]), or on the mean over seeds of several ([seeds,
+    steps]), then each seed's own largest windowed gap, for the record (the verdict is the mean's)."""
+    if ref.ndim == 1:
+        return compare(ref, got, tolerance, names)
+    lines, ok = compare(ref.mean(0), got.mean(0), tolerance, (f"{names[0]} (mean of {len(ref)} seeds)", f"{names[1]} (mean)"))
+    for s, (r, g) in enumerate(zip(ref, got)):
+        gap = windowed_gap(r, g)
+        w = int(np.argmax(np.abs(gap)))
+        lines.append(f"run.seed={s} alone: largest {WINDOW}-step gap {gap[w]:+.2%} (steps {w + 1}-{w + WINDOW})")
+    return lines, ok
+
+
+def windowed_gap(ref: np.ndarray, got: np.ndarray) -> np.ndarray:
+    """(got - ref) / ref of their WINDOW-step running means (signed; fewer steps: one window)."""
+    window = min(WINDOW, len(ref))
+    mean = lambda x: np.convolve(x, np.ones(window) / window, mode="valid")  # noqa: E731
+    return (mean(got) - mean(ref)) / mean(ref)
 
 
 def compare(f32: np.ndarray, bf16: np.ndarray, tolerance: float,
@@ -96,8 +140,7 @@ def compare(f32: np.ndarray, bf16: np.ndarray, tolerance: float,
         lines.append(f"| {s} | {f32[s - 1]:.6f} | {bf16[s - 1]:.6f} | {gap[s - 1]:.3%} |")
     worst = int(np.argmax(gap))
     window = min(WINDOW, steps)
-    mean = lambda x: np.convolve(x, np.ones(window) / window, mode="valid")  # noqa: E731
-    windowed = np.abs(mean(bf16) - mean(f32)) / mean(f32)
+    windowed = np.abs(windowed_gap(f32, bf16))
     w = int(np.argmax(windowed))
     ok = bool(windowed[w] <= tolerance)
     lines.append(f"per step: largest gap {gap[worst]:.2%} at step {worst + 1}, mean {gap.mean():.2%}")

@@ -82,6 +82,23 @@ def test_the_precision_check_passes_wandering_and_fails_a_sustained_offset():
     assert not ok and lines[-1].endswith("EXCEEDED")
 
 
+def test_the_precision_check_over_seeds_judges_the_mean_curve():
+    """`--seeds`: the verdict is the mean curve's. Two seeds whose runs sit 3% off in opposite
+    directions (trajectory noise) pass, each seed's own gap is still printed; a 3% offset on both
+    (a precision bug) fails, as it does on one seed."""
+    from bench.precision import compare, judge
+
+    ref = np.stack([np.linspace(5.0, 2.5, 40), np.linspace(5.2, 2.4, 40)])
+    noisy = ref * np.array([[1.03], [0.97]])
+    assert not compare(ref[0], noisy[0], 0.02)[1] and not compare(ref[1], noisy[1], 0.02)[1]  # each alone fails
+    lines, ok = judge(ref, noisy, 0.02)
+    assert ok and "mean of 2 seeds" in lines[0] and "within" in lines[-3]
+    assert lines[-2].startswith("run.seed=0 alone: largest 10-step gap +3.00%")
+    assert lines[-1].startswith("run.seed=1 alone: largest 10-step gap -3.00%")
+    lines, ok = judge(ref, ref * 1.03, 0.02)
+    assert not ok and "EXCEEDED" in lines[-3]
+
+
 @pytest.mark.parametrize("flags, header", [
     ([], "| step | float32 loss | bfloat16 loss |"),
     (["--grad-reduce"], "| step | float32 loss | float32, bf16 gradient reductions loss |"),
