@@ -108,20 +108,24 @@ def query_blocked_attention(q: Array, k: Array, v: Array, positions: Array, segm
 def heads_first_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
     """`masked_attention`'s products and sums in the operand layouts XLA:CPU's matmuls take
     without transposing the [T, S] scores (the query-blocked kernel's blocks): q as [b, kv_heads,
-    group, t, d], k as [b, kv_heads, d, s], v as [b, kv_heads, s, d] (small copies); and the
+    group x t, d], k as [b, kv_heads, d, s], v as [b, kv_heads, s, d] (small copies); and the
     softmax's division applied to the [t, d] output of the value matmul instead of to the [t, s]
     probabilities (one [t, s] pass less each way). The attention alone, forward and backward, the
     default model's layer: about a fifth less CPU time (BENCHMARKS.md, "The CPU step")."""
     b, t, h, d = q.shape
-    kv = k.shape[2]
-    q = q.reshape(b, t, kv, h // kv, d).transpose(0, 2, 3, 1, 4)
-    scores = jnp.einsum("bkgtd,bkds->bkgts", q, k.transpose(0, 2, 3, 1), preferred_element_type=jnp.float32) * d**-0.5
-    scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)
+    kv, g = k.shape[2], h // k.shape[2]
+    # The group and query dims merged into one: each product's gradient then contracts one dim
+    # (the merged queries), which XLA:CPU's matmul takes as laid out, where two contracted dims
+    # made it write the [s, g x t] scores and their gradient transposed first.
+    q = q.reshape(b, t, kv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, d)
+    scores = jnp.einsum("bkqd,bkds->bkqs", q, k.transpose(0, 2, 3, 1), preferred_element_type=jnp.float32) * d**-0.5
+    scores = jnp.where(mask[:, :, None], scores.reshape(b, kv, g, t, -1), jnp.finfo(jnp.float32).min)
+    scores = scores.reshape(b, kv, g * t, -1)
     # As jax.nn.softmax: the row maximum is a constant to autodiff (the result does not depend on it).
     e = jnp.exp(scores - jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True)))
-    out = jnp.einsum("bkgts,bksd->bkgtd", e.astype(v.dtype), v.transpose(0, 2, 1, 3), preferred_element_type=jnp.float32)
+    out = jnp.einsum("bkqs,bksd->bkqd", e.astype(v.dtype), v.transpose(0, 2, 1, 3), preferred_element_type=jnp.float32)
     out = (out / jnp.sum(e, axis=-1, keepdims=True)).astype(v.dtype)
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+    return out.reshape(b, kv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
 def fused_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, implementation: str | None,
