@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import sys
 import time
@@ -26,6 +27,7 @@ import numpy as np
 from configs import Config, ConfigError, load_config
 from data import batch_fields
 from model import flops_per_token
+from trainer.host_memory import reuse_host_memory
 from trainer.metrics import peak_flops  # importing trainer sets the stack's XLA flags
 from trainer.program import Program, abstract_program, compiled_stats
 from trainer.state import init_state, param_count
@@ -42,7 +44,9 @@ def peak_memory(compiled: jax.stages.Compiled) -> tuple[float, str]:
 
 def compiled_step(cfg: Config, devices: list | None = None) -> tuple[Program, jax.stages.Compiled, float, Any, dict]:
     """The config's train step compiled (state donated), with the seconds it took, a fresh state
-    and a batch of random tokens on the step's shardings: what the step benchmarks time."""
+    and a batch of random tokens on the step's shardings: what the step benchmarks time. Host
+    memory as `train.py` has it (`run.reuse_host_memory`), if JAX has not started yet."""
+    reuse_host_memory(cfg.run.reuse_host_memory)
     program = abstract_program(cfg, devices)
     state = init_state(cfg.model, program.tx, cfg.run.seed, program.state_sh)
     step, compile_s = program.compile(state)
@@ -61,13 +65,14 @@ def bench(config: str | None, overrides: list[str], steps: int, warmup: int) -> 
         state, metrics = step(state, batch)
     jax.block_until_ready(metrics)
     times = []
-    cpu0 = time.process_time()
+    cpu0, faults0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(steps):
         t0 = time.perf_counter()
         state, metrics = step(state, batch)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t0)
     cpu_ms = 1e3 * (time.process_time() - cpu0) / steps
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0) / steps
     t0 = time.perf_counter()
     for _ in range(steps):
         state, metrics = step(state, batch)
@@ -96,6 +101,7 @@ def bench(config: str | None, overrides: list[str], steps: int, warmup: int) -> 
         "compile_s": compile_s,
         "loss": float(metrics["loss"]),
         "cpu_ms": cpu_ms,
+        "page_faults_per_step": faults,
     }
 
 
@@ -113,11 +119,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
-    print("| device | config | batch x seq | tokens/s | back-to-back | step ms | TFLOP/s/dev | MFU | peak GiB | compile s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| device | config | batch x seq | tokens/s | back-to-back | step ms | TFLOP/s/dev | MFU | peak GiB | compile s "
+          "| page faults/step |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     print(f"| {r['device']} | {r['config']} {r['overrides']} | {r['batch']} x {r['seq']} | {r['tokens_per_s']:,.0f} | "
           f"{r['tokens_per_s_back_to_back']:,.0f} | {r['step_ms']:.1f} | {r['tflops_per_device']:.2f} | {mfu} | "
-          f"{r['peak_memory_gib']:.2f} ({r['memory_from']}) | {r['compile_s']:.1f} |")
+          f"{r['peak_memory_gib']:.2f} ({r['memory_from']}) | {r['compile_s']:.1f} | {r['page_faults_per_step']:,.0f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=1)

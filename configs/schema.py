@@ -28,6 +28,7 @@ GRAD_REDUCE_DTYPES = ("compute", "float32", "bfloat16")  # model.grad_reduce
 GATHER_DTYPES = ("compute", "fp8")  # model.gather_dtype
 LOGITS_DTYPES = ("compute", "float32")  # model.logits_dtype
 FLAT_WEIGHT_GRADS = ("auto", "on", "off")  # model.flat_weight_grads
+REUSE_HOST_MEMORY = ("auto", "on", "off")  # run.reuse_host_memory
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SOURCES = ("text", "prepared", "synthetic")
 PACKINGS = ("concat", "document")
@@ -63,6 +64,10 @@ class RunConfig:
     # A directory for XLA's persistent compilation cache ("": off): a restarted or resumed job
     # with the same program skips the compile (minutes at scale). Shared storage on a cluster.
     compile_cache: str = ""
+    # Keep the host memory a step frees for the next (glibc's mallopt; trainer/host_memory.py):
+    # XLA:CPU's step temporaries are otherwise mapped and page-faulted afresh every step (about a
+    # sixth of the default CPU step). "auto": in CPU-only processes; "on"; "off".
+    reuse_host_memory: str = "auto"
     # run.dir's lock (trainer.rundir_lock): the holder refreshes it 4 times per period; a holder
     # on another host whose heartbeat stays still this long is taken to be gone.
     lock_timeout_s: float = 30.0

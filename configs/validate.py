@@ -22,6 +22,7 @@ from configs.schema import (
     PIPELINE_SCHEDULES,
     QUANT_MODES,
     REMAT_POLICIES,
+    REUSE_HOST_MEMORY,
     ROUTERS,
     SCHEDULES,
     TRACKERS,
@@ -170,6 +171,7 @@ def validate_static(cfg: Config) -> None:
     _one_of(m.gather_dtype, "model.gather_dtype", GATHER_DTYPES)
     _one_of(m.logits_dtype, "model.logits_dtype", LOGITS_DTYPES)
     _one_of(m.flat_weight_grads, "model.flat_weight_grads", FLAT_WEIGHT_GRADS)
+    _one_of(cfg.run.reuse_host_memory, "run.reuse_host_memory", REUSE_HOST_MEMORY)
     _one_of(cfg.context.strategy, "context.strategy", CONTEXT_STRATEGIES)
     _check_data(cfg)
     _check_moe(cfg)

@@ -60,12 +60,16 @@ import gc  # noqa: E402
 import pytest  # noqa: E402
 
 from configs import Config, load_config  # noqa: E402
+from trainer.host_memory import reuse_host_memory  # noqa: E402
 from trainer.xla_env import KEEP_COLLECTIVES_IN_LOOPS, set_cpu_collective_env  # noqa: E402
 
 # Room in XLA:CPU's thread pool for the 8 devices' collectives, and collectives kept in their loops
 # (see trainer/xla_env.py: without either, pipelined steps aborted or hung now and then under
 # load); before any test starts the backend, and inherited by every process a test starts.
 set_cpu_collective_env(8)
+# What train.py does on a CPU-only machine (run.reuse_host_memory=auto): the steps tests run
+# reuse the memory the last one freed instead of page-faulting it in afresh.
+reuse_host_memory("auto")
 
 # Tracing a program allocates hundreds of thousands of short-lived objects, and Python's default
 # collector (a young-generation pass every 700 allocations, full passes over every object

@@ -8,11 +8,13 @@ import re
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
 from bench.procs import cpu_env
 from conftest import ROOT, require, stdlib_glob
+from trainer.host_memory import USER_SETTINGS, reuse_host_memory
 from trainer.xla_env import GPU_DEFAULTS, set_default_flags
 
 
@@ -59,6 +61,31 @@ def test_the_thread_profile_accounts_for_the_traced_wall_time(capsys):
     assert len(ops) == 3 and any("dot_general" in op for op in ops), out
     assert main(["--config", "tiny", "model.attention_block=-1"]) == 2
     assert "model.attention_block" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode, faulting", [("auto", False), ("off", True)])
+def test_a_cpu_step_reuses_the_host_memory_the_last_one_freed(tmp_path, mode: str, faulting: bool):
+    """run.reuse_host_memory (trainer/host_memory.py), in a fresh process as train.py has it: with
+    the default, the timed steps page-fault nothing in; with it off, XLA:CPU's step temporaries
+    (0.2 GB here: past the size malloc keeps) are mapped afresh each step, tens of thousands of
+    faults. The batch is the tiny preset's x8 so that they are that large; one device, whose pool
+    train.py leaves at XLA's size (the suite's NPROC is for its 8 devices)."""
+    cmd = [sys.executable, "-m", "bench.step", "--config", "tiny", "--steps", "2", "--warmup", "2", "mesh.data=1",
+           "train.global_batch=128", f"run.reuse_host_memory={mode}", "--json", str(tmp_path / "r.json")]
+    env = {k: v for k, v in cpu_env(1).items() if k not in (*USER_SETTINGS, "NPROC")}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    faults = json.loads((tmp_path / "r.json").read_text())["page_faults_per_step"]
+    assert (faults > 10_000) if faulting else (faults < 100), faults
+
+
+def test_host_memory_is_left_to_the_users_settings_and_to_accelerators():
+    assert reuse_host_memory("auto", {"MALLOC_ARENA_MAX": "4"}) == "host memory: left to the user's MALLOC_ARENA_MAX"
+    assert reuse_host_memory("auto", {"JAX_PLATFORMS": "cuda"}) == ""  # may run on a GPU: auto leaves it
+    assert reuse_host_memory("off", {}) == ""
+    # This process's JAX has started (its pool threads have their arenas): nothing to change.
+    jax.devices()
+    assert reuse_host_memory("on", {"JAX_PLATFORMS": "cuda"}).endswith("JAX had already started in this process")
 
 
 def test_default_flags_never_override_the_users():

@@ -124,6 +124,7 @@ BAD = {
     "gather dtype name": (["model.gather_dtype=fp4"], "model.gather_dtype: 'fp4' is not one of compute, fp8"),
     "logits dtype name": (["model.logits_dtype=bf16"], "model.logits_dtype: 'bf16' is not one of compute, float32"),
     "flat weight gradients": (["model.flat_weight_grads=yes"], "model.flat_weight_grads: 'yes' is not one of auto, on, off"),
+    "host memory": (["run.reuse_host_memory=always"], "run.reuse_host_memory: 'always' is not one of auto, on, off"),
 }
 
 

@@ -33,6 +33,7 @@ from trainer.checkpoint import Checkpointer, check_resumable, checkpoint_dir, ha
 from trainer.faults import Preempted, StopSignal, Watchdog, fingerprint
 from trainer.goodput import Goodput, invocation_outcome
 from trainer.hooks import Hook, StepLog, make_hooks
+from trainer.host_memory import reuse_host_memory
 from trainer.layout import attention_notes, grouped_matmul
 from trainer.metrics import MetricsLogger, log
 from trainer.observe import instrument
@@ -168,6 +169,9 @@ def run(cfg: Config, devices: list | None = None) -> list[dict[str, Any]]:
     (checkpoint committed) and TooManyBadSteps after `train.max_bad_steps` non-finite steps in a row."""
     goodput = Goodput()
     why_not = set_cpu_device_count(cfg) if devices is None else "the caller chose the devices"
+    memory_note = reuse_host_memory(cfg.run.reuse_host_memory)  # before JAX starts its thread pool
+    if memory_note:
+        print(memory_note, flush=True)
     use_compile_cache(cfg.run.compile_cache)
     distributed.initialize(cfg.dist)
     distributed.check_same_everywhere(fingerprint(cfg), cfg.dist.init_timeout_s)

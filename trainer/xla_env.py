@@ -98,7 +98,19 @@ def _accelerator_plugin() -> str:
     return ""
 
 
-def _backend_started() -> bool:
+def not_cpu_only(env: dict[str, str] | None = None) -> str:
+    """Why JAX may run on something other than the CPU in this process ("": CPU only)."""
+    env = os.environ if env is None else env
+    platforms = env.get("JAX_PLATFORMS", "").strip().lower()
+    if platforms not in ("", "cpu"):
+        return f"JAX_PLATFORMS={platforms} is not CPU-only"
+    plugin = "" if platforms == "cpu" else _accelerator_plugin()
+    if plugin:
+        return f"an accelerator plugin ({plugin}) is installed, so JAX may not run on the CPU (JAX_PLATFORMS=cpu forces it)"
+    return ""
+
+
+def backend_started() -> bool:
     if "jax" not in sys.modules:
         return False
     from jax._src import xla_bridge  # already imported with jax: no start-up cost
@@ -118,15 +130,12 @@ def set_cpu_device_count(cfg: Config, env: dict[str, str] | None = None) -> str:
     if wanted <= processes or wanted % processes:
         return ""
     local = wanted // processes
-    platforms = env.get("JAX_PLATFORMS", "").strip().lower()
     if FORCE_COUNT in env.get("XLA_FLAGS", ""):
         return f"XLA_FLAGS already sets {FORCE_COUNT}, and the user's flag wins"
-    if platforms not in ("", "cpu"):
-        return f"JAX_PLATFORMS={platforms} is not CPU-only"
-    plugin = "" if platforms == "cpu" else _accelerator_plugin()
-    if plugin:
-        return f"an accelerator plugin ({plugin}) is installed, so JAX may not run on the CPU (JAX_PLATFORMS=cpu forces it)"
-    if _backend_started():
+    why_not = not_cpu_only(env)
+    if why_not:
+        return why_not
+    if backend_started():
         return "JAX had already started in this process"
     env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), f"{FORCE_COUNT}={local}"]).strip()
     set_cpu_collective_env(local, env)
