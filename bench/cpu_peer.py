@@ -7,7 +7,9 @@ Both sides train the same shape (the config's model, batch and sequence) with th
 AdamW with the config's betas, epsilon and weight decay, global-norm clipping, float32. Ours is
 the real compiled train step (`bench.step`, state donated); the peer is Hugging Face
 `LlamaForCausalLM` (eager, SDPA attention) with `torch.optim.AdamW` and
-`clip_grad_norm_`, on as many threads as the process has cores. Each side reports the median
+`clip_grad_norm_`, on as many threads as the process has cores, in a child process of its own
+(this one's malloc is set up for XLA: `run.reuse_host_memory`; the peer gets a plain process,
+what a PyTorch user has). Each side reports the median
 step time over the timed steps, tokens/s from it, and the process CPU seconds per step (user +
 system over the timed steps: what the step costs in core time, which the machine's other load
 disturbs less than wall time does). CPU figures only: this says nothing about GPUs or TPUs.
@@ -16,8 +18,10 @@ disturbs less than wall time does). CPU figures only: this says nothing about GP
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -68,21 +72,33 @@ def torch_peer(cfg: Config, steps: int, warmup: int) -> dict:
             "params": sum(p.numel() for p in model.parameters())}
 
 
+def peer_in_child(argv: list[str]) -> dict:
+    """`torch_peer` in a fresh process (`--peer-only`), its result read back as JSON."""
+    done = subprocess.run([sys.executable, "-m", "bench.cpu_peer", "--peer-only", *argv], capture_output=True,
+                          text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", help="a YAML preset (path or name in configs/)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps on each side")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps on each side")
+    parser.add_argument("--peer-only", action="store_true", help="time the PyTorch side alone, print its JSON")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
     overrides = ["mesh.data=1", *args.overrides]  # one device: the peer runs on one too
     try:
         cfg = load_config(args.config, [*overrides, "data.source=synthetic", "data.packing=concat"])
+        if args.peer_only:
+            print(json.dumps(torch_peer(cfg, args.steps, args.warmup)))
+            return 0
         r = bench(args.config, overrides, args.steps, args.warmup)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    p = torch_peer(cfg, args.steps, args.warmup)
+    p = peer_in_child([a for a in argv if a != "--peer-only"])
     load = os.getloadavg()[0]
     m = cfg.model
     print(f"CPU only: {os.cpu_count()} cores, load average {load:.1f} at the end; model {m.num_layers} layers, "
