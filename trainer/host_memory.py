@@ -13,7 +13,11 @@ one arena for every thread (XLA allocates on its pool's threads, and a thread's 
 hold no block over 64 MB, so it would `mmap` even with the next setting), no `mmap` for large
 blocks (they come from the main heap), and no trimming of the heap's free top below 2 GB (so a
 freed block stays mapped and the next step reuses its pages). Freed memory is then kept by the
-process instead of returned to the system: its resident size stays at the largest step's.
+process instead of returned to the system. Now and then the next step's block is allocated before
+the last one is freed (the runtime frees it on another thread), and the heap grows by a block:
+the tiny preset at 8x its batch (0.2 GB of temporaries) faulted a whole block in 1 to 3 steps of
+100 and held 1.1-1.5 GB resident after them, against 0.55-0.75 GB and a block every step without
+(BENCHMARKS.md, "The CPU step").
 
 "auto" does this for CPU-only processes (the GPU and TPU runtimes keep their own device memory;
 their host allocations are small), "on" everywhere, "off" never; a user's own `MALLOC_*` or
