@@ -75,6 +75,16 @@ def test_the_readme_has_the_commands_this_test_reads():
     assert len(commands()) >= 30
 
 
+def test_the_readme_test_table_names_every_test_file():
+    """The "what the suite checks" table has a row for each test file: a README cut short (as an
+    edit once cut it after test_quant.py's row) or a new file left out shows here."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        rows = [line for line in f if line.startswith("| `test_")]
+    named = set(re.findall(r"`(test_\w+\.py)`", "".join(rows)))
+    files = {name for name in os.listdir(os.path.join(ROOT, "tests")) if re.fullmatch(r"test_\w+\.py", name)}
+    assert files - named == set(), f"README's test table has no row for {sorted(files - named)}"
+
+
 def _is_key_value(word: str) -> bool:
     return re.fullmatch(r"[a-z_]+(\.[a-z_0-9]+)+=.*", word) is not None
 
