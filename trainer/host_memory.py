@@ -28,7 +28,6 @@ already have their arenas). Only glibc has `mallopt`; elsewhere nothing changes.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 from trainer.xla_env import backend_started, not_cpu_only
@@ -51,8 +50,7 @@ def reuse_host_memory(mode: str, env: dict[str, str] | None = None) -> str:
         return f"host memory: left to the user's {', '.join(user)}"
     if backend_started():  # said only when asked for by name: an in-process run after another is the usual case
         return "" if mode == "auto" else "host memory: not changed, JAX had already started in this process"
-    path = ctypes.util.find_library("c")
-    mallopt = getattr(ctypes.CDLL(path), "mallopt", None) if path else None
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # the C library this process runs on
     if mallopt is None:
         return "host memory: not changed, this C library has no mallopt"
     ok = all(mallopt(param, value) == 1 for param, value in
