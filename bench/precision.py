@@ -26,10 +26,11 @@ the same windows and tolerance; each seed's own windowed gap is printed too. Why
 changes of one rounding (float32 against bf16 logits, or the gradient matmuls' output dtype) were
 measured to move the 10-step means by 1.5-3% (BENCHMARKS.md, "Low precision"), about the size
 of the tolerance, in either direction depending on the seed; what a precision bug does, a
-sustained offset, survives the mean over seeds, and the trajectory noise shrinks with it. `--grad-reduce` judges a
-float32 run with `model.grad_reduce=bfloat16` (every block weight gradient leaves its matmul
-rounded to bfloat16, the dtype its reduction over the batch shards then moves) against the plain
-float32 run; in a bfloat16 run that key changes nothing, the gradients are bfloat16 already.
+sustained offset, survives the mean over seeds, and the trajectory noise shrinks with it.
+
+`--grad-reduce` judges a float32 run with `model.grad_reduce=bfloat16` (every block weight
+gradient leaves its matmul rounded to bfloat16, the dtype its reduction over the batch shards then
+moves) against the plain float32 run; in a bfloat16 run that key changes nothing, the gradients are bfloat16 already.
 """
 
 from __future__ import annotations
@@ -52,18 +53,19 @@ def losses(config: str | None, overrides: list[str], dtype: str, steps: int, roo
            grad_reduce: str = "compute", seeds: int = 0) -> np.ndarray:
     """Per-step training losses of a fresh run with compute dtype `dtype`, `model.quant` and
     `model.grad_reduce`; with `seeds` > 0, [seeds, steps]: one run per `run.seed` 0..seeds-1."""
+    name = f"{dtype}-{quant}-{grad_reduce}"
+    overrides = [*overrides, f"model.dtype={dtype}", f"model.quant={quant}", f"model.grad_reduce={grad_reduce}"]
     if seeds:
-        return np.stack([losses(config, [*overrides, f"run.seed={s}"], dtype, steps, root, quant, grad_reduce)
+        return np.stack([_run(config, [*overrides, f"run.seed={s}"], steps, os.path.join(root, f"{name}-seed{s}"))
                          for s in range(seeds)])
-    seed = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("run.seed=")), "")
-    name = f"{dtype}-{quant}-{grad_reduce}" + (f"-seed{seed}" if seed else "")
-    cfg = load_config(config, [
-        *overrides, f"model.dtype={dtype}", f"model.quant={quant}", f"model.grad_reduce={grad_reduce}",
-        f"train.steps={steps}", "train.log_every=1", "eval.every=0", f"checkpoint.every={steps}",
-        f"run.dir={os.path.join(root, name)}",
-    ])
+    return _run(config, overrides, steps, os.path.join(root, name))
+
+
+def _run(config: str | None, overrides: list[str], steps: int, run_dir: str) -> np.ndarray:
+    cfg = load_config(config, [*overrides, f"train.steps={steps}", "train.log_every=1", "eval.every=0",
+                               f"checkpoint.every={steps}", f"run.dir={run_dir}"])
     got = np.array([r["loss"] for r in trainer.run(cfg)])
-    print(f"ran {name}: loss {got[0]:.4f} -> {got[-1]:.4f}", flush=True)
+    print(f"ran {os.path.basename(run_dir)}: loss {got[0]:.4f} -> {got[-1]:.4f}", flush=True)
     return got
 
 
