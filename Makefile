@@ -35,13 +35,18 @@ train: $(STAMP)
 	$(BIN)/python train.py $(ARGS)
 
 # MESHLM_REQUIRE_EXTRAS=1: the extras and compilers were installed above, so a test that needs
-# a missing one fails instead of skipping (tests/conftest.py, `require`). `-n auto --dist
-# loadfile`: one pytest worker per core, each running whole files (most tests are single-threaded
-# Python or one XLA compile, so two cores run two files at once; a file's module fixtures are
-# compiled once). Two runs, timed apart: the fake-CPU-device tests, then the compiles for real
-# H100 and TPU targets (tests marked real_target); each prints its 15 slowest tests.
+# a missing one fails instead of skipping (tests/conftest.py, `require`). `--dist loadfile`: each
+# pytest worker runs whole files (most tests are single-threaded Python or one XLA compile; a
+# file's module fixtures are compiled once). The fake-CPU-device run has one worker per core and
+# one more (TEST_WORKERS): a test that waits on processes it started (their start-up, a signal, a
+# lock's heartbeat, a killed peer's timeout) leaves its worker's core idle, and the extra worker
+# runs a file there meanwhile (2 idle cores: 5 min 5-12 s with 2 workers, 4 min 51 s with 3). The
+# real-target compiles keep one worker per core (-n auto): they never wait. Two runs, timed apart:
+# the fake-CPU-device tests, then the compiles for real H100 and TPU targets (tests marked
+# real_target); each prints its 15 slowest tests.
+TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
 test: $(STAMP) $(COMPILERS_STAMP)
-	MESHLM_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q -n auto --dist loadfile --durations=15 -m "not real_target" tests
+	MESHLM_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 -m "not real_target" tests
 	MESHLM_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q -n auto --dist loadfile --durations=15 -m real_target tests
 
 # A real one-node SLURM runs a sweep's array job and a 2-process srun (scripts/slurm_check.sh).
