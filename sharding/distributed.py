@@ -18,6 +18,8 @@ import jax
 from configs.schema import ConfigError, DistConfig
 
 _KEY = "meshlm/fingerprint"
+_BEATS = "meshlm/beats"
+FINISHED = "finished"
 # The variables jax.distributed's SLURM detection reads. All are set only inside an `srun` step:
 # a batch script's own process lacks SLURM_STEP_NODELIST and is one process whatever --ntasks says.
 _SLURM_STEP = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
@@ -116,10 +118,20 @@ def share_from_process_0(key: str, value: str, timeout_s: float) -> str:
     return _client().blocking_key_value_get(key, int(timeout_s * 1000))
 
 
-def dead_processes() -> list[int]:
-    """Processes the coordination service no longer hears from (empty when single-process)."""
+def publish_beat(run: int, value: str) -> None:
+    """This process's heartbeat for its `run`-th run of the job: a count that grows while it lives,
+    or FINISHED once the run has ended. The processes of a job run the same sequence of runs, so
+    `run` names the same one on each. A key per run and process, overwritten: one cheap call."""
+    if jax.process_count() > 1:
+        _client().key_value_set(f"{_BEATS}/{run}/{jax.process_index()}", value, allow_overwrite=True)
+
+
+def peer_beats(run: int) -> dict[int, str]:
+    """The last heartbeat of every process that has published one for `run` (one call however many
+    processes). Unlike the coordination service's own liveness query (`get_live_nodes`), which
+    waits until every live process asks too, this never blocks: a peer that has ended its run
+    and waits in jax.distributed's shutdown barrier asks nothing, and a watchdog waiting on it then
+    outlived its own process's exit (the interpreter aborted on the thread blocked in XLA)."""
     if jax.process_count() == 1:
-        return []
-    everyone = list(range(jax.process_count()))
-    live = _client().get_live_nodes(everyone)
-    return [p for p in everyone if p not in live]
+        return {}
+    return {int(key.rsplit("/", 1)[1]): value for key, value in _client().key_value_dir_get(f"{_BEATS}/{run}/")}

@@ -142,6 +142,54 @@ def test_a_second_job_is_refused_and_a_killed_peer_stops_the_others_within_60_s(
     assert any(reason in out for reason in peer_gone), out[-2000:]
 
 
+# Processes 0 and 1 of a job, each with the stack's Watchdog (heartbeats every 0.1 s, a peer dead
+# after 2 s still), meet; process 1 ends its run (saying so, or not: `announce`) and exits, as a
+# peer that has committed its last save does, while process 0 goes on 4 s more (saving its own).
+FINISHED_PEER = """
+import sys, time
+import jax
+pid, port, announce = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "announce"
+jax.distributed.initialize(f"127.0.0.1:{port}", 2, pid, heartbeat_timeout_seconds=30, shutdown_timeout_seconds=60)
+from jax._src import distributed
+from trainer.faults import Watchdog
+watchdog, client = Watchdog(0, peer_timeout_s=2, poll_s=0.1), distributed.global_state.client
+client.key_value_set(f"up/{pid}", "1")
+client.blocking_key_value_get(f"up/{1 - pid}", 60_000)
+time.sleep(0.5 if pid else 4.5)
+if announce or pid == 0:
+    watchdog.finished()
+watchdog.close()
+print(f"process {pid} ended its run", flush=True)
+"""
+
+
+@pytest.mark.parametrize("announce", ["announce", "silent"])
+def test_a_peer_that_ended_its_run_first_is_not_taken_for_a_dead_one(announce):
+    """The processes of a job end their last step together, but one can commit its save and exit
+    while another still saves; the first then waits in jax.distributed's shutdown barrier. The
+    other must exit 0, not stop as if its peer had crashed (a CI run's 2-process job exited 5
+    after its last step and summary, its watchdog blocked in the coordination service's liveness
+    query, which waits for every live peer to ask too). A peer that ends its run says so
+    (`Watchdog.finished`); one that stops beating without saying so is dead, and the survivor
+    says which and exits 5."""
+    import subprocess
+    import sys
+
+    from bench.procs import ROOT, cpu_env, free_port
+
+    port, env = str(free_port()), cpu_env(1)
+    procs = [subprocess.Popen([sys.executable, "-c", FINISHED_PEER, str(i), port, announce], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    codes = [p.returncode for p in procs]
+    if announce == "announce":
+        assert codes == [0, 0], outs
+        assert all(f"process {i} ended its run" in out for i, out in enumerate(outs)), outs
+    else:
+        assert codes[0] == 5 and "process(es) [1] of 2 stopped sending heartbeats" in outs[0], (codes, outs)
+        assert "process 0 ended its run" not in outs[0], outs
+
+
 def wait_for_lock(run_dir, proc, timeout: float = 120) -> int:
     """The pid in run_dir/lock.json once it is there and whole (it is written in place)."""
     deadline = time.monotonic() + timeout

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import faulthandler
 import hashlib
+import itertools
 import os
 import signal
 import sys
@@ -23,7 +24,7 @@ from types import FrameType
 import jax
 
 from configs import Config
-from sharding.distributed import dead_processes
+from sharding.distributed import FINISHED, peer_beats, publish_beat
 
 EXIT_BAD_STEPS = 3
 EXIT_HUNG = 4
@@ -112,15 +113,31 @@ def _fatal(message: str, code: int, dump_stacks: bool) -> None:
     os._exit(code)  # the main thread may be blocked inside XLA: no clean unwinding is possible
 
 
-class Watchdog:
-    """Call `beat(step)` when a step finishes; `pause()` around work that is not a step."""
+# Runs watched in this process so far: a job's processes run the same sequence of runs (a test may
+# run several in one process), so the count names a run alike on every process.
+_RUNS = itertools.count()
 
-    def __init__(self, step_timeout_s: float, poll_s: float = 1.0):
+
+class Watchdog:
+    """Call `beat(step)` when a step finishes; `pause()` around work that is not a step;
+    `finished()` once the run has ended (its last save committed), before `close()`.
+
+    With several processes its thread also publishes this process's heartbeat every `poll_s` and
+    reads every peer's (sharding.distributed: one non-blocking call each). A peer whose heartbeat
+    has stood still for `peer_timeout_s` without its run finished is dead. A peer counts only once
+    it has beaten in this run: processes start their watchdogs after compiling, some later than
+    others (one that dies before is the coordination service's to detect)."""
+
+    def __init__(self, step_timeout_s: float, peer_timeout_s: float = 20.0, poll_s: float = 1.0):
         self.timeout = step_timeout_s
+        self.peer_timeout = peer_timeout_s
         self.poll = poll_s
+        self.run = next(_RUNS)
         self._last = time.monotonic()
         self._step = 0
         self._armed = False
+        self._beats = 0
+        self._seen: dict[int, tuple[str, float]] = {}  # peer -> (its last heartbeat, when it changed here)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
         self._thread.start()
@@ -131,15 +148,37 @@ class Watchdog:
     def pause(self) -> None:
         self._armed = False
 
+    def finished(self) -> None:
+        """The run has ended here: peers that find this process gone from now on know it was not a
+        crash. Only on a run's normal end (or an agreed preemption stop), not on an error."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        publish_beat(self.run, FINISHED)
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
 
+    def dead_peers(self) -> list[int]:
+        """Publishes this process's heartbeat; returns the peers whose heartbeat stood still too long."""
+        self._beats += 1
+        publish_beat(self.run, str(self._beats))
+        now, dead = time.monotonic(), []
+        for peer, value in peer_beats(self.run).items():
+            last, since = self._seen.get(peer, ("", now))
+            if value != last:
+                self._seen[peer] = (value, now)
+            elif value != FINISHED and now - since > self.peer_timeout:
+                dead.append(peer)
+        return dead
+
     def _run(self) -> None:
         while not self._stop.wait(self.poll):
             try:
-                dead = dead_processes()
+                dead = self.dead_peers()
             except Exception as e:  # the coordinator itself is gone
+                if self._stop.is_set():  # the run ended meanwhile: its exit is not this thread's to decide
+                    return
                 _fatal(f"lost the coordination service ({type(e).__name__}: {e}); stopping", EXIT_PEER_LOST, False)
             if dead:
                 _fatal(

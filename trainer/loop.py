@@ -229,7 +229,7 @@ def _train(cfg: Config, session: Session, devices: list, goodput: Goodput) -> li
     hooks = make_hooks(cfg, session.program, session.ckpt, session.iterator, session.eval_rows, book, logger, goodput)
     goodput.lap("compile")
     step_fn = instrument(step_fn, session.start, goodput)
-    stop, watchdog = StopSignal(), Watchdog(cfg.train.step_timeout_s)
+    stop, watchdog = StopSignal(), Watchdog(cfg.train.step_timeout_s, cfg.dist.heartbeat_timeout_s)
     try:
         _loop(cfg, session, step_fn, book, hooks, logger, stop, watchdog, goodput)
     finally:
@@ -291,6 +291,7 @@ def _loop(cfg: Config, session: Session, step_fn: Any, book: StepLog, hooks: lis
             watchdog.pause()
             with goodput.phase("checkpoint"):
                 ckpt.wait()
+            watchdog.finished()
             signame = signal.Signals(stop.signum).name if stop.signum else "SIGTERM"
             log(f"preempted by {signame}: checkpoint at step {done} committed in {ckpt.directory}; "
                 "run the same command to resume")
@@ -300,4 +301,5 @@ def _loop(cfg: Config, session: Session, step_fn: Any, book: StepLog, hooks: lis
     watchdog.pause()
     with goodput.phase("checkpoint"):
         ckpt.wait()
+    watchdog.finished()
     log(f"done: step {last}, checkpoints at {ckpt.directory} (steps {ckpt.all_steps()})")
