@@ -80,6 +80,9 @@ class TrainConfig:
     steps: int = 200
     global_batch: int = 16
     grad_accum: int = 1
+    # The batch (each micro-batch) as this many independent parts whose loss sums and gradients add
+    # up: 0, the stack picks (trainer/layout.py `batch_streams`: 2 on a one-device CPU mesh).
+    batch_streams: int = 0
     log_every: int = 10
     step_timeout_s: float = 900.0  # a step (or save) stuck this long: dump stacks, exit 4; 0: off
     max_bad_steps: int = 10  # non-finite loss/grad-norm steps in a row before stopping (exit 3)

@@ -115,6 +115,7 @@ def validate_static(cfg: Config) -> None:
     """Checks that need no devices. Raises ConfigError naming the first bad key."""
     t, m, o = cfg.train, cfg.model, cfg.optim
     _require(t.steps >= 0, "train.steps", f"must be >= 0, got {t.steps}")
+    _require(t.batch_streams >= 0, "train.batch_streams", f"must be >= 0 (0: the stack picks), got {t.batch_streams}")
     for key, value in [
         ("train.global_batch", t.global_batch),
         ("train.grad_accum", t.grad_accum),

@@ -75,6 +75,13 @@ def plan_layout(cfg: Config, num_devices: int) -> Layout:
             f"train.global_batch={t.global_batch} is not divisible by {need} = batch shards "
             f"({' x '.join(f'{a}={sizes[a]}' for a in batch_axes) or '1'}) x train.grad_accum={t.grad_accum}"
         )
+    streams = t.batch_streams
+    if streams > 1 and (t.global_batch // need) % streams:
+        raise ConfigError(f"train.batch_streams={streams} does not divide the {t.global_batch // need} rows each batch "
+                          f"shard gets per micro-batch (train.global_batch={t.global_batch} / {need})")
+    if streams > 1 and sizes["pipeline"] > 1 and cfg.pipeline.schedule != "gpipe":
+        raise ConfigError(f"train.batch_streams={streams}: pipeline.schedule={cfg.pipeline.schedule} computes the "
+                          "gradients itself, over its microbatches: leave it 0")
     check_context(cfg, sizes, act_rules)
     block = cfg.model.attention_block
     if sizes["context"] > 1 and 0 < block < cfg.model.seq_len:
@@ -221,6 +228,30 @@ def scheduled_grads(
         graphdef, layout.stages, layout.repeats, layout.microbatches, remat_policy, layout.stage_rules, loss_chunk, cast,
         layout.schedule, axes_size(mesh_axes("length", layout.stage_rules), layout.sizes),
     )
+
+
+# `train.batch_streams=0` on a one-device CPU mesh: the step's batch as two independent halves.
+# XLA:CPU runs some ops on one thread (the attention blocks' batched matmuls: a step's pool thread
+# worked alone 14.5% of the time); with a second, independent stream of work its executor runs the
+# other half's ops on the idle thread (one thread alone 5.4%), and the default step took about 5%
+# less time (BENCHMARKS.md, "one core against two"). Several CPU devices already keep the pool
+# busy with each other's work, and a stream is one more copy of the loss to trace and compile.
+CPU_BATCH_STREAMS = 2
+
+
+def batch_streams(cfg: Config, layout: Layout, num_devices: int, platform: str) -> int:
+    """Independent parts of each (micro-)batch: `train.batch_streams`, or the stack's pick for 0:
+    CPU_BATCH_STREAMS on a one-device CPU mesh where the rows divide and autodiff computes the
+    gradients (no pipeline schedule) of a dense model (an MoE's balance loss is not a sum over
+    tokens, so halves would change it), else 1."""
+    t = cfg.train
+    if t.batch_streams:
+        return t.batch_streams
+    rows = t.global_batch // t.grad_accum
+    dense = not cfg.model.moe.enabled
+    if platform == "cpu" and num_devices == 1 and dense and not layout.pipelined and rows % CPU_BATCH_STREAMS == 0:
+        return CPU_BATCH_STREAMS
+    return 1
 
 
 # `model.scan_unroll=0` unrolls stacks up to this deep on CPU: there the scan's stacked buffers

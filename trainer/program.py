@@ -42,6 +42,7 @@ from model.quant import token_major_weight_grads
 from trainer.checkpoint import check_resumable, has_checkpoints
 from trainer.layout import (
     Layout,
+    batch_streams,
     expert_dispatcher,
     flat_weight_grads,
     grouped_matmul,
@@ -152,9 +153,10 @@ def make_program(spec: RunSpec, devices: list) -> Program:
     cast = functools.partial(cast_for_compute, axes=model.axes, dtype=cfg.model.dtype, shardings=state_sh.params)
     grad_fn = scheduled_grads(layout, model.graphdef, cfg.model.remat, cfg.model.loss_chunk, cast)
     dispatch = expert_dispatcher(layout, grouped_matmul(cfg, layout, devices[0].platform))
+    streams = batch_streams(cfg, layout, len(devices), devices[0].platform)
     step = jax.jit(
         make_train_step(model.graphdef, tx, schedule, cfg.train.grad_accum, runner, cfg.model.loss_chunk, cast,
-                        split, grad_fn, cfg.model.moe, dispatch),
+                        split, grad_fn, cfg.model.moe, dispatch, streams),
         in_shardings=(state_sh, batch_sh),
         out_shardings=(state_sh, None),
         donate_argnums=(0,),
