@@ -144,19 +144,21 @@ def test_batch_streams_weigh_every_token_the_same(short_docs, reference, layout,
 
 
 def test_the_stack_streams_a_one_device_cpu_batch_in_two(short_docs):
-    """`train.batch_streams=0` picks 2 for a dense model on one CPU device (two independent halves
-    of the step for XLA:CPU's executor to run side by side), 1 elsewhere; the two programs differ
-    (each half has its own dots) and a count that does not divide the rows is refused."""
-    one = config(short_docs, "mesh.data=1")
+    """`train.batch_streams=0` picks 2 for a dense model on one CPU device whose halves hold at
+    least 1,024 tokens each (two independent halves of the step for XLA:CPU's executor to run side
+    by side), 1 elsewhere; the two programs differ (each half has its own dots) and a count that
+    does not divide the rows is refused."""
+    long = ["mesh.data=1", "model.seq_len=64"]  # 32 rows x 64: halves of 1,024 tokens
+    one = config(short_docs, *long)
     program = abstract_program(one, jax.devices()[:1])
     layout = program.spec.layout
     assert batch_streams(one, layout, 1, "cpu") == 2
     assert batch_streams(one, layout, 1, "gpu") == batch_streams(one, layout, 8, "cpu") == 1
-    moe = config(short_docs, "mesh.data=1", "model.moe.num_experts=4")
+    moe = config(short_docs, *long, "model.moe.num_experts=4")
     assert batch_streams(moe, layout, 1, "cpu") == 1  # an MoE's balance loss is not a sum over tokens
-    odd = config(short_docs, "mesh.data=1", "train.global_batch=3")
-    assert batch_streams(odd, layout, 1, "cpu") == 1
-    dots = [abstract_program(config(short_docs, "mesh.data=1", f"train.batch_streams={s}"), jax.devices()[:1])
+    assert batch_streams(config(short_docs, *long, "train.global_batch=3"), layout, 1, "cpu") == 1
+    assert batch_streams(config(short_docs, "mesh.data=1"), layout, 1, "cpu") == 1  # halves of 512 tokens
+    dots = [abstract_program(config(short_docs, *long, f"train.batch_streams={s}"), jax.devices()[:1])
             .lower().as_text().count("dot_general") for s in (1, 0)]
     assert dots[1] > dots[0] > 0, dots
     with pytest.raises(ConfigError, match="train.batch_streams=3 does not divide the 32 rows"):

@@ -101,8 +101,8 @@ def test_on_cpu_the_weight_gradients_sum_over_merged_tokens():
 # Both ways of running the stack and of attending: the golden values are one computation,
 # whatever the loop, and whether the queries go in blocks (the sums skip only exact zeros).
 @pytest.mark.parametrize("extra", [(), ("model.scan_unroll=1",), ("model.attention_block=8",),
-                                   ("model.flat_weight_grads=off",), ("train.batch_streams=1",)],
-                         ids=["cpu-default-unrolled", "scanned", "query-blocked", "two-dim-weight-grads", "one-stream"])
+                                   ("model.flat_weight_grads=off",), ("train.batch_streams=2",)],
+                         ids=["cpu-default-unrolled", "scanned", "query-blocked", "two-dim-weight-grads", "two-streams"])
 def test_the_first_steps_of_the_tiny_preset_match_the_golden_values(tmp_path, extra):
     with open(GOLDEN) as f:
         golden = json.load(f)

@@ -237,21 +237,24 @@ def scheduled_grads(
 # less time (BENCHMARKS.md, "one core against two"). Several CPU devices already keep the pool
 # busy with each other's work, and a stream is one more copy of the loss to trace and compile.
 CPU_BATCH_STREAMS = 2
+# ... and only where each half has this many tokens: the default model's step ran about 4% faster
+# in halves of 1,024 tokens (batch 8 x 256) as of 2,048, while the tiny preset's 512-token step
+# (20 ms) ran alike in halves of 256 and took 0.5 s longer to compile (3.2 -> 3.7 s).
+CPU_STREAM_MIN_TOKENS = 1024
 
 
 def batch_streams(cfg: Config, layout: Layout, num_devices: int, platform: str) -> int:
     """Independent parts of each (micro-)batch: `train.batch_streams`, or the stack's pick for 0:
-    CPU_BATCH_STREAMS on a one-device CPU mesh where the rows divide and autodiff computes the
-    gradients (no pipeline schedule) of a dense model (an MoE's balance loss is not a sum over
-    tokens, so halves would change it), else 1."""
+    CPU_BATCH_STREAMS on a one-device CPU mesh where the rows divide into parts of at least
+    CPU_STREAM_MIN_TOKENS tokens and autodiff computes the gradients (no pipeline schedule) of a
+    dense model (an MoE's balance loss is not a sum over tokens, so halves would change it), else 1."""
     t = cfg.train
     if t.batch_streams:
         return t.batch_streams
-    rows = t.global_batch // t.grad_accum
+    rows, n = t.global_batch // t.grad_accum, CPU_BATCH_STREAMS
+    big = rows % n == 0 and rows // n * cfg.model.seq_len >= CPU_STREAM_MIN_TOKENS
     dense = not cfg.model.moe.enabled
-    if platform == "cpu" and num_devices == 1 and dense and not layout.pipelined and rows % CPU_BATCH_STREAMS == 0:
-        return CPU_BATCH_STREAMS
-    return 1
+    return n if platform == "cpu" and num_devices == 1 and dense and not layout.pipelined and big else 1
 
 
 # `model.scan_unroll=0` unrolls stacks up to this deep on CPU: there the scan's stacked buffers
