@@ -71,13 +71,14 @@ def reference(short_docs):
     return batch, params, loss_and_grads(cfg, batch, params, jax.devices()[:1])
 
 
-def loss_and_grads(cfg, batch: dict, params: dict, devices: list | None = None) -> tuple[float, dict]:
+def loss_and_grads(cfg, batch: dict, params: dict, devices: list | None = None, streams: int = 1) -> tuple[float, dict]:
     program = abstract_program(cfg, devices)
     params = jax.device_put(params, program.state_sh.params)
     batch = {k: jax.device_put(v, program.batch_sh) for k, v in batch.items()}
     loss_fn = make_loss_fn(program.spec.model.graphdef, program.runner, cfg.model.loss_chunk)
+    grad_fn = streamed(jax.value_and_grad(loss_fn, has_aux=True), streams)
     with activation_rules(program.mesh, program.spec.layout.act_rules):
-        loss, grads = jax.jit(lambda p, b: accumulate(loss_fn, p, b, cfg.train.grad_accum))(params, batch)
+        loss, grads = jax.jit(lambda p, b: accumulate(loss_fn, p, b, cfg.train.grad_accum, grad_fn))(params, batch)
     return float(loss), jax.tree.map(np.asarray, grads)
 
 
@@ -133,14 +134,10 @@ def test_batch_streams_weigh_every_token_the_same(short_docs, reference, layout,
     np.testing.assert_allclose(float(metrics["loss"]), ref_loss, rtol=1e-6)
     ref_norm = np.sqrt(sum(float(np.sum(np.square(g, dtype=np.float64))) for g in jax.tree.leaves(ref_grads)))
     np.testing.assert_allclose(float(metrics["grad_norm"]), ref_norm, rtol=1e-5)
-    loss_fn = make_loss_fn(program.spec.model.graphdef, program.runner, cfg.model.loss_chunk)
-    grad_fn = streamed(jax.value_and_grad(loss_fn, has_aux=True), streams)
-    with activation_rules(program.mesh, program.spec.layout.act_rules):
-        loss, grads = jax.jit(lambda p, b: accumulate(loss_fn, p, b, grad_accum, grad_fn))(
-            jax.device_put(params, program.state_sh.params), {k: jax.device_put(v, program.batch_sh) for k, v in batch.items()})
-    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-6)
+    loss, grads = loss_and_grads(cfg, batch, params, devices, streams)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     for (path, r), g in zip(jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads)):
-        np.testing.assert_allclose(np.asarray(g), r, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
 
 
 def test_the_stack_streams_a_one_device_cpu_batch_in_two(short_docs):

@@ -151,8 +151,7 @@ class Watchdog:
     def finished(self) -> None:
         """The run has ended here: peers that find this process gone from now on know it was not a
         crash. Only on a run's normal end (or an agreed preemption stop), not on an error."""
-        self._stop.set()
-        self._thread.join(timeout=5)
+        self.close()  # first: no heartbeat of this thread's may overwrite FINISHED
         publish_beat(self.run, FINISHED)
 
     def close(self) -> None:

@@ -220,8 +220,8 @@ def make_train_step(
     streams: int = 1,
 ) -> Callable[[TrainState, dict[str, Array]], tuple[TrainState, dict[str, Array]]]:
     loss_fn = make_loss_fn(graphdef, runner, loss_chunk, cast, split, moe, dispatch)
-    if streams > 1:  # a pipeline schedule's grad_fn is refused with streams by plan_layout
-        grad_fn = streamed(jax.value_and_grad(loss_fn, has_aux=True), streams)
+    if streams > 1:
+        grad_fn = streamed(grad_fn or jax.value_and_grad(loss_fn, has_aux=True), streams)
 
     def train_step(state: TrainState, batch: dict[str, Array]) -> tuple[TrainState, dict[str, Array]]:
         loss, grads, aux = accumulate_stats(loss_fn, state.params, batch, grad_accum, grad_fn)
