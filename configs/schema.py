@@ -28,6 +28,7 @@ GRAD_REDUCE_DTYPES = ("compute", "float32", "bfloat16")  # model.grad_reduce
 GATHER_DTYPES = ("compute", "fp8")  # model.gather_dtype
 LOGITS_DTYPES = ("compute", "float32")  # model.logits_dtype
 FLAT_WEIGHT_GRADS = ("auto", "on", "off")  # model.flat_weight_grads
+CPU_MATMULS = ("auto", "mkl", "xla")  # model.cpu_matmul (model/cpu_matmul.py)
 REUSE_HOST_MEMORY = ("auto", "on", "off")  # run.reuse_host_memory
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SOURCES = ("text", "prepared", "synthetic")
@@ -220,6 +221,11 @@ class ModelConfig:
     # the two-dim form (model/quant.py). "auto": on for CPU programs whose sequence is not split
     # (mesh.context=1), off elsewhere (trainer/layout.py `flat_weight_grads`).
     flat_weight_grads: str = "auto"
+    # The CPU step's float32 matmuls (the blocks' projections, the query-blocked attention's
+    # products): "mkl", the MKL kernel of model/cpu_matmul.py (a one-device CPU mesh only), or
+    # "xla", XLA:CPU's own. "auto": mkl on a one-device CPU mesh where the kernel is built, else xla
+    # (trainer/layout.py `cpu_matmul`).
+    cpu_matmul: str = "auto"
     quant: str = "none"  # none | fp8 | int8: the blocks' matmuls (model/quant.py)
     # The dtype block weight gradients leave their matmuls in, so the dtype their reductions over
     # the batch shards move ("compute": the compute dtype).

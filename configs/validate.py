@@ -10,6 +10,7 @@ from configs.schema import (
     CONTEXT_STRATEGIES,
     DATA_SOURCES,
     DTYPES,
+    CPU_MATMULS,
     FLAT_WEIGHT_GRADS,
     GATHER_DTYPES,
     GRAD_REDUCE_DTYPES,
@@ -172,6 +173,7 @@ def validate_static(cfg: Config) -> None:
     _one_of(m.gather_dtype, "model.gather_dtype", GATHER_DTYPES)
     _one_of(m.logits_dtype, "model.logits_dtype", LOGITS_DTYPES)
     _one_of(m.flat_weight_grads, "model.flat_weight_grads", FLAT_WEIGHT_GRADS)
+    _one_of(m.cpu_matmul, "model.cpu_matmul", CPU_MATMULS)
     _one_of(cfg.run.reuse_host_memory, "run.reuse_host_memory", REUSE_HOST_MEMORY)
     _one_of(cfg.context.strategy, "context.strategy", CONTEXT_STRATEGIES)
     _check_data(cfg)

@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from model import cpu_matmul
+
 Array = jax.Array
 # (q, k, v, positions, segment_ids) -> out [batch, length, heads, head_dim]
 AttentionFn = Callable[[Array, Array, Array, Array, "Array | None"], Array]
@@ -105,6 +107,14 @@ def query_blocked_attention(q: Array, k: Array, v: Array, positions: Array, segm
     return jnp.concatenate(outs, axis=1)
 
 
+def _product(spec: str, a: Array, b: Array) -> Array:
+    """A batched product of the blocks in float32: through the CPU matmul kernel where the trainer
+    turned it on (XLA:CPU ran these small products on one thread), else XLA's."""
+    if cpu_matmul.takes(spec, a, b):
+        return cpu_matmul.einsum(spec, a, b)
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
 def heads_first_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
     """`masked_attention`'s products and sums in the operand layouts XLA:CPU's matmuls take
     without transposing the [T, S] scores (the query-blocked kernel's blocks): q as [b, kv_heads,
@@ -118,12 +128,12 @@ def heads_first_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
     # (the merged queries), which XLA:CPU's matmul takes as laid out, where two contracted dims
     # made it write the [s, g x t] scores and their gradient transposed first.
     q = q.reshape(b, t, kv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, d)
-    scores = jnp.einsum("bkqd,bkds->bkqs", q, k.transpose(0, 2, 3, 1), preferred_element_type=jnp.float32) * d**-0.5
+    scores = _product("bkqd,bkds->bkqs", q, k.transpose(0, 2, 3, 1)) * d**-0.5
     scores = jnp.where(mask[:, :, None], scores.reshape(b, kv, g, t, -1), jnp.finfo(jnp.float32).min)
     scores = scores.reshape(b, kv, g * t, -1)
     # As jax.nn.softmax: the row maximum is a constant to autodiff (the result does not depend on it).
     e = jnp.exp(scores - jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True)))
-    out = jnp.einsum("bkqs,bksd->bkqd", e.astype(v.dtype), v.transpose(0, 2, 1, 3), preferred_element_type=jnp.float32)
+    out = _product("bkqs,bksd->bkqd", e.astype(v.dtype), v.transpose(0, 2, 1, 3))
     out = (out / jnp.sum(e, axis=-1, keepdims=True)).astype(v.dtype)
     return out.reshape(b, kv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 

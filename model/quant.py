@@ -67,6 +67,8 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from model import cpu_matmul
+
 Array = jax.Array
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -250,6 +252,8 @@ def qeinsum(spec: str, x: Array, w: Array, quant: str, grad_reduce: str = "compu
     `model.quant` ('none': the plain einsum) and `model.grad_reduce`."""
     if quant != "none":
         return _EINSUMS[quant](spec, x, w, grad_reduce)
+    if grad_reduce in ("compute", w.dtype.name) and cpu_matmul.takes(spec, x, w):
+        return cpu_matmul.einsum(spec, x, w)  # on CPU, where the trainer turned the kernel on
     # Through the custom gradient even in the compute dtype, for its operand order: autodiff's
     # transpose of the einsum writes the weight gradient with the incoming gradient first, and
     # XLA:CPU then lays out the larger [tokens, d_ff] operand transposed in a slow loop fusion

@@ -133,6 +133,7 @@ EXPLICIT: dict[str, tuple[Any, list[str]]] = {
     "model.gather_dtype": ("fp8", []),
     "model.logits_dtype": ("float32", []),
     "model.flat_weight_grads": ("off", []),
+    "model.cpu_matmul": ("xla", []),
     "run.reuse_host_memory": ("off", []),
     "context.strategy": ("ring", []),
     "pipeline.schedule": ("interleaved_1f1b", ["pipeline.repeats=2"]),

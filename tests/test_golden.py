@@ -62,8 +62,10 @@ def layer_loops(*overrides: str) -> int:
 
 
 def attention_dots(*overrides: str) -> int:
-    """How many matmuls the tiny preset's step on one CPU device lowers to."""
-    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), ["mesh.data=1", "data.source=synthetic", *overrides])
+    """How many matmuls the tiny preset's step on one CPU device lowers to (XLA's own: the MKL
+    kernel's are custom calls)."""
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"),
+                      ["mesh.data=1", "data.source=synthetic", "model.cpu_matmul=xla", *overrides])
     return trainer.abstract_program(cfg, jax.devices()[:1]).lower().as_text().count("stablehlo.dot_general")
 
 
@@ -83,8 +85,10 @@ def test_query_blocks_lower_to_more_matmuls_than_one_block():
 
 def merged_token_dots(*overrides: str) -> int:
     """How many matmuls of the tiny preset's compiled step on one CPU device contract the lhs's
-    leading dim (a weight gradient over merged tokens, taken by the dot as it is laid out)."""
-    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), ["mesh.data=1", "data.source=synthetic", *overrides])
+    leading dim (a weight gradient over merged tokens, taken by the dot as it is laid out), with
+    XLA's own matmuls (the MKL kernel reads its operands transposed in place)."""
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"),
+                      ["mesh.data=1", "data.source=synthetic", "model.cpu_matmul=xla", *overrides])
     compiled, _ = trainer.abstract_program(cfg, jax.devices()[:1]).compile()
     return compiled.as_text().count("lhs_contracting_dims={0}")
 
@@ -99,10 +103,13 @@ def test_on_cpu_the_weight_gradients_sum_over_merged_tokens():
 
 
 # Both ways of running the stack and of attending: the golden values are one computation,
-# whatever the loop, and whether the queries go in blocks (the sums skip only exact zeros).
+# whatever the loop, whether the queries go in blocks (the sums skip only exact zeros), and
+# whose matmuls multiply on CPU (the MKL kernel, the default on one CPU device, or XLA's).
 @pytest.mark.parametrize("extra", [(), ("model.scan_unroll=1",), ("model.attention_block=8",),
-                                   ("model.flat_weight_grads=off",), ("train.batch_streams=2",)],
-                         ids=["cpu-default-unrolled", "scanned", "query-blocked", "two-dim-weight-grads", "two-streams"])
+                                   ("model.flat_weight_grads=off",), ("train.batch_streams=2",),
+                                   ("model.cpu_matmul=xla",), ("model.cpu_matmul=xla", "model.attention_block=8")],
+                         ids=["cpu-default-unrolled", "scanned", "query-blocked", "two-dim-weight-grads", "two-streams",
+                              "xla-matmuls", "xla-matmuls-query-blocked"])
 def test_the_first_steps_of_the_tiny_preset_match_the_golden_values(tmp_path, extra):
     with open(GOLDEN) as f:
         golden = json.load(f)

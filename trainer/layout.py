@@ -17,6 +17,7 @@ from flax import nnx
 from configs import Config, ConfigError, ModelConfig
 from model import LayerRunner, scan_layers
 from model.attention import block_mask, query_blocked_attention, splash_attention
+from model.cpu_matmul import unavailable as cpu_kernel_unavailable
 from sharding import Rules, axes_size, mesh_axes, resolve_mesh_shape, to_rules
 from model.moe import DispatchFn, GroupedMatmul, local_dispatch, megablox_matmul, megablox_tile
 from sharding.context import SequenceSplit, balanced_order, check_context, per_device, sharded_ring
@@ -198,6 +199,38 @@ def flat_weight_grads(model: ModelConfig, context: int, platform: str) -> bool:
     if model.flat_weight_grads != "auto":
         return model.flat_weight_grads == "on"
     return platform == "cpu" and context == 1
+
+
+def cpu_matmul(model: ModelConfig, num_devices: int, platform: str) -> bool:
+    """Whether the step's float32 matmuls run the MKL kernel of model/cpu_matmul.py
+    (`model.cpu_matmul`). "auto": on a one-device CPU mesh of a float32 model where the kernel is
+    built: the default step took about a fifth less time (BENCHMARKS.md, "The CPU step"). "mkl"
+    anywhere else is refused: it is a CPU kernel, and XLA's partitioner cannot split a custom
+    call over several devices (it would gather every operand onto each)."""
+    if model.cpu_matmul == "xla":
+        return False
+    fits = platform == "cpu" and num_devices == 1 and model.dtype == "float32"
+    if model.cpu_matmul == "auto":
+        return fits and not cpu_kernel_unavailable()
+    if not fits:
+        where = (f"the devices are {platform}" if platform != "cpu" else f"the mesh has {num_devices} devices"
+                 if num_devices != 1 else f"model.dtype={model.dtype}")
+        raise ConfigError(f"model.cpu_matmul=mkl multiplies float32 on a one-device CPU mesh, but {where}: "
+                          "use xla or auto")
+    why = cpu_kernel_unavailable()
+    if why:
+        raise ConfigError(f"model.cpu_matmul=mkl: {why}")
+    return True
+
+
+def cpu_matmul_note(model: ModelConfig, num_devices: int, platform: str, on: bool) -> str:
+    """The line a run prints about its CPU matmuls ("" off the CPU or with several devices)."""
+    if platform != "cpu" or num_devices != 1:
+        return ""
+    if on:
+        return f"model.cpu_matmul={model.cpu_matmul}: the float32 matmuls run the MKL kernel (model/cpu_matmul.py)"
+    why = cpu_kernel_unavailable() if model.cpu_matmul == "auto" and model.dtype == "float32" else ""
+    return f"model.cpu_matmul=auto: XLA's matmuls ({why})" if why else ""
 
 
 def sequence_split(cfg: Config, layout: Layout, platform: str) -> SequenceSplit | None:

@@ -38,11 +38,13 @@ from sharding.cast import cast_for_compute
 from sharding.context import SequenceSplit
 from sharding.hlo import COLLECTIVES, static_counts  # noqa: F401  (COLLECTIVES: re-exported)
 from model import hf
+from model.cpu_matmul import cpu_matmul as use_cpu_matmul
 from model.quant import token_major_weight_grads
 from trainer.checkpoint import check_resumable, has_checkpoints
 from trainer.layout import (
     Layout,
     batch_streams,
+    cpu_matmul,
     expert_dispatcher,
     flat_weight_grads,
     grouped_matmul,
@@ -112,6 +114,7 @@ class Program:
     split: SequenceSplit | None = None  # load-balanced order and sharded attention (None: neither)
     grad_fn: Callable | None = None  # the pipeline schedule's (loss, gradients) (None: autodiff)
     flat_grads: bool = False  # block weight gradients over merged token dims (layout.flat_weight_grads)
+    cpu_kernel: bool = False  # the float32 matmuls through model/cpu_matmul.py (layout.cpu_matmul)
 
     def abstract_state(self) -> TrainState:
         return abstract_state(self.tx, self.spec.model.shapes, self.state_sh)
@@ -123,9 +126,10 @@ class Program:
 
     @contextlib.contextmanager
     def tracing(self) -> Iterator[None]:
-        """What binds while the step and eval loss trace: the model's activation constraints and
-        the weight gradients' layout."""
-        with activation_rules(self.mesh, self.spec.layout.act_rules), token_major_weight_grads(self.flat_grads):
+        """What binds while the step and eval loss trace: the model's activation constraints, the
+        weight gradients' layout and the CPU matmul kernel."""
+        with (activation_rules(self.mesh, self.spec.layout.act_rules), token_major_weight_grads(self.flat_grads),
+              use_cpu_matmul(self.cpu_kernel)):
             yield
 
     def lower(self, state: Any = None) -> jax.stages.Lowered:
@@ -164,7 +168,8 @@ def make_program(spec: RunSpec, devices: list) -> Program:
     eval_loss = jax.jit(make_loss_fn(model.graphdef, runner, cfg.model.loss_chunk, cast, split, dispatch=dispatch),
                         in_shardings=(state_sh.params, batch_sh))
     flat = flat_weight_grads(cfg.model, layout.sizes["context"], devices[0].platform)
-    return Program(spec, mesh, tx, state_sh, batch_sh, runner, step, eval_loss, split, grad_fn, flat)
+    kernel = cpu_matmul(cfg.model, len(devices), devices[0].platform)
+    return Program(spec, mesh, tx, state_sh, batch_sh, runner, step, eval_loss, split, grad_fn, flat, kernel)
 
 
 def abstract_program(cfg: Config, devices: list | None = None) -> Program:
