@@ -223,8 +223,8 @@ class ModelConfig:
     flat_weight_grads: str = "auto"
     # The CPU step's float32 matmuls (the blocks' projections, the query-blocked attention's
     # products): "mkl", the MKL kernel of model/cpu_matmul.py (a one-device CPU mesh only), or
-    # "xla", XLA:CPU's own. "auto": mkl on a one-device CPU mesh where the kernel is built, else xla
-    # (trainer/layout.py `cpu_matmul`).
+    # "xla", XLA:CPU's own. "auto": mkl on a one-device CPU mesh of a float32 model whose remat
+    # policy saves no dots, where the kernel is built, else xla (trainer/layout.py `cpu_matmul`).
     cpu_matmul: str = "auto"
     quant: str = "none"  # none | fp8 | int8: the blocks' matmuls (model/quant.py)
     # The dtype block weight gradients leave their matmuls in, so the dtype their reductions over

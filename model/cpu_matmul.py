@@ -80,9 +80,13 @@ def build(out: Path = LIBRARY, prefix: str = sys.prefix) -> str:
     return ""
 
 
+def unavailable() -> str:
+    """"" once the kernel (LIBRARY) is loaded and registered with XLA for the CPU platform, else why not."""
+    return _load(LIBRARY)
+
+
 @functools.cache
-def unavailable(library: Path = LIBRARY) -> str:
-    """"" once the kernel is loaded and registered with XLA for the CPU platform, else why not."""
+def _load(library: Path) -> str:
     if not library.exists():
         return f"{library} is not built (`make venv` builds it: scripts/build_cpu_matmul.py)"
     if library.stat().st_mtime < SOURCE.stat().st_mtime:

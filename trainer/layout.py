@@ -206,17 +206,20 @@ def cpu_matmul(model: ModelConfig, num_devices: int, platform: str) -> bool:
     (`model.cpu_matmul`). "auto": on a one-device CPU mesh of a float32 model where the kernel is
     built: the default step took about a fifth less time (BENCHMARKS.md, "The CPU step"). "mkl"
     anywhere else is refused: it is a CPU kernel, and XLA's partitioner cannot split a custom
-    call over several devices (it would gather every operand onto each)."""
+    call over several devices (it would gather every operand onto each), and a remat policy that
+    saves dots (`model.remat=save_dots*`) does not count its custom calls as dots, so it would
+    recompute every product in the backward pass."""
     if model.cpu_matmul == "xla":
         return False
-    fits = platform == "cpu" and num_devices == 1 and model.dtype == "float32"
+    misfit = (f"the devices are {platform}" if platform != "cpu" else
+              f"the mesh has {num_devices} devices" if num_devices != 1 else
+              f"model.dtype={model.dtype}" if model.dtype != "float32" else
+              f"model.remat={model.remat} saves XLA's dots only" if model.remat.startswith("save_dots") else "")
     if model.cpu_matmul == "auto":
-        return fits and not cpu_kernel_unavailable()
-    if not fits:
-        where = (f"the devices are {platform}" if platform != "cpu" else f"the mesh has {num_devices} devices"
-                 if num_devices != 1 else f"model.dtype={model.dtype}")
-        raise ConfigError(f"model.cpu_matmul=mkl multiplies float32 on a one-device CPU mesh, but {where}: "
-                          "use xla or auto")
+        return not misfit and not cpu_kernel_unavailable()
+    if misfit:
+        raise ConfigError(f"model.cpu_matmul=mkl multiplies float32 on a one-device CPU mesh under a remat policy "
+                          f"that saves no dots, but {misfit}: use xla or auto")
     why = cpu_kernel_unavailable()
     if why:
         raise ConfigError(f"model.cpu_matmul=mkl: {why}")
