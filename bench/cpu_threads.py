@@ -107,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    op_names = dict(re.findall(r'%?(\S+) = [^\n]*?kind=kCustom[^\n]*?op_name="([^"]+)"', step.as_text()))
+    # Library fusions (kind=kCustom) and custom calls (the CPU matmul kernel's) by their HLO op.
+    op_names = dict(re.findall(r'%?(\S+) = [^\n]*?(?:kind=kCustom|custom-call\()[^\n]*?op_name="([^"]+)"',
+                               step.as_text()))
     for _ in range(3):
         state, metrics = step(state, batch)
     jax.block_until_ready(metrics)

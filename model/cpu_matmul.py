@@ -171,7 +171,8 @@ def einsum(spec: str, x: Array, y: Array) -> Array:
 
 def _einsum_fwd(spec: str, x: Array, y: Array) -> tuple[Array, tuple[Array, Array]]:
     x2, y2, shape = _as_matrices(spec, x, y)
-    return matmul(x2, y2).reshape(shape), (x, y)
+    with jax.named_scope(spec):  # profiles name the call by its einsum, as they do XLA's dots
+        return matmul(x2, y2).reshape(shape), (x, y)
 
 
 def _einsum_bwd(spec: str, res: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
@@ -180,7 +181,8 @@ def _einsum_bwd(spec: str, res: tuple[Array, Array], g: Array) -> tuple[Array, A
     x, y = res
     x2, y2, _ = _as_matrices(spec, x, y)
     g2 = g.reshape(x2.shape[:-1] + y2.shape[-1:])
-    return matmul(g2, y2, trans_b=True).reshape(x.shape), matmul(x2, g2, trans_a=True).reshape(y.shape)
+    with jax.named_scope(f"transpose({spec})"):
+        return matmul(g2, y2, trans_b=True).reshape(x.shape), matmul(x2, g2, trans_a=True).reshape(y.shape)
 
 
 einsum.defvjp(_einsum_fwd, _einsum_bwd)
