@@ -4,7 +4,7 @@ custom call (`cpu_matmul.cc`), instead of XLA:CPU's own matmuls.
 
 Why: on the default model's CPU step, XLA:CPU's matmuls (YNNPACK) ran the block shapes 10-25%
 below MKL on a core, and the attention blocks' small batched products on one thread while the
-other core waited; with this kernel the step took about a fifth less time (BENCHMARKS.md, "The
+other core waited; with this kernel the step took about a sixth less time (BENCHMARKS.md, "The
 CPU step"). The kernel splits each call's work over XLA's own thread pool, so it adds no threads.
 
 Float32 only: `takes` says whether a call can go through it (the kernel on, float32 operands, an

@@ -204,7 +204,7 @@ def flat_weight_grads(model: ModelConfig, context: int, platform: str) -> bool:
 def cpu_matmul(model: ModelConfig, num_devices: int, platform: str) -> bool:
     """Whether the step's float32 matmuls run the MKL kernel of model/cpu_matmul.py
     (`model.cpu_matmul`). "auto": on a one-device CPU mesh of a float32 model where the kernel is
-    built: the default step took about a fifth less time (BENCHMARKS.md, "The CPU step"). "mkl"
+    built: the default step took about a sixth less time (BENCHMARKS.md, "The CPU step"). "mkl"
     anywhere else is refused: it is a CPU kernel, and XLA's partitioner cannot split a custom
     call over several devices (it would gather every operand onto each), and a remat policy that
     saves dots (`model.remat=save_dots*`) does not count its custom calls as dots, so it would
