@@ -82,7 +82,8 @@ class TrainConfig:
     global_batch: int = 16
     grad_accum: int = 1
     # The batch (each micro-batch) as this many independent parts whose loss sums and gradients add
-    # up: 0, the stack picks (trainer/layout.py `batch_streams`: 2 on a one-device CPU mesh).
+    # up: 0, the stack picks (trainer/layout.py `batch_streams`: 2 on a one-device CPU mesh with
+    # XLA's matmuls).
     batch_streams: int = 0
     log_every: int = 10
     step_timeout_s: float = 900.0  # a step (or save) stuck this long: dump stacks, exit 4; 0: off

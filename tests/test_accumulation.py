@@ -22,6 +22,7 @@ from trainer.hooks import EvalHook
 from trainer.metrics import MetricsLogger
 from trainer.program import abstract_program
 from trainer.state import init_state
+from model.cpu_matmul import unavailable as cpu_kernel_unavailable
 from trainer.layout import batch_streams
 from trainer.step import accumulate, make_loss_fn, streamed
 
@@ -141,15 +142,21 @@ def test_batch_streams_weigh_every_token_the_same(short_docs, reference, layout,
 
 
 def test_the_stack_streams_a_one_device_cpu_batch_in_two(short_docs):
-    """`train.batch_streams=0` picks 2 for a dense model on one CPU device whose halves hold at
-    least 1,024 tokens each (two independent halves of the step for XLA:CPU's executor to run side
-    by side), 1 elsewhere; the two programs differ (each half has its own dots) and a count that
-    does not divide the rows is refused."""
-    long = ["mesh.data=1", "model.seq_len=64"]  # 32 rows x 64: halves of 1,024 tokens
+    """`train.batch_streams=0` picks 2 for a dense model on one CPU device with XLA's matmuls whose
+    halves hold at least 1,024 tokens each (two independent halves of the step for XLA:CPU's
+    executor to run side by side), 1 elsewhere (the CPU matmul kernel splits its products itself);
+    the two programs differ (each half has its own dots) and a count that does not divide the rows
+    is refused."""
+    long = ["mesh.data=1", "model.seq_len=64", "model.cpu_matmul=xla"]  # 32 rows x 64: halves of 1,024 tokens
     one = config(short_docs, *long)
     program = abstract_program(one, jax.devices()[:1])
     layout = program.spec.layout
     assert batch_streams(one, layout, 1, "cpu") == 2
+    assert batch_streams(one, layout, 1, "cpu", cpu_kernel=True) == 1
+    kernel = config(short_docs, "mesh.data=1", "model.seq_len=64")  # auto: the kernel where it is built
+    assert cpu_kernel_unavailable() or abstract_program(kernel, jax.devices()[:1]).lower().as_text().count("dot_general") == \
+        abstract_program(config(short_docs, "mesh.data=1", "model.seq_len=64", "train.batch_streams=1"),
+                         jax.devices()[:1]).lower().as_text().count("dot_general")
     assert batch_streams(one, layout, 1, "gpu") == batch_streams(one, layout, 8, "cpu") == 1
     moe = config(short_docs, *long, "model.moe.num_experts=4")
     assert batch_streams(moe, layout, 1, "cpu") == 1  # an MoE's balance loss is not a sum over tokens

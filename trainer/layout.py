@@ -266,7 +266,8 @@ def scheduled_grads(
     )
 
 
-# `train.batch_streams=0` on a one-device CPU mesh: the step's batch as two independent halves.
+# `train.batch_streams=0` on a one-device CPU mesh with XLA's matmuls (`model.cpu_matmul=xla`, or
+# the kernel unavailable): the step's batch as two independent halves.
 # XLA:CPU runs some ops on one thread (the attention blocks' batched matmuls: a step's pool thread
 # worked alone 14.5% of the time); with a second, independent stream of work its executor runs the
 # other half's ops on the idle thread (one thread alone 5.4%), and the default step took about 5%
@@ -279,18 +280,22 @@ CPU_BATCH_STREAMS = 2
 CPU_STREAM_MIN_TOKENS = 1024
 
 
-def batch_streams(cfg: Config, layout: Layout, num_devices: int, platform: str) -> int:
+def batch_streams(cfg: Config, layout: Layout, num_devices: int, platform: str, cpu_kernel: bool = False) -> int:
     """Independent parts of each (micro-)batch: `train.batch_streams`, or the stack's pick for 0:
     CPU_BATCH_STREAMS on a one-device CPU mesh where the rows divide into parts of at least
     CPU_STREAM_MIN_TOKENS tokens and autodiff computes the gradients (no pipeline schedule) of a
-    dense model (an MoE's balance loss is not a sum over tokens, so halves would change it), else 1."""
+    dense model (an MoE's balance loss is not a sum over tokens, so halves would change it), else 1.
+    Also 1 where the CPU matmul kernel runs the matmuls (`cpu_kernel`, layout.cpu_matmul): it
+    splits the attention's products over the threads itself, and the default step ran alike with
+    one stream and two (466 / 486 against 471 / 480 ms) and compiled 1-1.4 s faster with one."""
     t = cfg.train
     if t.batch_streams:
         return t.batch_streams
     rows, n = t.global_batch // t.grad_accum, CPU_BATCH_STREAMS
     big = rows % n == 0 and rows // n * cfg.model.seq_len >= CPU_STREAM_MIN_TOKENS
     dense = not cfg.model.moe.enabled
-    return n if platform == "cpu" and num_devices == 1 and dense and not layout.pipelined and big else 1
+    one_cpu = platform == "cpu" and num_devices == 1 and not cpu_kernel
+    return n if one_cpu and dense and not layout.pipelined and big else 1
 
 
 # `model.scan_unroll=0` unrolls stacks up to this deep on CPU: there the scan's stacked buffers

@@ -157,7 +157,8 @@ def make_program(spec: RunSpec, devices: list) -> Program:
     cast = functools.partial(cast_for_compute, axes=model.axes, dtype=cfg.model.dtype, shardings=state_sh.params)
     grad_fn = scheduled_grads(layout, model.graphdef, cfg.model.remat, cfg.model.loss_chunk, cast)
     dispatch = expert_dispatcher(layout, grouped_matmul(cfg, layout, devices[0].platform))
-    streams = batch_streams(cfg, layout, len(devices), devices[0].platform)
+    kernel = cpu_matmul(cfg.model, len(devices), devices[0].platform)
+    streams = batch_streams(cfg, layout, len(devices), devices[0].platform, kernel)
     step = jax.jit(
         make_train_step(model.graphdef, tx, schedule, cfg.train.grad_accum, runner, cfg.model.loss_chunk, cast,
                         split, grad_fn, cfg.model.moe, dispatch, streams),
@@ -168,7 +169,6 @@ def make_program(spec: RunSpec, devices: list) -> Program:
     eval_loss = jax.jit(make_loss_fn(model.graphdef, runner, cfg.model.loss_chunk, cast, split, dispatch=dispatch),
                         in_shardings=(state_sh.params, batch_sh))
     flat = flat_weight_grads(cfg.model, layout.sizes["context"], devices[0].platform)
-    kernel = cpu_matmul(cfg.model, len(devices), devices[0].platform)
     return Program(spec, mesh, tx, state_sh, batch_sh, runner, step, eval_loss, split, grad_fn, flat, kernel)
 
 
