@@ -166,19 +166,21 @@ def tiny(tmp_path):
     return make
 
 
-# Worker seconds per file (`--durations=0` of an idle fake-CPU run, 2026-11-27 04:3x, two workers;
-# test_distributed with the 11 s of its watchdog test since), heaviest first. `--dist loadfile`
+# Worker seconds per file (`--durations=0` of a fake-CPU run with three workers, 2026-11-27 08:1x,
+# with the CPU matmul kernel), heaviest first. `--dist loadfile`
 # hands each xdist worker whole files in collection order, so with the files in alphabetical
 # order a worker could pick up a long file last while the others sat idle (396 against 354 worker
 # seconds in a run of 2026-11-25); handed out longest first, the last files are short ones and the
 # workers end together. A file not listed goes after these, in its own order; a stale weight only
 # costs time.
 FILE_SECONDS = {
-    "test_pipeline": 83, "test_distributed": 62, "test_faults": 53, "test_bench_step": 37, "test_data_run": 35,
-    "test_moe": 33, "test_train": 27, "test_plan": 25, "test_cli": 23, "test_context": 22, "test_quant": 21,
-    "test_optimizers": 21, "test_pipeline_train": 19, "test_hf_moe": 16, "test_generate": 16, "test_golden": 14,
-    "test_hf": 13, "test_observe": 12, "test_lock": 12, "test_accumulation": 11, "test_model": 8, "test_loss": 8,
-    "test_sweep": 6, "test_prepare": 6, "test_sharding": 6, "test_trackers": 5,
+    "test_pipeline": 125, "test_faults": 73, "test_distributed": 69, "test_moe": 48,
+    "test_bench_step": 45, "test_train": 39, "test_cli": 38, "test_context": 34, "test_plan": 32,
+    "test_accumulation": 32, "test_quant": 32, "test_optimizers": 30, "test_golden": 28,
+    "test_data_run": 28, "test_generate": 26, "test_hf_moe": 25, "test_hf": 23,
+    "test_pipeline_train": 21, "test_observe": 17, "test_lock": 14, "test_loss": 13, "test_model": 11,
+    "test_prepare": 11, "test_cpu_matmul": 9, "test_sharding": 8, "test_trackers": 7, "test_sweep": 7,
+    "test_extras": 6, "test_readme": 5,
 }
 
 
