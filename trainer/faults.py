@@ -174,11 +174,16 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stop.wait(self.poll):
             try:
-                dead = self.dead_peers()
+                dead, lost = self.dead_peers(), None
             except Exception as e:  # the coordinator itself is gone
-                if self._stop.is_set():  # the run ended meanwhile: its exit is not this thread's to decide
-                    return
-                _fatal(f"lost the coordination service ({type(e).__name__}: {e}); stopping", EXIT_PEER_LOST, False)
+                dead, lost = [], e
+            # The run ended while this thread was in the coordination service (close() waits 5 s at
+            # most): what it found, a lost coordinator or a peer gone quiet, is no longer its to act on.
+            if self._stop.is_set():
+                return
+            if lost is not None:
+                _fatal(f"lost the coordination service ({type(lost).__name__}: {lost}); stopping", EXIT_PEER_LOST,
+                       False)
             if dead:
                 _fatal(
                     f"process(es) {dead} of {jax.process_count()} stopped sending heartbeats (crashed or "
