@@ -8,9 +8,9 @@ from __future__ import annotations
 from configs.schema import (
     ATTENTION_IMPLS,
     CONTEXT_STRATEGIES,
+    CPU_MATMULS,
     DATA_SOURCES,
     DTYPES,
-    CPU_MATMULS,
     FLAT_WEIGHT_GRADS,
     GATHER_DTYPES,
     GRAD_REDUCE_DTYPES,
