@@ -12,24 +12,17 @@ ARGS   ?=
 # several GB of CUDA packages). Override with TORCH=torch on a GPU box, or TORCH= to skip.
 TORCH  ?= torch==2.13.0
 
-# The CPU matmul kernel (model/cpu_matmul.py): C++ against jaxlib's FFI headers and the cpu
-# extra's MKL. Without g++ or MKL the build says why and the CPU step keeps XLA's matmuls.
-CPU_KERNEL := model/_cpu_matmul.so
-
 .PHONY: train test test-slurm venv compilers clean
 
-venv: $(STAMP) $(CPU_KERNEL)
+venv: $(STAMP)
 
 # Re-install only when the dependency list changes.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e '.[dev,hf,data,trackers,cpu]'
+	$(BIN)/python -m pip install -q -e '.[dev,hf,data,trackers]'
 	touch $(STAMP)
-
-$(CPU_KERNEL): model/cpu_matmul.cc $(STAMP)
-	$(BIN)/python scripts/build_cpu_matmul.py
 
 # Pinned to the installed jax by `python -m sharding.targets --requirements` (about 1.1 GB).
 $(COMPILERS_STAMP): $(STAMP)
@@ -38,7 +31,7 @@ $(COMPILERS_STAMP): $(STAMP)
 
 compilers: $(COMPILERS_STAMP)
 
-train: $(STAMP) $(CPU_KERNEL)
+train: $(STAMP)
 	$(BIN)/python train.py $(ARGS)
 
 # MESHLM_REQUIRE_EXTRAS=1: the extras and compilers were installed above, so a test that needs
@@ -52,7 +45,7 @@ train: $(STAMP) $(CPU_KERNEL)
 # the fake-CPU-device tests, then the compiles for real H100 and TPU targets (tests marked
 # real_target); each prints its 15 slowest tests.
 TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
-test: $(STAMP) $(CPU_KERNEL) $(COMPILERS_STAMP)
+test: $(STAMP) $(COMPILERS_STAMP)
 	MESHLM_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 -m "not real_target" tests
 	MESHLM_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q -n auto --dist loadfile --durations=15 -m real_target tests
 
@@ -74,4 +67,4 @@ test-slurm: $(STAMP)
 	PYTHON=$(BIN)/python scripts/slurm_check.sh
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache $(CPU_KERNEL)
+	rm -rf $(VENV) runs .pytest_cache

@@ -7,9 +7,8 @@ Both sides train the same shape (the config's model, batch and sequence) with th
 AdamW with the config's betas, epsilon and weight decay, global-norm clipping, float32. Ours is
 the real compiled train step (`bench.step`, state donated); the peer is Hugging Face
 `LlamaForCausalLM` (eager, SDPA attention) with `torch.optim.AdamW` and
-`clip_grad_norm_`, on as many threads as the process has cores, in a child process of its own
-(this one's malloc is set up for XLA: `run.reuse_host_memory`; the peer gets a plain process,
-what a PyTorch user has). Each side reports the median
+`clip_grad_norm_`, on as many threads as the process has cores, in a child process of its own.
+Each side reports the median
 step time over the timed steps, tokens/s from it, and the process CPU seconds per step (user +
 system over the timed steps: what the step costs in core time, which the machine's other load
 disturbs less than wall time does). CPU figures only: this says nothing about GPUs or TPUs.

@@ -27,7 +27,6 @@ import numpy as np
 from configs import Config, ConfigError, load_config
 from data import batch_fields
 from model import flops_per_token
-from trainer.host_memory import reuse_host_memory
 from trainer.metrics import peak_flops  # importing trainer sets the stack's XLA flags
 from trainer.program import Program, abstract_program, compiled_stats
 from trainer.state import init_state, param_count
@@ -44,9 +43,7 @@ def peak_memory(compiled: jax.stages.Compiled) -> tuple[float, str]:
 
 def compiled_step(cfg: Config, devices: list | None = None) -> tuple[Program, jax.stages.Compiled, float, Any, dict]:
     """The config's train step compiled (state donated), with the seconds it took, a fresh state
-    and a batch of random tokens on the step's shardings: what the step benchmarks time. Host
-    memory as `train.py` has it (`run.reuse_host_memory`), if JAX has not started yet."""
-    reuse_host_memory(cfg.run.reuse_host_memory)
+    and a batch of random tokens on the step's shardings: what the step benchmarks time."""
     program = abstract_program(cfg, devices)
     state = init_state(cfg.model, program.tx, cfg.run.seed, program.state_sh)
     step, compile_s = program.compile(state)

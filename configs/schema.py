@@ -27,9 +27,6 @@ QUANT_MODES = ("none", "fp8", "int8")  # model.quant: the block matmuls' operand
 GRAD_REDUCE_DTYPES = ("compute", "float32", "bfloat16")  # model.grad_reduce
 GATHER_DTYPES = ("compute", "fp8")  # model.gather_dtype
 LOGITS_DTYPES = ("compute", "float32")  # model.logits_dtype
-FLAT_WEIGHT_GRADS = ("auto", "on", "off")  # model.flat_weight_grads
-CPU_MATMULS = ("auto", "mkl", "xla")  # model.cpu_matmul (model/cpu_matmul.py)
-REUSE_HOST_MEMORY = ("auto", "on", "off")  # run.reuse_host_memory
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SOURCES = ("text", "prepared", "synthetic")
 PACKINGS = ("concat", "document")
@@ -65,10 +62,6 @@ class RunConfig:
     # A directory for XLA's persistent compilation cache ("": off): a restarted or resumed job
     # with the same program skips the compile (minutes at scale). Shared storage on a cluster.
     compile_cache: str = ""
-    # Keep the host memory a step frees for the next (glibc's mallopt; trainer/host_memory.py):
-    # XLA:CPU's step temporaries are otherwise mapped and page-faulted afresh every step (about a
-    # sixth of the default CPU step). "auto": in CPU-only processes; "on"; "off".
-    reuse_host_memory: str = "auto"
     # run.dir's lock (trainer.rundir_lock): the holder refreshes it 4 times per period; a holder
     # on another host whose heartbeat stays still this long is taken to be gone.
     lock_timeout_s: float = 30.0
@@ -81,10 +74,6 @@ class TrainConfig:
     steps: int = 200
     global_batch: int = 16
     grad_accum: int = 1
-    # The batch (each micro-batch) as this many independent parts whose loss sums and gradients add
-    # up: 0, the stack picks (trainer/layout.py `batch_streams`: 2 on a one-device CPU mesh with
-    # XLA's matmuls).
-    batch_streams: int = 0
     log_every: int = 10
     step_timeout_s: float = 900.0  # a step (or save) stuck this long: dump stacks, exit 4; 0: off
     max_bad_steps: int = 10  # non-finite loss/grad-norm steps in a row before stopping (exit 3)
@@ -207,26 +196,6 @@ class ModelConfig:
     # > 0: with data.packing=document a row holds at most this many documents (pieces), and
     # cudnn attention takes them as cuDNN's packed layout; 0: no bound (cudnn builds a dense mask).
     max_documents: int = 0
-    # Layers per trip of the layer scan (lax.scan's `unroll`). 0: the stack picks: on CPU a stack
-    # of at most CPU_UNROLL_LAYERS (trainer/layout.py) layers is unrolled whole (XLA:CPU spends about a tenth of the
-    # default step on the scan's stacked buffers), everywhere else 1 (compile time flat in depth).
-    scan_unroll: int = 0
-    # Queries per block of `attention: xla`, each block scoring only the keys up to its own end
-    # (model.attention.query_blocked_attention: the same sums, about half the [T, T] work). 0: the
-    # stack picks: on CPU CPU_ATTENTION_BLOCK (trainer/layout.py) when the sequence is not split
-    # (XLA:CPU spends most of the attention's time on the [T, T] passes), everywhere else one
-    # block; seq_len or more: one block (the plain kernel).
-    attention_block: int = 0
-    # The block weight gradients' sum over the tokens as one merged (batch x length) dim ("on")
-    # or over the two dims ("off"): the same sums; XLA:CPU writes the activation transposed for
-    # the two-dim form (model/quant.py). "auto": on for CPU programs whose sequence is not split
-    # (mesh.context=1), off elsewhere (trainer/layout.py `flat_weight_grads`).
-    flat_weight_grads: str = "auto"
-    # The CPU step's float32 matmuls (the blocks' projections, the query-blocked attention's
-    # products): "mkl", the MKL kernel of model/cpu_matmul.py (a one-device CPU mesh only), or
-    # "xla", XLA:CPU's own. "auto": mkl on a one-device CPU mesh of a float32 model whose remat
-    # policy saves no dots, where the kernel is built, else xla (trainer/layout.py `cpu_matmul`).
-    cpu_matmul: str = "auto"
     quant: str = "none"  # none | fp8 | int8: the blocks' matmuls (model/quant.py)
     # The dtype block weight gradients leave their matmuls in, so the dtype their reductions over
     # the batch shards move ("compute": the compute dtype).

@@ -8,10 +8,8 @@ from __future__ import annotations
 from configs.schema import (
     ATTENTION_IMPLS,
     CONTEXT_STRATEGIES,
-    CPU_MATMULS,
     DATA_SOURCES,
     DTYPES,
-    FLAT_WEIGHT_GRADS,
     GATHER_DTYPES,
     GRAD_REDUCE_DTYPES,
     LOGITS_DTYPES,
@@ -23,7 +21,6 @@ from configs.schema import (
     PIPELINE_SCHEDULES,
     QUANT_MODES,
     REMAT_POLICIES,
-    REUSE_HOST_MEMORY,
     ROUTERS,
     SCHEDULES,
     TRACKERS,
@@ -116,7 +113,6 @@ def validate_static(cfg: Config) -> None:
     """Checks that need no devices. Raises ConfigError naming the first bad key."""
     t, m, o = cfg.train, cfg.model, cfg.optim
     _require(t.steps >= 0, "train.steps", f"must be >= 0, got {t.steps}")
-    _require(t.batch_streams >= 0, "train.batch_streams", f"must be >= 0 (0: the stack picks), got {t.batch_streams}")
     for key, value in [
         ("train.global_batch", t.global_batch),
         ("train.grad_accum", t.grad_accum),
@@ -157,11 +153,6 @@ def validate_static(cfg: Config) -> None:
         f"{m.loss_chunk} must be 0 (off) or divide model.seq_len={m.seq_len}",
     )
     _require(m.max_documents >= 0, "model.max_documents", f"must be >= 0 (0: no bound), got {m.max_documents}")
-    _require(m.scan_unroll >= 0, "model.scan_unroll", f"must be >= 0 (0: the stack picks), got {m.scan_unroll}")
-    _require(m.attention_block >= 0, "model.attention_block",
-             f"must be >= 0 (0: the stack picks), got {m.attention_block}")
-    _require(m.attention_block == 0 or m.attention == "xla", "model.attention_block",
-             f"blocks model.attention=xla only, not {m.attention}: leave it 0")
     _require(cfg.mesh.nodes > 0, "mesh.nodes", f"must be > 0 (1: one node or slice), got {cfg.mesh.nodes}")
     _one_of(cfg.mesh.across, "mesh.across", MESH_AXES)
     _one_of(m.dtype, "model.dtype", DTYPES)
@@ -172,9 +163,6 @@ def validate_static(cfg: Config) -> None:
     _one_of(m.grad_reduce, "model.grad_reduce", GRAD_REDUCE_DTYPES)
     _one_of(m.gather_dtype, "model.gather_dtype", GATHER_DTYPES)
     _one_of(m.logits_dtype, "model.logits_dtype", LOGITS_DTYPES)
-    _one_of(m.flat_weight_grads, "model.flat_weight_grads", FLAT_WEIGHT_GRADS)
-    _one_of(m.cpu_matmul, "model.cpu_matmul", CPU_MATMULS)
-    _one_of(cfg.run.reuse_host_memory, "run.reuse_host_memory", REUSE_HOST_MEMORY)
     _one_of(cfg.context.strategy, "context.strategy", CONTEXT_STRATEGIES)
     _check_data(cfg)
     _check_moe(cfg)

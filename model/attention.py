@@ -19,9 +19,8 @@ context split, sharding/context.py), where array order no longer is sequence ord
 
 Under a sequence split (`length` on a mesh axis) keys and values are constrained whole along
 `length` while queries stay split: XLA gathers them, the all-gather strategy. The trainer may
-install another kernel with `sharded_attention`: a sharded one (ring attention, splash under
-shard_map), or on CPU `query_blocked_attention` (the `xla` kernel's sums, a block of queries at a
-time); the model names no mesh axis and no platform either way.
+install a sharded kernel (ring attention, splash under shard_map) through `model.kernels`; the
+model names no mesh axis and no platform either way.
 """
 
 from __future__ import annotations
@@ -33,8 +32,6 @@ from typing import Callable, Iterator
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
-
-from model import cpu_matmul
 
 Array = jax.Array
 # (q, k, v, positions, segment_ids) -> out [batch, length, heads, head_dim]
@@ -85,57 +82,6 @@ def masked_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(b, t, h, d)
-
-
-def query_blocked_attention(q: Array, k: Array, v: Array, positions: Array, segment_ids: Array | None, *,
-                            block: int) -> Array:
-    """`masked_attention` `block` queries at a time, each block scoring only the keys up to its own
-    end: the same scores, softmax and sums (a key after the block in array order is masked for all
-    of its queries, its probability exactly 0), with about half of the [T, T] work and memory
-    skipped. For XLA:CPU, where the [batch, heads, T, T] passes cost most of the attention
-    (BENCHMARKS.md, "The CPU step"). Needs array order to be sequence order within each row (no
-    load-balanced reorder: sharding/context.py); positions and segment ids still mask as always.
-    Each block runs `heads_first_attention`, the same sums in XLA:CPU's layouts."""
-    t = q.shape[1]
-    outs = []
-    for start in range(0, t, block):
-        end = min(start + block, t)
-        q_seg = None if segment_ids is None else segment_ids[:, start:end]
-        k_seg = None if segment_ids is None else segment_ids[:, :end]
-        mask = block_mask(positions[:, start:end], positions[:, :end], q_seg, k_seg)
-        outs.append(heads_first_attention(q[:, start:end], k[:, :end], v[:, :end], mask))
-    return jnp.concatenate(outs, axis=1)
-
-
-def _product(spec: str, a: Array, b: Array) -> Array:
-    """A batched product of the blocks in float32: through the CPU matmul kernel where the trainer
-    turned it on (XLA:CPU ran these small products on one thread), else XLA's."""
-    if cpu_matmul.takes(spec, a, b):
-        return cpu_matmul.einsum(spec, a, b)
-    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
-
-
-def heads_first_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
-    """`masked_attention`'s products and sums in the operand layouts XLA:CPU's matmuls take
-    without transposing the [T, S] scores (the query-blocked kernel's blocks): q as [b, kv_heads,
-    group x t, d], k as [b, kv_heads, d, s], v as [b, kv_heads, s, d] (small copies); and the
-    softmax's division applied to the [t, d] output of the value matmul instead of to the [t, s]
-    probabilities (one [t, s] pass less each way). The attention alone, forward and backward, the
-    default model's layer: about a fifth less CPU time (BENCHMARKS.md, "The CPU step")."""
-    b, t, h, d = q.shape
-    kv, g = k.shape[2], h // k.shape[2]
-    # The group and query dims merged into one: each product's gradient then contracts one dim
-    # (the merged queries), which XLA:CPU's matmul takes as laid out, where two contracted dims
-    # made it write the [s, g x t] scores and their gradient transposed first.
-    q = q.reshape(b, t, kv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, d)
-    scores = _product("bkqd,bkds->bkqs", q, k.transpose(0, 2, 3, 1)) * d**-0.5
-    scores = jnp.where(mask[:, :, None], scores.reshape(b, kv, g, t, -1), jnp.finfo(jnp.float32).min)
-    scores = scores.reshape(b, kv, g * t, -1)
-    # As jax.nn.softmax: the row maximum is a constant to autodiff (the result does not depend on it).
-    e = jnp.exp(scores - jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True)))
-    out = _product("bkqs,bksd->bkqd", e.astype(v.dtype), v.transpose(0, 2, 1, 3))
-    out = (out / jnp.sum(e, axis=-1, keepdims=True)).astype(v.dtype)
-    return out.reshape(b, kv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
 def fused_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, implementation: str | None,

@@ -37,16 +37,6 @@ itself runs as `model.quant` says on the rounded weight. The backward pass is st
 `model.grad_reduce`: the reduce-scatters keep their dtype. The embedding and output head are
 gathered in the compute dtype.
 
-The weight gradients' layout (`model.flat_weight_grads`, the trainer's `token_major_weight_grads`):
-a weight gradient sums over the tokens, which an activation holds in two leading dims (batch,
-length). Given as an einsum over both, XLA:CPU canonicalizes the dot by writing the activation
-transposed, [d_model, tokens], in a loop fusion with 1 KB strides (5-12 ms per [4096, 256] or
-[4096, 768] operand on these machines, 16 of them a default step); the same sum over the two
-dims merged into one (a free reshape of the row-major array) is a dot the CPU's GEMM takes as it
-is. The trainer turns it on for CPU programs whose sequence is not split: merging a `length`
-split over `context` into the batch's dim would make the partitioner reshard both, and the GPU
-and TPU compilers merge the dims themselves.
-
 Why written here and not through a library: both are `jnp.einsum` on low-precision operand
 types with `preferred_element_type` inside one `jax.custom_vjp` each, about a hundred lines
 (compiled for an H100, GEMM fusions on f8e4m3fn operands; by libtpu for a v5e, convolutions on
@@ -58,48 +48,22 @@ step, and the scaling would be hidden in its providers.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-from typing import Iterator
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from model import cpu_matmul
-
 Array = jax.Array
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 _TINY = 1e-12  # an all-zero tensor gets this amax, not a division by zero
-_TOKEN_MAJOR: contextvars.ContextVar[bool] = contextvars.ContextVar("token_major_weight_grads", default=False)
-
-
-@contextlib.contextmanager
-def token_major_weight_grads(on: bool) -> Iterator[None]:
-    """While tracing under it with `on`, every block weight gradient sums over its activation's
-    leading token dims merged into one (see the module docstring)."""
-    token = _TOKEN_MAJOR.set(on)
-    try:
-        yield
-    finally:
-        _TOKEN_MAJOR.reset(token)
 
 
 def weight_grad(spec: str, x: Array, g: Array, **kwargs: object) -> Array:
-    """The weight gradient of `einsum(spec, x, w)`, `einsum("{a},{out}->{b}", x, g, **kwargs)`;
-    under `token_major_weight_grads` the leading dims x and g share and w lacks (batch, length)
-    are merged into one first."""
+    """The weight gradient of `einsum(spec, x, w)`: `einsum("{a},{out}->{b}", x, g, **kwargs)`."""
     a, b, out = _split(spec)
-    n = 0
-    while n < min(len(a), len(out)) and a[n] == out[n] and a[n] not in b:
-        n += 1
-    if n < 2 or not _TOKEN_MAJOR.get():
-        return jnp.einsum(f"{a},{out}->{b}", x, g, **kwargs)
-    t = next(c for c in "TNMPQRSUVWXYZ" if c not in spec)
-    x, g = x.reshape(-1, *x.shape[n:]), g.reshape(-1, *g.shape[n:])
-    return jnp.einsum(f"{t}{a[n:]},{t}{out[n:]}->{b}", x, g, **kwargs)
+    return jnp.einsum(f"{a},{out}->{b}", x, g, **kwargs)
 
 
 def _split(spec: str) -> tuple[str, str, str]:
@@ -252,11 +216,6 @@ def qeinsum(spec: str, x: Array, w: Array, quant: str, grad_reduce: str = "compu
     `model.quant` ('none': the plain einsum) and `model.grad_reduce`."""
     if quant != "none":
         return _EINSUMS[quant](spec, x, w, grad_reduce)
-    if grad_reduce in ("compute", w.dtype.name) and cpu_matmul.takes(spec, x, w):
-        return cpu_matmul.einsum(spec, x, w)  # on CPU, where the trainer turned the kernel on
-    # Through the custom gradient even in the compute dtype, for its operand order: autodiff's
-    # transpose of the einsum writes the weight gradient with the incoming gradient first, and
-    # XLA:CPU then lays out the larger [tokens, d_ff] operand transposed in a slow loop fusion
-    # (14% of the default model's CPU step; BENCHMARKS.md "The CPU step"), and for
-    # `token_major_weight_grads`. Same products and sums.
-    return reduced_einsum(spec, x, w, w.dtype.name if grad_reduce == "compute" else grad_reduce)
+    if grad_reduce in ("compute", w.dtype.name):
+        return jnp.einsum(spec, x, w)
+    return reduced_einsum(spec, x, w, grad_reduce)

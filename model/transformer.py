@@ -44,11 +44,11 @@ class LayerRunner(Protocol):
 
 
 def scan_layers(
-    layers: Block, x: Array, positions: Array, segment_ids: Array | None, *, remat_policy: str, unroll: int = 1
+    layers: Block, x: Array, positions: Array, segment_ids: Array | None, *, remat_policy: str
 ) -> tuple[Array, Array]:
-    """Applies the stacked blocks in order with one `lax.scan` (one compiled layer body; `unroll`
-    layers per trip, all of them when it is at least the depth); returns the output and the
-    router statistics summed over the layers."""
+    """Applies the stacked blocks in order with one `lax.scan` (one compiled layer body, so
+    compile time stays flat in depth); returns the output and the router statistics summed over
+    the layers."""
     graphdef, stacked = nnx.split(layers)
 
     def body(carry: tuple[Array, Array], layer_state: nnx.State) -> tuple[tuple[Array, Array], None]:
@@ -57,7 +57,7 @@ def scan_layers(
         return (h, total + stats), None
 
     init = (x, jnp.zeros(len(STATS), jnp.float32))
-    (x, stats), _ = jax.lax.scan(remat(body, remat_policy), init, stacked, unroll=unroll)
+    (x, stats), _ = jax.lax.scan(remat(body, remat_policy), init, stacked)
     return x, stats
 
 

@@ -60,16 +60,12 @@ import gc  # noqa: E402
 import pytest  # noqa: E402
 
 from configs import Config, load_config  # noqa: E402
-from trainer.host_memory import reuse_host_memory  # noqa: E402
 from trainer.xla_env import KEEP_COLLECTIVES_IN_LOOPS, set_cpu_collective_env  # noqa: E402
 
 # Room in XLA:CPU's thread pool for the 8 devices' collectives, and collectives kept in their loops
 # (see trainer/xla_env.py: without either, pipelined steps aborted or hung now and then under
 # load); before any test starts the backend, and inherited by every process a test starts.
 set_cpu_collective_env(8)
-# What train.py does on a CPU-only machine (run.reuse_host_memory=auto): the steps tests run
-# reuse the memory the last one freed instead of page-faulting it in afresh.
-reuse_host_memory("auto")
 
 # Tracing a program allocates hundreds of thousands of short-lived objects, and Python's default
 # collector (a young-generation pass every 700 allocations, full passes over every object
@@ -83,13 +79,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # `make test` sets it: there the Makefile has installed every extra, so a missing one is a broken
 # install, not a choice, and must fail rather than skip a whole file of oracle tests unseen.
 REQUIRE_EXTRAS = "MESHLM_REQUIRE_EXTRAS"
-
-
-# For tests of what a layout, schedule or split computes rather than of the layer loop: the stack
-# as one scan, not the CPU's unrolled pick (trainer.layout.scan_unroll), compiles with about a
-# quarter less XLA time (test_context 39 -> 29 CPU s). tests/test_golden.py checks that the two
-# compute the same steps.
-SCANNED = "model.scan_unroll=1"
 
 
 class _Deferred(ModuleType):
@@ -179,7 +168,7 @@ FILE_SECONDS = {
     "test_accumulation": 32, "test_quant": 32, "test_optimizers": 30, "test_golden": 28,
     "test_data_run": 28, "test_generate": 26, "test_hf_moe": 25, "test_hf": 23,
     "test_pipeline_train": 21, "test_observe": 17, "test_lock": 14, "test_loss": 13, "test_model": 11,
-    "test_prepare": 11, "test_cpu_matmul": 9, "test_sharding": 8, "test_trackers": 7, "test_sweep": 7,
+    "test_prepare": 11, "test_sharding": 8, "test_trackers": 7, "test_sweep": 7,
     "test_extras": 6, "test_readme": 5,
 }
 

@@ -12,8 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from configs import ConfigError, load_config
-from conftest import ROOT, SCANNED
+from configs import load_config
+from conftest import ROOT
 from data import open_source
 from data.pipeline import eval_batches, process_dataset
 from sharding import activation_rules
@@ -22,9 +22,7 @@ from trainer.hooks import EvalHook
 from trainer.metrics import MetricsLogger
 from trainer.program import abstract_program
 from trainer.state import init_state
-from model.cpu_matmul import unavailable as cpu_kernel_unavailable
-from trainer.layout import batch_streams
-from trainer.step import accumulate, make_loss_fn, streamed
+from trainer.step import accumulate, make_loss_fn
 
 LAYOUTS = {
     "one device": ["mesh.data=1"],
@@ -51,7 +49,7 @@ def short_docs(tmp_path_factory) -> str:
 
 
 def config(path: str, *overrides: str):
-    base = [f"data.path={path}", "data.packing=document", "train.global_batch=32", "data.eval_fraction=0.3", SCANNED]
+    base = [f"data.path={path}", "data.packing=document", "train.global_batch=32", "data.eval_fraction=0.3"]
     return load_config(os.path.join(ROOT, "configs", "tiny.yaml"), base + list(overrides))
 
 
@@ -72,14 +70,13 @@ def reference(short_docs):
     return batch, params, loss_and_grads(cfg, batch, params, jax.devices()[:1])
 
 
-def loss_and_grads(cfg, batch: dict, params: dict, devices: list | None = None, streams: int = 1) -> tuple[float, dict]:
+def loss_and_grads(cfg, batch: dict, params: dict, devices: list | None = None) -> tuple[float, dict]:
     program = abstract_program(cfg, devices)
     params = jax.device_put(params, program.state_sh.params)
     batch = {k: jax.device_put(v, program.batch_sh) for k, v in batch.items()}
     loss_fn = make_loss_fn(program.spec.model.graphdef, program.runner, cfg.model.loss_chunk)
-    grad_fn = streamed(jax.value_and_grad(loss_fn, has_aux=True), streams)
     with activation_rules(program.mesh, program.spec.layout.act_rules):
-        loss, grads = jax.jit(lambda p, b: accumulate(loss_fn, p, b, cfg.train.grad_accum, grad_fn))(params, batch)
+        loss, grads = jax.jit(lambda p, b: accumulate(loss_fn, p, b, cfg.train.grad_accum))(params, batch)
     return float(loss), jax.tree.map(np.asarray, grads)
 
 
@@ -115,55 +112,3 @@ def test_eval_loss_is_the_token_weighted_mean(short_docs, tmp_path):
     total, count = jax.jit(make_loss_fn(program.spec.model.graphdef))(jax.device_get(state.params), together)
     assert int(count) == sum(counts)
     np.testing.assert_allclose(logger.history[-1]["eval_loss"], float(total) / float(count), rtol=2e-6)
-
-
-@pytest.mark.parametrize("layout,streams,grad_accum", [("one device", 2, 1), ("one device", 2, 2), ("data=8", 2, 1)])
-def test_batch_streams_weigh_every_token_the_same(short_docs, reference, layout, streams, grad_accum):
-    """`train.batch_streams`: each (micro-)batch as independent parts, rows s, s + streams, ...,
-    whose loss sums and gradients add up: the one-batch loss and gradients, through the train step
-    the program compiles (its loss and gradient norm) and through `streamed` (every gradient)."""
-    batch, params, (ref_loss, ref_grads) = reference
-    counts = [int(targets(batch)[s::streams].sum()) for s in range(streams)]
-    assert len(set(counts)) > 1, counts  # else a mean of the parts' means would pass as well
-    cfg = config(short_docs, *LAYOUTS[layout], f"train.batch_streams={streams}", f"train.grad_accum={grad_accum}")
-    devices = jax.devices()[:1] if layout == "one device" else None
-    program = abstract_program(cfg, devices)
-    state = init_state(cfg.model, program.tx, 0, program.state_sh)
-    state = state.replace(params=jax.device_put(params, program.state_sh.params))
-    with program.tracing():
-        _, metrics = program.step(state, {k: jax.device_put(v, program.batch_sh) for k, v in batch.items()})
-    np.testing.assert_allclose(float(metrics["loss"]), ref_loss, rtol=1e-6)
-    ref_norm = np.sqrt(sum(float(np.sum(np.square(g, dtype=np.float64))) for g in jax.tree.leaves(ref_grads)))
-    np.testing.assert_allclose(float(metrics["grad_norm"]), ref_norm, rtol=1e-5)
-    loss, grads = loss_and_grads(cfg, batch, params, devices, streams)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-    for (path, r), g in zip(jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads)):
-        np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
-
-
-def test_the_stack_streams_a_one_device_cpu_batch_in_two(short_docs):
-    """`train.batch_streams=0` picks 2 for a dense model on one CPU device with XLA's matmuls whose
-    halves hold at least 1,024 tokens each (two independent halves of the step for XLA:CPU's
-    executor to run side by side), 1 elsewhere (the CPU matmul kernel splits its products itself);
-    the two programs differ (each half has its own dots) and a count that does not divide the rows
-    is refused."""
-    long = ["mesh.data=1", "model.seq_len=64", "model.cpu_matmul=xla"]  # 32 rows x 64: halves of 1,024 tokens
-    one = config(short_docs, *long)
-    program = abstract_program(one, jax.devices()[:1])
-    layout = program.spec.layout
-    assert batch_streams(one, layout, 1, "cpu") == 2
-    assert batch_streams(one, layout, 1, "cpu", cpu_kernel=True) == 1
-    kernel = config(short_docs, "mesh.data=1", "model.seq_len=64")  # auto: the kernel where it is built
-    assert cpu_kernel_unavailable() or abstract_program(kernel, jax.devices()[:1]).lower().as_text().count("dot_general") == \
-        abstract_program(config(short_docs, "mesh.data=1", "model.seq_len=64", "train.batch_streams=1"),
-                         jax.devices()[:1]).lower().as_text().count("dot_general")
-    assert batch_streams(one, layout, 1, "gpu") == batch_streams(one, layout, 8, "cpu") == 1
-    moe = config(short_docs, *long, "model.moe.num_experts=4")
-    assert batch_streams(moe, layout, 1, "cpu") == 1  # an MoE's balance loss is not a sum over tokens
-    assert batch_streams(config(short_docs, *long, "train.global_batch=3"), layout, 1, "cpu") == 1
-    assert batch_streams(config(short_docs, "mesh.data=1"), layout, 1, "cpu") == 1  # halves of 512 tokens
-    dots = [abstract_program(config(short_docs, *long, f"train.batch_streams={s}"), jax.devices()[:1])
-            .lower().as_text().count("dot_general") for s in (1, 0)]
-    assert dots[1] > dots[0] > 0, dots
-    with pytest.raises(ConfigError, match="train.batch_streams=3 does not divide the 32 rows"):
-        abstract_program(config(short_docs, "mesh.data=1", "train.batch_streams=3"), jax.devices()[:1])

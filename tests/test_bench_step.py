@@ -4,17 +4,14 @@ without overriding the user's."""
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
 
 from bench.procs import cpu_env
 from conftest import ROOT, require, stdlib_glob
-from trainer.host_memory import USER_SETTINGS, reuse_host_memory
 from trainer.xla_env import GPU_DEFAULTS, set_default_flags
 
 
@@ -36,85 +33,6 @@ def test_the_step_benchmark_prints_a_row_and_writes_json(tmp_path, capsys):
 
     assert main([*cmd[3:5], "model.loss_chunk=5"]) == 2
     assert "model.loss_chunk" in capsys.readouterr().err
-
-
-def test_the_attention_block_benchmark_prints_a_row_per_block(capsys):
-    from bench.attention_blocks import main
-
-    assert main(["--config", "tiny", "--seq", "32", "--batch", "2", "--blocks", "32,8", "--calls", "1"]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 32 ", "| 8 "))]
-    assert [r.split(" |")[0] for r in rows] == ["| 32 (one block)", "| 8"]
-    diffs = [float(r.rstrip(" |").rsplit("| ", 1)[1]) for r in rows]
-    assert diffs[0] == 0 and 0 < diffs[1] < 1e-5  # blocks of 8 really run other matmuls, to float32 rounding
-
-
-def test_the_thread_profile_accounts_for_the_traced_wall_time(capsys):
-    """bench.cpu_threads splits the traced steps' wall time by how many XLA:CPU pool threads
-    work (the shares add up to the whole window) and names the operations by their HLO op."""
-    from bench.cpu_threads import main
-
-    assert main(["--config", "tiny", "--steps", "2", "--top", "3", "mesh.data=1"]) == 0
-    out = capsys.readouterr().out
-    shares = [float(m) for m in re.findall(r"^\| \d+ \| \d+ \| ([0-9.]+)% \|$", out, re.M)]
-    assert len(shares) >= 2 and abs(sum(shares) - 100) < 0.5, out  # at least idle and one thread busy
-    ops = re.findall(r"^\| (\S[^|]*) \| [0-9.]+ \| [0-9.]+ \| \d+% \|$", out, re.M)
-    # A matmul among them: XLA's (dot_general) or the CPU matmul kernel's (ffi_call).
-    assert len(ops) == 3 and any(re.search(r"dot_general|ffi_call", op) for op in ops), out
-    assert main(["--config", "tiny", "model.attention_block=-1"]) == 2
-    assert "model.attention_block" in capsys.readouterr().err
-
-
-# A fresh process (the settings must precede its threads' first allocations, as train.py makes
-# them before JAX starts): threads one after the other each allocate a block the size of a
-# small step's temporaries, write it whole and free it, as XLA:CPU's pool threads do a step's.
-MALLOC_PROBE = """
-import ctypes, resource, sys, threading
-from trainer.host_memory import reuse_host_memory
-print(reuse_host_memory(sys.argv[1], {}))
-libc = ctypes.CDLL(None)
-libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
-SIZE, faults = 200 << 20, []
-def step():
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    block = libc.malloc(SIZE)
-    ctypes.memset(block, 1, SIZE)
-    libc.free(block)
-    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-for _ in range(4):
-    thread = threading.Thread(target=step)
-    thread.start()
-    thread.join()
-print(faults)
-"""
-
-
-@pytest.mark.parametrize("mode", ["on", "off"])
-def test_a_freed_step_block_is_reused_not_faulted_in_again(mode: str):
-    """run.reuse_host_memory (trainer/host_memory.py): with it, only the first of four 200 MB
-    blocks allocated and freed in turn by four threads is faulted in (51,200 pages), the others
-    reuse its pages; without it glibc maps and unmaps each one, and every one faults whole. (The
-    whole default step: bench.step's page faults per step, BENCHMARKS.md "The CPU step".)"""
-    env = {k: v for k, v in cpu_env(1).items() if k not in USER_SETTINGS}
-    done = subprocess.run([sys.executable, "-c", MALLOC_PROBE, mode], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=60)
-    assert done.returncode == 0, done.stderr[-2000:]
-    note, faults = done.stdout.rstrip("\n").split("\n")
-    faults = json.loads(faults)
-    pages = (200 << 20) // 4096
-    assert faults[0] >= pages * 0.9, faults  # the first block is new memory either way
-    if mode == "on":
-        assert note.endswith("kept for the next step (run.reuse_host_memory)") and max(faults[1:]) < 100, faults
-    else:
-        assert note == "" and min(faults[1:]) >= pages * 0.9, faults
-
-
-def test_host_memory_is_left_to_the_users_settings_and_to_accelerators():
-    assert reuse_host_memory("auto", {"MALLOC_ARENA_MAX": "4"}) == "host memory: left to the user's MALLOC_ARENA_MAX"
-    assert reuse_host_memory("auto", {"JAX_PLATFORMS": "cuda"}) == ""  # may run on a GPU: auto leaves it
-    assert reuse_host_memory("off", {}) == ""
-    # This process's JAX has started (its pool threads have their arenas): nothing to change.
-    jax.devices()
-    assert reuse_host_memory("on", {"JAX_PLATFORMS": "cuda"}).endswith("JAX had already started in this process")
 
 
 def test_default_flags_never_override_the_users():

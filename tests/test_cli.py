@@ -30,13 +30,6 @@ BAD = {
     "d_ff": (["mesh.data=1", "mesh.tensor=8", "model.d_ff=100"], "model.d_ff=100 is not divisible by 8"),
     "vocab": (["mesh.data=1", "mesh.tensor=8", "model.vocab_size=260"], "model.vocab_size=260 is not divisible by 8"),
     "global batch": (["mesh.data=8", "train.global_batch=12"], "train.global_batch=12 is not divisible by 8"),
-    "scan unroll": (["model.scan_unroll=-1"], "model.scan_unroll: must be >= 0 (0: the stack picks), got -1"),
-    "attention block": (["model.attention_block=-1"], "model.attention_block: must be >= 0 (0: the stack picks), got -1"),
-    "attention block of another kernel": (["model.attention=dot_product", "model.attention_block=8"],
-                                          "model.attention_block: blocks model.attention=xla only, not dot_product"),
-    "attention block with a sequence split": (["mesh.data=4", "mesh.context=2", "model.attention_block=8"],
-                                              "model.attention_block=8 skips the keys after each block in array order, "
-                                              "which the sequence split (mesh.context=2) does not keep"),
     "grad accum": (["mesh.data=8", "train.grad_accum=4"], "train.global_batch=16 is not divisible by 32"),
     "unknown key": (["train.stpes=5"], "unknown config key 'train.stpes' (did you mean train.steps?)"),
     "unknown logical name": (["mesh.fsdp=8", "sharding.params.embd=fsdp"],
@@ -123,8 +116,6 @@ BAD = {
                                           "model.gather_dtype=fp8: this layout gathers no parameter"),
     "gather dtype name": (["model.gather_dtype=fp4"], "model.gather_dtype: 'fp4' is not one of compute, fp8"),
     "logits dtype name": (["model.logits_dtype=bf16"], "model.logits_dtype: 'bf16' is not one of compute, float32"),
-    "flat weight gradients": (["model.flat_weight_grads=yes"], "model.flat_weight_grads: 'yes' is not one of auto, on, off"),
-    "host memory": (["run.reuse_host_memory=always"], "run.reuse_host_memory: 'always' is not one of auto, on, off"),
 }
 
 

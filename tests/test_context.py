@@ -15,7 +15,7 @@ import pytest
 
 from bench.procs import TINY
 from configs import load_config
-from conftest import SCANNED
+
 from model.attention import splash_attention, xla_attention
 from sharding import activation_rules
 from sharding.context import balanced_order
@@ -74,7 +74,7 @@ _COMPILED: dict[tuple, tuple[str, dict]] = {}  # loss_and_grads' compiled HLO an
 def loss_and_grads(overrides: list[str], devices: list, documents: bool) -> tuple[float, dict]:
     """Loss and gradients of one batch under the layout of `overrides`; the compiled program's
     HLO is kept in _COMPILED for the tests that read what it does."""
-    cfg = load_config(TINY, ["data.source=synthetic", SCANNED, *overrides])
+    cfg = load_config(TINY, ["data.source=synthetic", *overrides])
     program = abstract_program(cfg, devices)
     params = initial_params(program)
     batch = {k: jax.device_put(v, program.batch_sh) for k, v in packed_batch(cfg.model.seq_len, documents).items()}

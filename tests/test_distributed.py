@@ -19,7 +19,7 @@ import pytest
 
 import trainer
 from configs import load_config
-from conftest import SCANNED, stdlib_glob
+from conftest import stdlib_glob
 from bench.procs import TINY
 from bench.procs import two_processes as start_two
 
@@ -94,8 +94,7 @@ def test_two_processes_train_like_one_with(tmp_path, one_process, layout, own_re
 
 
 def test_elastic_resume_from_8_devices_to_4(tmp_path, capsys):
-    # The layer stack scanned (conftest.SCANNED): the claim is about the checkpoint's layouts.
-    common = ["optim.schedule=constant", "optim.warmup_steps=0", "checkpoint.every=2", SCANNED]
+    common = ["optim.schedule=constant", "optim.warmup_steps=0", "checkpoint.every=2"]
     straight = trainer.run(cfg(tmp_path / "straight", "mesh.data=1", "mesh.fsdp=8", "train.steps=4", *common))
     moved = tmp_path / "moved"
     trainer.run(cfg(moved, "mesh.data=1", "mesh.fsdp=8", "train.steps=2", *common))

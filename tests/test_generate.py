@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import ROOT, SCANNED
+from conftest import ROOT
 from bench.procs import cpu_env
 
 import trainer
@@ -143,11 +143,9 @@ def test_cli_samples_from_a_sharded_checkpoint(tiny, tmp_path, capsys):
     # Text that counts: a few steps teach the next digit, so greedy text depends on the context.
     for i in range(4):
         (tmp_path / f"count{i}.txt").write_text("0123456789" * 100)
-    # The stack scanned: the claim is about checkpoints and the CLI, not the layer loop. (Fewer
-    # steps, 12-20, left greedy text stuck on one digit after the prompt.)
+    # Fewer steps (12-20) left greedy text stuck on one digit after the prompt.
     cfg = tiny("mesh.fsdp=2", "mesh.tensor=2", "train.steps=30", "checkpoint.every=15", "optim.lr=1e-2",
-               "optim.warmup_steps=0", "train.log_every=30", f"data.path={tmp_path}/count*.txt", "data.eval_fraction=0",
-               SCANNED)
+               "optim.warmup_steps=0", "train.log_every=30", f"data.path={tmp_path}/count*.txt", "data.eval_fraction=0")
     trainer.run(cfg)
     capsys.readouterr()
     prompt_text, n = "34567", 12

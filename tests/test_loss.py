@@ -10,7 +10,7 @@ import pytest
 from jax.extend import core as jcore
 
 from configs import ConfigError
-from conftest import SCANNED
+
 from sharding import activation_rules
 from trainer.program import abstract_program
 from trainer.state import init_state
@@ -29,7 +29,7 @@ def _loss_and_grads(cfg, batch, chunk):
 
 @pytest.mark.parametrize("documents", [False, True])
 def test_chunked_loss_equals_the_whole_one(tiny, documents):
-    cfg = tiny("mesh.data=2", "mesh.tensor=4", SCANNED)  # the vocabulary is sharded four ways
+    cfg = tiny("mesh.data=2", "mesh.tensor=4")  # the vocabulary is sharded four ways
     rng = np.random.default_rng(0)
     batch = {"tokens": rng.integers(0, 257, (16, 33)).astype(np.int32)}
     if documents:

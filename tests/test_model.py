@@ -17,7 +17,7 @@ from configs.schema import MoEConfig
 from configs.schema import LOGICAL_AXES
 from model import Transformer, flops_per_token, matmul_params
 from model.transformer import abstract_transformer
-from model.attention import fused_attention, query_blocked_attention, xla_attention
+from model.attention import fused_attention, xla_attention
 from sharding import logical_axes
 
 
@@ -138,32 +138,6 @@ def test_attention_kernels_agree(segments):
     ours = jax.jit(xla_attention)(q, k, v, seg)
     theirs = jax.jit(fused_attention, static_argnums=4)(q, k, v, seg, None)
     np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=2e-5, atol=2e-5)
-
-
-@pytest.mark.parametrize("segments", [False, True])
-def test_query_blocks_give_the_plain_kernels_values_and_gradients(segments):
-    """The CPU's query-blocked kernel (blocks of 4 of 16 positions, each block in the heads-first
-    layout, the softmax's division after the value matmul) against `xla_attention`, with 2 query
-    heads per kv head and, packed, two documents in a row: the same outputs and gradients of q, k
-    and v to float32 rounding."""
-    kq, kk, kv, kw = jax.random.split(jax.random.key(0), 4)
-    b, t, h, g, d = 2, 16, 8, 2, 16
-    q = jax.random.normal(kq, (b, t, h, d))
-    k = jax.random.normal(kk, (b, t, h // g, d))
-    v = jax.random.normal(kv, (b, t, h // g, d))
-    w = jax.random.normal(kw, (b, t, h, d))  # every output weighs differently in the loss
-    seg = jnp.array([[1] * 5 + [2] * 11, [1] * 16]) if segments else None
-    pos = jnp.stack([jnp.concatenate([jnp.arange(5), jnp.arange(11)]), jnp.arange(t)]) if segments else None
-
-    def value_and_grads(kernel):
-        loss = lambda q, k, v: jnp.sum(kernel(q, k, v) * w)  # noqa: E731
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
-
-    positions = jnp.broadcast_to(jnp.arange(t), (b, t)) if pos is None else pos
-    plain = value_and_grads(lambda q, k, v: xla_attention(q, k, v, seg, positions))
-    blocked = value_and_grads(lambda q, k, v: query_blocked_attention(q, k, v, positions, seg, block=4))
-    for got, want in zip(jax.tree.leaves(blocked), jax.tree.leaves(plain)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def test_grouped_query_attention_shares_each_kv_head_with_its_group():

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import hf as hf_cli
 import trainer
 from configs import load_config
-from conftest import ROOT, SCANNED, stopped_at
+from conftest import ROOT, stopped_at
 from test_context import initial_params
 from configs import ConfigError
 from model.moe import MoE, expert_rows, local_dispatch, megablox_matmul, router_stats
@@ -33,7 +33,7 @@ from trainer.step import accumulate_stats, make_loss_fn
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 MOE = ["model.num_layers=2", "model.moe.num_experts=8", "model.moe.experts_per_token=2", "model.moe.d_ff=32",
-       "model.moe.shared_experts=1", "data.source=synthetic", SCANNED]
+       "model.moe.shared_experts=1", "data.source=synthetic"]
 LAYOUTS = {
     "expert=8": ["mesh.data=1", "mesh.expert=8"],
     "fsdp=8 (one expert shard: each device dispatches its own tokens)": ["mesh.data=1", "mesh.fsdp=8"],

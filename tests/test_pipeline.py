@@ -18,7 +18,7 @@ import pytest
 import trainer
 from bench.procs import two_processes
 from configs import ConfigError, load_config
-from conftest import ROOT, SCANNED, stdlib_glob, stopped_at
+from conftest import ROOT, stdlib_glob, stopped_at
 from test_context import initial_params, packed_batch
 from sharding import activation_rules
 from trainer import abstract_program, collective_counts
@@ -59,7 +59,7 @@ PIPELINED = {
 
 
 def config(*overrides: str):
-    return load_config(TINY, [f"data.path={stdlib_glob('json')}", SCANNED, *overrides])
+    return load_config(TINY, [f"data.path={stdlib_glob('json')}", *overrides])
 
 
 def loss_and_grads(cfg, devices=None, documents: bool = False) -> tuple[float, dict, str, int]:

@@ -115,8 +115,7 @@ def searched(tmp_path_factory) -> tuple[str, dict]:
     CPU fallback, so its figures can be checked against compiles in this process;
     tests/test_targets.py checks the real GPU and TPU compiles."""
     return search(tmp_path_factory, "plan", "--remat", "none,full", "mesh.pipeline=1", "mesh.tensor=1",
-                  "data.source=synthetic",
-                  "model.scan_unroll=1")  # a scanned stack, as on GPU: XLA's cost analysis counts its body once
+                  "data.source=synthetic")
 
 
 def test_search_ranks_and_writes_plan_json(searched):

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from configs import ConfigError, load_config
-from conftest import SCANNED
+
 from sharding import activation_rules, make_mesh, resolve_mesh_shape, shardings, to_rules
 from trainer.optimizer import make_optimizer
 from trainer.program import abstract_program
@@ -139,7 +139,7 @@ def test_shardings_neither_drift_nor_recompile_over_two_steps():
     parameter and Adam moment has exactly the sharding the rules give its logical names. The
     same step jitted without pinned shardings hands back shardings spelled otherwise (the
     size-1 `pipeline` axis dropped) and compiles again on step 2, so both checks can fail."""
-    cfg = mesh_cfg(SCANNED, **LAYOUTS["data=2,fsdp=2,tensor=2"])  # the shardings, not the layer loop
+    cfg = mesh_cfg(**LAYOUTS["data=2,fsdp=2,tensor=2"])  # the shardings, not the layer loop
     program = abstract_program(cfg)
     _, _, axes = abstract_model(cfg.model)
     expected = jax.tree.leaves(shardings(axes, to_rules(cfg.sharding.params), program.mesh))

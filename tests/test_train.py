@@ -13,15 +13,13 @@ import pytest
 
 import trainer
 from configs import Config
-from conftest import SCANNED
+
 
 STEPS = 4
 # Every STEPS-step run here warms up over one step: the one-device run is then also the first
 # run of test_extending_a_run_continues_its_schedule, which extends it (one run fewer).
 WARMUP = "optim.warmup_steps=1"
-# The runs here test what layouts, accumulation, resumes and schedules compute, not the layer
-# loop: the stack scanned (conftest.SCANNED), as in tests/test_quant.py, whose full-precision
-# runs are these programs. tests/test_golden.py checks the CPU's unrolled pick trains the same.
+# tests/test_quant.py's full-precision runs are these programs (served by the compilation cache).
 LAYOUTS = {
     "data=8": ["mesh.data=8"],
     "fsdp=8": ["mesh.data=1", "mesh.fsdp=8"],
@@ -50,7 +48,7 @@ def one_device_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[
     cfg = load_config(
         os.path.join(ROOT, "configs", "tiny.yaml"),
         [f"run.dir={run_dir}", f"data.path={stdlib_glob('json')}", "train.log_every=1", f"train.steps={STEPS}", "mesh.data=1",
-         WARMUP, SCANNED],
+         WARMUP],
     )
     history = trainer.run(cfg, devices=jax.devices()[:1])
     assert [r["step"] for r in history] == list(range(1, STEPS + 1))
@@ -82,7 +80,7 @@ class LayoutRuns:
         if layout not in self.runs:
             cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
                 f"run.dir={self.tmp_path_factory.mktemp('layout') / 'run'}", f"data.path={stdlib_glob('json')}",
-                "train.log_every=1", f"train.steps={STEPS}", WARMUP, SCANNED, *LAYOUTS[layout]])
+                "train.log_every=1", f"train.steps={STEPS}", WARMUP, *LAYOUTS[layout]])
             self.runs[layout] = cfg, trainer.run(cfg)
         return self.runs[layout]
 
@@ -107,7 +105,7 @@ def test_gradient_accumulation_equals_one_big_batch(tiny, layout_runs):
     """16 rows in 4 micro-batches of 4 (each split over the data and fsdp shards) give the same
     update as one batch of 16."""
     big = layout_runs("data=2,fsdp=2,tensor=2")
-    accumulated = trainer.run(tiny(f"train.steps={STEPS}", WARMUP, SCANNED, *LAYOUTS["data=2,fsdp=2,tensor=2"],
+    accumulated = trainer.run(tiny(f"train.steps={STEPS}", WARMUP, *LAYOUTS["data=2,fsdp=2,tensor=2"],
                                    "train.grad_accum=4"))
     np.testing.assert_allclose(losses(accumulated), losses(big), rtol=2e-5)
     grad_norms = [r["grad_norm"] for r in big], [r["grad_norm"] for r in accumulated]
@@ -117,7 +115,7 @@ def test_gradient_accumulation_equals_one_big_batch(tiny, layout_runs):
 def test_resume_is_bitwise_exact(tiny, tmp_path, capsys, layout_runs):
     """2 steps planned over the fsdp=8 run's horizon (optim.decay_steps=STEPS: the same rates),
     then resumed to STEPS: that run's losses, bit for bit."""
-    common = [f"optim.decay_steps={STEPS}", "checkpoint.every=2", WARMUP, SCANNED, *LAYOUTS["fsdp=8"]]
+    common = [f"optim.decay_steps={STEPS}", "checkpoint.every=2", WARMUP, *LAYOUTS["fsdp=8"]]
     straight = layout_runs("fsdp=8")
     capsys.readouterr()
     resumed_dir = tmp_path / "resumed"
@@ -164,7 +162,7 @@ def test_a_finished_run_does_nothing_more_and_changes_nothing(tiny, capsys, fini
     assert {"config.yaml", "summary.json", "metrics.jsonl"} <= set(os.listdir(cfg.run.dir))
     capsys.readouterr()
     for steps in (STEPS, STEPS - 1):
-        assert trainer.run(tiny(f"train.steps={steps}", WARMUP, SCANNED, f"run.dir={cfg.run.dir}")) == []
+        assert trainer.run(tiny(f"train.steps={steps}", WARMUP, f"run.dir={cfg.run.dir}")) == []
         assert f"nothing to do: the checkpoint at step {STEPS} has reached train.steps={steps}; " \
                f"{cfg.run.dir} is left as it was" in capsys.readouterr().out
         assert _snapshot(cfg.run.dir) == before
@@ -202,7 +200,7 @@ def test_a_skipped_step_holds_the_schedule_back(tiny):
     from trainer.optimizer import lr_schedule
 
     # The data=8 layout run's program (its schedule: WARMUP, over STEPS): a compile served by the cache.
-    cfg = tiny("train.steps=3", "debug.nan_steps=2", *LAYOUTS["data=8"], WARMUP, SCANNED, f"optim.decay_steps={STEPS}")
+    cfg = tiny("train.steps=3", "debug.nan_steps=2", *LAYOUTS["data=8"], WARMUP, f"optim.decay_steps={STEPS}")
     history = trainer.run(cfg)
     schedule = lr_schedule(cfg.optim, cfg.train.steps)
     assert [r["skipped_steps"] for r in history] == [0, 1, 1]
@@ -218,7 +216,7 @@ def test_the_logged_lr_is_the_one_the_update_applied(tiny):
     from trainer.program import abstract_program
     from trainer.state import init_state
 
-    cfg = tiny(*LAYOUTS["data=8"], WARMUP, SCANNED, f"optim.decay_steps={STEPS}")  # the data=8 layout run's program
+    cfg = tiny(*LAYOUTS["data=8"], WARMUP, f"optim.decay_steps={STEPS}")  # the data=8 layout run's program
     program = abstract_program(cfg)
     step, _ = program.compile()
     tokens = np.asarray(jax.random.randint(jax.random.key(3), (16, cfg.model.seq_len + 1), 0, 257))
@@ -257,7 +255,7 @@ def test_extending_a_run_continues_its_schedule(tiny, tmp_path, capsys, one_devi
     that horizon, not those of a 6-step run (whose cosine decays over 6). A resume that changes
     the schedule says so."""
     assert STEPS == 4
-    common = ["mesh.data=1", WARMUP, SCANNED]
+    common = ["mesh.data=1", WARMUP]
     one = jax.devices()[:1]
     extended, first = one_device_run
     capsys.readouterr()

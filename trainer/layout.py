@@ -14,10 +14,9 @@ from typing import Callable
 import jax
 from flax import nnx
 
-from configs import Config, ConfigError, ModelConfig
+from configs import Config, ConfigError
 from model import LayerRunner, scan_layers
-from model.attention import block_mask, query_blocked_attention, splash_attention
-from model.cpu_matmul import unavailable as cpu_kernel_unavailable
+from model.attention import block_mask, splash_attention
 from sharding import Rules, axes_size, mesh_axes, resolve_mesh_shape, to_rules
 from model.moe import DispatchFn, GroupedMatmul, local_dispatch, megablox_matmul, megablox_tile
 from sharding.context import SequenceSplit, balanced_order, check_context, per_device, sharded_ring
@@ -76,18 +75,7 @@ def plan_layout(cfg: Config, num_devices: int) -> Layout:
             f"train.global_batch={t.global_batch} is not divisible by {need} = batch shards "
             f"({' x '.join(f'{a}={sizes[a]}' for a in batch_axes) or '1'}) x train.grad_accum={t.grad_accum}"
         )
-    streams = t.batch_streams
-    if streams > 1 and (t.global_batch // need) % streams:
-        raise ConfigError(f"train.batch_streams={streams} does not divide the {t.global_batch // need} rows each batch "
-                          f"shard gets per micro-batch (train.global_batch={t.global_batch} / {need})")
-    if streams > 1 and sizes["pipeline"] > 1 and cfg.pipeline.schedule != "gpipe":
-        raise ConfigError(f"train.batch_streams={streams}: pipeline.schedule={cfg.pipeline.schedule} computes the "
-                          "gradients itself, over its microbatches: leave it 0")
     check_context(cfg, sizes, act_rules)
-    block = cfg.model.attention_block
-    if sizes["context"] > 1 and 0 < block < cfg.model.seq_len:
-        raise ConfigError(f"model.attention_block={block} skips the keys after each block in array order, which the "
-                          f"sequence split (mesh.context={sizes['context']}) does not keep: leave it 0")
     experts = cfg.model.moe.num_experts
     if sizes["expert"] > 1 and experts % sizes["expert"]:
         raise ConfigError(f"mesh.expert={sizes['expert']} does not divide model.moe.num_experts={experts}")
@@ -176,81 +164,18 @@ def attention_notes(cfg: Config) -> list[str]:
     return []
 
 
-# `model.attention_block=0` on CPU: queries per block of the xla attention. Blocks of 32 and 64
-# ran alike at lengths 256 and 1024 (the default step: about 15% less CPU time than one block;
-# BENCHMARKS.md, "The CPU step"), 64 with half the ops; a sequence this long or shorter keeps the
-# plain kernel.
-CPU_ATTENTION_BLOCK = 64
-
-
-def attention_block(model: ModelConfig, context: int, platform: str) -> int:
-    """Queries per block of the xla attention: `model.attention_block`, or the stack's pick for
-    0 (`context`: the sequence split's size, whose reorder the blocks cannot take)."""
-    if model.attention_block:
-        return model.attention_block
-    return CPU_ATTENTION_BLOCK if platform == "cpu" and context == 1 else model.seq_len
-
-
-def flat_weight_grads(model: ModelConfig, context: int, platform: str) -> bool:
-    """Whether the block weight gradients sum over the tokens as one merged dim
-    (`model.flat_weight_grads`; "auto": on CPU when the sequence is not split, `context` == 1).
-    On XLA:CPU the two-dim form writes each activation transposed first: the default step took
-    7% less CPU time merged (BENCHMARKS.md, "The CPU step")."""
-    if model.flat_weight_grads != "auto":
-        return model.flat_weight_grads == "on"
-    return platform == "cpu" and context == 1
-
-
-def cpu_matmul(model: ModelConfig, num_devices: int, platform: str) -> bool:
-    """Whether the step's float32 matmuls run the MKL kernel of model/cpu_matmul.py
-    (`model.cpu_matmul`). "auto": on a one-device CPU mesh of a float32 model where the kernel is
-    built: the default step took about a sixth less time (BENCHMARKS.md, "The CPU step"). "mkl"
-    anywhere else is refused: it is a CPU kernel, and XLA's partitioner cannot split a custom
-    call over several devices (it would gather every operand onto each), and a remat policy that
-    saves dots (`model.remat=save_dots*`) does not count its custom calls as dots, so it would
-    recompute every product in the backward pass."""
-    if model.cpu_matmul == "xla":
-        return False
-    misfit = (f"the devices are {platform}" if platform != "cpu" else
-              f"the mesh has {num_devices} devices" if num_devices != 1 else
-              f"model.dtype={model.dtype}" if model.dtype != "float32" else
-              f"model.remat={model.remat} saves XLA's dots only" if model.remat.startswith("save_dots") else "")
-    if model.cpu_matmul == "auto":
-        return not misfit and not cpu_kernel_unavailable()
-    if misfit:
-        raise ConfigError(f"model.cpu_matmul=mkl multiplies float32 on a one-device CPU mesh under a remat policy "
-                          f"that saves no dots, but {misfit}: use xla or auto")
-    why = cpu_kernel_unavailable()
-    if why:
-        raise ConfigError(f"model.cpu_matmul=mkl: {why}")
-    return True
-
-
-def cpu_matmul_note(model: ModelConfig, num_devices: int, platform: str, on: bool) -> str:
-    """The line a run prints about its CPU matmuls ("" off the CPU or with several devices)."""
-    if platform != "cpu" or num_devices != 1:
-        return ""
-    if on:
-        return f"model.cpu_matmul={model.cpu_matmul}: the float32 matmuls run the MKL kernel (model/cpu_matmul.py)"
-    why = cpu_kernel_unavailable() if model.cpu_matmul == "auto" and model.dtype == "float32" else ""
-    return f"model.cpu_matmul=auto: XLA's matmuls ({why})" if why else ""
-
-
 def sequence_split(cfg: Config, layout: Layout, platform: str) -> SequenceSplit | None:
     """The load-balanced order and the attention kernel the layout needs (None: neither), for
     devices of `platform`: a sharded kernel under a sequence split (splash runs as the TPU kernel
-    on "tpu", interpreted elsewhere), or the query-blocked xla kernel (`attention_block`)."""
+    on "tpu", interpreted elsewhere)."""
     shards = layout.sizes["context"]
     order = balanced_order(cfg.model.seq_len, shards) if shards > 1 and cfg.context.load_balance else None
     attention = None
-    block = attention_block(cfg.model, shards, platform)
     if cfg.context.strategy == "ring" and cfg.model.attention == "xla":
         attention = sharded_ring(layout.stage_rules, shards, block_mask)
     elif cfg.model.attention == "splash":
         kernel = functools.partial(splash_attention, interpret=platform != "tpu")
         attention = per_device(kernel, layout.stage_rules)
-    elif cfg.model.attention == "xla" and block < cfg.model.seq_len:
-        attention = functools.partial(query_blocked_attention, block=block)
     return None if order is None and attention is None else SequenceSplit(order, attention)
 
 
@@ -266,55 +191,10 @@ def scheduled_grads(
     )
 
 
-# `train.batch_streams=0` on a one-device CPU mesh with XLA's matmuls (`model.cpu_matmul=xla`, or
-# the kernel unavailable): the step's batch as two independent halves.
-# XLA:CPU runs some ops on one thread (the attention blocks' batched matmuls: a step's pool thread
-# worked alone 14.5% of the time); with a second, independent stream of work its executor runs the
-# other half's ops on the idle thread (one thread alone 5.4%), and the default step took about 5%
-# less time (BENCHMARKS.md, "one core against two"). Several CPU devices already keep the pool
-# busy with each other's work, and a stream is one more copy of the loss to trace and compile.
-CPU_BATCH_STREAMS = 2
-# ... and only where each half has this many tokens: the default model's step ran about 4% faster
-# in halves of 1,024 tokens (batch 8 x 256) as of 2,048, while the tiny preset's 512-token step
-# (20 ms) ran alike in halves of 256 and took 0.5 s longer to compile (3.2 -> 3.7 s).
-CPU_STREAM_MIN_TOKENS = 1024
-
-
-def batch_streams(cfg: Config, layout: Layout, num_devices: int, platform: str, cpu_kernel: bool = False) -> int:
-    """Independent parts of each (micro-)batch: `train.batch_streams`, or the stack's pick for 0:
-    CPU_BATCH_STREAMS on a one-device CPU mesh where the rows divide into parts of at least
-    CPU_STREAM_MIN_TOKENS tokens and autodiff computes the gradients (no pipeline schedule) of a
-    dense model (an MoE's balance loss is not a sum over tokens, so halves would change it), else 1.
-    Also 1 where the CPU matmul kernel runs the matmuls (`cpu_kernel`, layout.cpu_matmul): it
-    splits the attention's products over the threads itself, and the default step ran alike with
-    one stream and two (466 / 486 against 471 / 480 ms) and compiled 1-1.4 s faster with one."""
-    t = cfg.train
-    if t.batch_streams:
-        return t.batch_streams
-    rows, n = t.global_batch // t.grad_accum, CPU_BATCH_STREAMS
-    big = rows % n == 0 and rows // n * cfg.model.seq_len >= CPU_STREAM_MIN_TOKENS
-    dense = not cfg.model.moe.enabled
-    one_cpu = platform == "cpu" and num_devices == 1 and not cpu_kernel
-    return n if one_cpu and dense and not layout.pipelined and big else 1
-
-
-# `model.scan_unroll=0` unrolls stacks up to this deep on CPU: there the scan's stacked buffers
-# (zero-filled each step, written and read with dynamic slices) cost about a tenth of the default
-# model's step (BENCHMARKS.md, "The CPU step"), while unrolling a few layers costs no compile time.
-CPU_UNROLL_LAYERS = 8
-
-
-def scan_unroll(model: ModelConfig, platform: str) -> int:
-    """Layers per trip of the layer scan: `model.scan_unroll`, or the stack's pick for 0."""
-    if model.scan_unroll:
-        return model.scan_unroll
-    return model.num_layers if platform == "cpu" and model.num_layers <= CPU_UNROLL_LAYERS else 1
-
-
-def layer_runner(layout: Layout, remat_policy: str, unroll: int = 1) -> LayerRunner | None:
-    """None (the model's own scan) unless the layout pipelines the stack or unrolls it."""
+def layer_runner(layout: Layout, remat_policy: str) -> LayerRunner | None:
+    """None (the model's own scan) unless the layout pipelines the stack."""
     if not layout.pipelined:
-        return None if unroll == 1 else functools.partial(scan_layers, remat_policy=remat_policy, unroll=unroll)
+        return None
     stage_fn = functools.partial(scan_layers, remat_policy=remat_policy)
     return pipeline_runner(layout.stages, layout.repeats, layout.microbatches, stage_fn, layout.stage_rules)
 

@@ -33,8 +33,7 @@ from trainer.checkpoint import Checkpointer, check_resumable, checkpoint_dir, ha
 from trainer.faults import Preempted, StopSignal, Watchdog, fingerprint
 from trainer.goodput import Goodput, invocation_outcome
 from trainer.hooks import Hook, StepLog, make_hooks
-from trainer.host_memory import reuse_host_memory
-from trainer.layout import attention_notes, cpu_matmul, cpu_matmul_note, grouped_matmul
+from trainer.layout import attention_notes, grouped_matmul
 from trainer.metrics import MetricsLogger, log
 from trainer.observe import instrument
 from trainer.program import Program, RunSpec, make_program, prepare
@@ -119,9 +118,8 @@ def make_session(spec: RunSpec, devices: list, schedule_note: str = "") -> Sessi
         f"{devices[0].platform} devices, {jax.process_count()} process(es); "
         f"{param_count(spec.model.shapes) / 1e6:.2f}M parameters"
     )
-    for note in [*attention_notes(cfg), cpu_matmul_note(cfg.model, len(devices), devices[0].platform, program.cpu_kernel)]:
-        if note:
-            log(note)
+    for note in attention_notes(cfg):
+        log(note)
     if cfg.model.quant != "none":
         log(f"model.quant={cfg.model.quant}: the block matmuls run in 8 bits"
             + ("; MFU is against the bf16 peak" if peak_flops_of_kind(getattr(devices[0], "device_kind", "")) else
@@ -170,9 +168,6 @@ def run(cfg: Config, devices: list | None = None) -> list[dict[str, Any]]:
     (checkpoint committed) and TooManyBadSteps after `train.max_bad_steps` non-finite steps in a row."""
     goodput = Goodput()
     why_not = set_cpu_device_count(cfg) if devices is None else "the caller chose the devices"
-    memory_note = reuse_host_memory(cfg.run.reuse_host_memory)  # before JAX starts its thread pool
-    if memory_note:
-        print(memory_note, flush=True)
     use_compile_cache(cfg.run.compile_cache)
     distributed.initialize(cfg.dist)
     distributed.check_same_everywhere(fingerprint(cfg), cfg.dist.init_timeout_s)
@@ -181,7 +176,6 @@ def run(cfg: Config, devices: list | None = None) -> list[dict[str, Any]]:
     _check_quant(cfg, devices)
     spec = prepare(cfg, len(devices))
     grouped_matmul(cfg, spec.layout, devices[0].platform)  # refuses a kernel the platform cannot run
-    cpu_matmul(cfg.model, len(devices), devices[0].platform)  # ... or one it cannot load
     check_nodes(devices, cfg.mesh.nodes)
     # Bad input has been refused with run.dir untouched; from here on this run writes there, alone.
     with rundir_lock.hold(cfg.run.dir, cfg.run.lock_timeout_s, cfg.dist.init_timeout_s, log):

@@ -38,19 +38,13 @@ from sharding.cast import cast_for_compute
 from sharding.context import SequenceSplit
 from sharding.hlo import COLLECTIVES, static_counts  # noqa: F401  (COLLECTIVES: re-exported)
 from model import hf
-from model.cpu_matmul import cpu_matmul as use_cpu_matmul
-from model.quant import token_major_weight_grads
 from trainer.checkpoint import check_resumable, has_checkpoints
 from trainer.layout import (
     Layout,
-    batch_streams,
-    cpu_matmul,
     expert_dispatcher,
-    flat_weight_grads,
     grouped_matmul,
     layer_runner,
     plan_layout,
-    scan_unroll,
     scheduled_grads,
     sequence_split,
 )
@@ -113,8 +107,6 @@ class Program:
     eval_loss: Callable  # jitted (params, batch) -> (loss sum, target tokens), no update
     split: SequenceSplit | None = None  # load-balanced order and sharded attention (None: neither)
     grad_fn: Callable | None = None  # the pipeline schedule's (loss, gradients) (None: autodiff)
-    flat_grads: bool = False  # block weight gradients over merged token dims (layout.flat_weight_grads)
-    cpu_kernel: bool = False  # the float32 matmuls through model/cpu_matmul.py (layout.cpu_matmul)
 
     def abstract_state(self) -> TrainState:
         return abstract_state(self.tx, self.spec.model.shapes, self.state_sh)
@@ -126,10 +118,8 @@ class Program:
 
     @contextlib.contextmanager
     def tracing(self) -> Iterator[None]:
-        """What binds while the step and eval loss trace: the model's activation constraints, the
-        weight gradients' layout and the CPU matmul kernel."""
-        with (activation_rules(self.mesh, self.spec.layout.act_rules), token_major_weight_grads(self.flat_grads),
-              use_cpu_matmul(self.cpu_kernel)):
+        """What binds while the step and eval loss trace: the model's activation constraints."""
+        with activation_rules(self.mesh, self.spec.layout.act_rules):
             yield
 
     def lower(self, state: Any = None) -> jax.stages.Lowered:
@@ -152,24 +142,21 @@ def make_program(spec: RunSpec, devices: list) -> Program:
     mesh = make_mesh(layout.sizes, devices, cfg.mesh.nodes, cfg.mesh.across)
     tx, schedule, state_sh = sharded_optimizer(spec, mesh)
     batch_sh = batch_sharding(mesh, layout.act_rules)
-    runner = layer_runner(layout, cfg.model.remat, scan_unroll(cfg.model, devices[0].platform))
+    runner = layer_runner(layout, cfg.model.remat)
     split = sequence_split(cfg, layout, devices[0].platform)
     cast = functools.partial(cast_for_compute, axes=model.axes, dtype=cfg.model.dtype, shardings=state_sh.params)
     grad_fn = scheduled_grads(layout, model.graphdef, cfg.model.remat, cfg.model.loss_chunk, cast)
     dispatch = expert_dispatcher(layout, grouped_matmul(cfg, layout, devices[0].platform))
-    kernel = cpu_matmul(cfg.model, len(devices), devices[0].platform)
-    streams = batch_streams(cfg, layout, len(devices), devices[0].platform, kernel)
     step = jax.jit(
         make_train_step(model.graphdef, tx, schedule, cfg.train.grad_accum, runner, cfg.model.loss_chunk, cast,
-                        split, grad_fn, cfg.model.moe, dispatch, streams),
+                        split, grad_fn, cfg.model.moe, dispatch),
         in_shardings=(state_sh, batch_sh),
         out_shardings=(state_sh, None),
         donate_argnums=(0,),
     )
     eval_loss = jax.jit(make_loss_fn(model.graphdef, runner, cfg.model.loss_chunk, cast, split, dispatch=dispatch),
                         in_shardings=(state_sh.params, batch_sh))
-    flat = flat_weight_grads(cfg.model, layout.sizes["context"], devices[0].platform)
-    return Program(spec, mesh, tx, state_sh, batch_sh, runner, step, eval_loss, split, grad_fn, flat, kernel)
+    return Program(spec, mesh, tx, state_sh, batch_sh, runner, step, eval_loss, split, grad_fn)
 
 
 def abstract_program(cfg: Config, devices: list | None = None) -> Program:

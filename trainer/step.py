@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import jax
@@ -95,7 +94,7 @@ def make_loss_fn(
     maps the float32 parameters to their compute-dtype view (sharding.cast) inside the
     differentiated function, so gathers and gradient reductions move the compute dtype.
     `split` (a sequence split over `context`) reorders the positions for load balancing and
-    hands the model a sharded attention kernel (without a split: the CPU's query-blocked one). `moe` (an MoE model's config): the loss sum gains
+    hands the model a sharded attention kernel. `moe` (an MoE model's config): the loss sum gains
     the router losses, each a per-token mean of this batch times its target count (so that
     micro-batches weigh by tokens as the cross-entropy does), and aux carries the MoE metrics;
     without it the loss is the cross-entropy alone (eval). `dispatch` moves routed tokens to
@@ -155,22 +154,6 @@ def accumulate(
     return loss, grads
 
 
-def streamed(grad_fn: GradFn, streams: int) -> GradFn:
-    """`grad_fn` over a batch taken as `streams` independent parts (rows i, i + streams, ...: each
-    batch shard's own rows, so no part moves between devices): the loss sums, aux and gradients of
-    the parts added up, the same sums to float32 rounding. The parts share only the parameters,
-    so XLA's executor can run one part's ops while another's run on one thread."""
-    if streams == 1:
-        return grad_fn
-
-    def each(params: dict, batch: dict[str, Array]) -> tuple[tuple[Array, Any], dict]:
-        parts = [grad_fn(params, jax.tree.map(lambda x, i=i: x[i::streams], batch)) for i in range(streams)]
-        add = lambda *xs: functools.reduce(jnp.add, xs)  # noqa: E731
-        return jax.tree.map(add, *parts)
-
-    return each
-
-
 def accumulate_stats(
     loss_fn: LossFn, params: dict, batch: dict[str, Array], steps: int, grad_fn: GradFn | None = None
 ) -> tuple[Array, dict, Any]:
@@ -217,11 +200,8 @@ def make_train_step(
     grad_fn: GradFn | None = None,
     moe: MoEConfig | None = None,
     dispatch: DispatchFn | None = None,
-    streams: int = 1,
 ) -> Callable[[TrainState, dict[str, Array]], tuple[TrainState, dict[str, Array]]]:
     loss_fn = make_loss_fn(graphdef, runner, loss_chunk, cast, split, moe, dispatch)
-    if streams > 1:
-        grad_fn = streamed(grad_fn or jax.value_and_grad(loss_fn, has_aux=True), streams)
 
     def train_step(state: TrainState, batch: dict[str, Array]) -> tuple[TrainState, dict[str, Array]]:
         loss, grads, aux = accumulate_stats(loss_fn, state.params, batch, grad_accum, grad_fn)
