@@ -23,6 +23,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from configs import Config, ConfigError
 from data import batch_fields, open_source
+from planner.hlo import COLLECTIVES, static_counts  # noqa: F401  (COLLECTIVES: re-exported)
 from sharding import (
     activation_rules,
     axes_size,
@@ -36,7 +37,6 @@ from sharding import (
 )
 from sharding.cast import cast_for_compute
 from sharding.context import SequenceSplit
-from sharding.hlo import COLLECTIVES, static_counts  # noqa: F401  (COLLECTIVES: re-exported)
 from model import hf
 from model.cpu_matmul import cpu_matmul as use_cpu_matmul
 from model.quant import token_major_weight_grads
