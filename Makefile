@@ -24,9 +24,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev,hf,data,trackers]'
 	touch $(STAMP)
 
-# Pinned to the installed jax by `python -m sharding.targets --requirements` (about 1.1 GB).
+# Pinned to the installed jax by `python -m planner.targets --requirements` (about 1.1 GB).
 $(COMPILERS_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -q --no-deps --target $(COMPILERS) $$($(BIN)/python -m sharding.targets --requirements)
+	$(BIN)/python -m pip install -q --no-deps --target $(COMPILERS) $$($(BIN)/python -m planner.targets --requirements)
 	touch $(COMPILERS_STAMP)
 
 compilers: $(COMPILERS_STAMP)

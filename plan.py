@@ -8,18 +8,18 @@ step time and MFU from the compiled program.
     python plan.py --config tiny --devices 8 --search mesh.pipeline=1 --remat none,full
 
 The compile runs in a child process. For a GPU (h100, h200, a100) it is XLA's GPU compiler, fed
-the GPU's target description (sharding/gpu_specs/), in nodes of 8; for a TPU (tpu-v5e, tpu-v5p,
+the GPU's target description (planner/gpu_specs/), in nodes of 8; for a TPU (tpu-v5e, tpu-v5p,
 tpu-v6e) libtpu, for a slice shaped by `--topology` or the most cubic/square one of N chips
-(sharding/targets.py). Only when that compiler is not installed does the child compile for N
+(planner/targets.py). Only when that compiler is not installed does the child compile for N
 fake CPU devices instead, and the plan then says so on its first line: the CPU compiler makes a
 different program (it gathers in float32, has no reduce-scatter), so no figure of it is a
 GPU/TPU figure. Every plan names its compiler.
 
 Memory is `memory_analysis()` of the compile (a TPU compile that does not fit is refused by the
 compiler itself); parameters and optimizer state are the shard sizes the rules give;
-collectives are parsed from the compiled HLO (sharding/hlo.py) and set beside the layout's
-minimum (sharding/minimum.py); the step time is a roofline over the compiled kernels
-(sharding/roofline.py) plus the collectives not overlapped (sharding/hardware.py).
+collectives are parsed from the compiled HLO (planner/hlo.py) and set beside the layout's
+minimum (planner/minimum.py); the step time is a roofline over the compiled kernels
+(planner/roofline.py) plus the collectives not overlapped (planner/hardware.py).
 
 `--search` tries every factorization of N over pipeline x data x fsdp x tensor (axes named on
 the command line stay as given), each pipeline schedule on a pipelined mesh (unless
@@ -51,12 +51,12 @@ from jax.sharding import AbstractMesh
 
 from configs import Config, ConfigError, load_config
 from configs.schema import MESH_AXES, PIPELINE_SCHEDULES, REMAT_POLICIES
-from sharding.hardware import HARDWARE, Hardware, check_quant, kernel_seconds
-from sharding.hlo import collectives
-from sharding.minimum import minimum
-from sharding.report import evaluate, print_plan, print_search
-from sharding.roofline import compute_seconds, kernels
-from sharding.targets import child_env, compiler_name, has_compiler, node_of, target_devices
+from planner.hardware import HARDWARE, Hardware, check_quant, kernel_seconds
+from planner.hlo import collectives
+from planner.minimum import minimum
+from planner.report import evaluate, print_plan, print_search
+from planner.roofline import compute_seconds, kernels
+from planner.targets import child_env, compiler_name, has_compiler, node_of, target_devices
 from trainer.layout import attention_notes
 from trainer.program import abstract_program, compiled_stats, fill_microbatches, prepare, sharded_optimizer
 from trainer.state import abstract_state

@@ -32,7 +32,7 @@ def measure(seq: int, context: int, strategy: str, steps: int, max_gib: float) -
 
     from bench.procs import TINY
     from configs import load_config
-    from sharding.hlo import collectives
+    from planner.hlo import collectives
     from trainer import abstract_program
     from trainer.program import compiled_stats
     from trainer.state import init_state

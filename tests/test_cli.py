@@ -395,7 +395,7 @@ def test_planner_tables_name_layouts_one_way_and_show_tiny_step_times(capsys):
     """`plan.py --search`: a layout refused before compiling is named like a ranked one
     (`data=8 fsdp=1`, not `mesh.pipeline=1 mesh.data=8 ...`), and a tiny model's microsecond
     step time keeps its digits instead of printing 0.000."""
-    from sharding.report import print_search
+    from planner.report import print_search
 
     timed = {"step_s": 2.34e-5, "mfu": 0.01, "compute_s": 2.0e-5, "exposed_comm_s": 3.4e-6, "overlapped_comm_s": 0.0,
              "bubble": 0.0}

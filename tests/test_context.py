@@ -17,9 +17,9 @@ from bench.procs import TINY
 from configs import load_config
 
 from model.attention import splash_attention, xla_attention
+from planner.hlo import collectives
 from sharding import activation_rules
 from sharding.context import balanced_order
-from sharding.hlo import collectives
 from trainer import abstract_program
 from trainer.state import init_state
 from trainer.step import accumulate, make_loss_fn

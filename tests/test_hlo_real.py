@@ -18,9 +18,9 @@ import pytest
 
 from configs import load_config
 from conftest import ROOT
-from sharding.hlo import collectives, shape_bytes, tuple_parts
-from sharding.minimum import minimum
-from sharding.roofline import kernels
+from planner.hlo import collectives, shape_bytes, tuple_parts
+from planner.minimum import minimum
+from planner.roofline import kernels
 from trainer.state import abstract_model
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")

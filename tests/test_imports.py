@@ -15,8 +15,9 @@ ALLOWED = {
     "model": {"configs", "model"},
     "data": {"configs", "data"},
     "sharding": {"configs", "model", "sharding"},
-    "trainer": {"configs", "model", "data", "sharding", "trainer"},
-    "bench": {"configs", "model", "data", "sharding", "trainer", "bench"},
+    "planner": {"configs", "model", "sharding", "planner"},
+    "trainer": {"configs", "model", "data", "sharding", "planner", "trainer"},
+    "bench": {"configs", "model", "data", "sharding", "planner", "trainer", "bench"},
 }
 ENTRY_POINTS = ("train.py", "plan.py", "hf.py", "generate.py")
 

@@ -16,11 +16,11 @@ import jax
 import pytest
 
 from configs import load_config
-from sharding.hlo import collectives, device_groups, static_counts
 from plan import candidates, main, state_bytes
+from planner.hlo import collectives, device_groups, static_counts
+from planner.report import print_plan
 from sharding.pipeline import bubble_formula, bubble_fraction
 from sharding.ticks import measured_bubble, tick_table
-from sharding.report import print_plan
 from conftest import ROOT
 from trainer.program import abstract_program, compiled_stats
 
@@ -217,7 +217,7 @@ def test_the_plan_prints_the_schedule_and_its_bubble_formula(pipelined_search, c
 def test_the_predicted_step_does_not_charge_the_bubble_again():
     """The pipeline programs compute on every tick (idle stages on masked inputs), so the roofline
     compute already holds the bubble: the step is compute plus exposed communication."""
-    from sharding.hardware import HARDWARE, predict
+    from planner.hardware import HARDWARE, predict
 
     hw = HARDWARE["h100"]
     comm = [{"axes": ["pipeline"], "wire_bytes": 1e9, "inter_node": False}]

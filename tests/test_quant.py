@@ -194,8 +194,8 @@ def test_real_compiles_hold_the_low_precision_matmuls(fixture: str, hardware: st
     import re
 
     from conftest import ROOT
-    from sharding.hardware import HARDWARE, kernel_seconds
-    from sharding.roofline import compute_seconds, kernels
+    from planner.hardware import HARDWARE, kernel_seconds
+    from planner.roofline import compute_seconds, kernels
 
     with open(os.path.join(ROOT, "tests", "fixtures", fixture)) as f:
         text = f.read()
@@ -245,7 +245,7 @@ def test_bf16_gradient_reduction_halves_the_block_weights_reduce_bytes():
     import os
 
     from conftest import ROOT
-    from sharding.hlo import collectives
+    from planner.hlo import collectives
 
     def reduced(name: str) -> dict[str, int]:
         with open(os.path.join(ROOT, "tests", "fixtures", name)) as f:

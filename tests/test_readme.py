@@ -194,7 +194,7 @@ def test_a_readme_command_names_only_what_exists(line):
         else:
             _check_config(args.config, args.overrides)
     else:
-        if argv[1] == "-m":  # python -m MODULE [SUB]: a package's command (data.prepare, sharding.targets)
+        if argv[1] == "-m":  # python -m MODULE [SUB]: a package's command (data.prepare, planner.targets)
             module = argv[2]
             assert os.path.exists(os.path.join(ROOT, *module.split(".")) + ".py"), module
         else:  # python SCRIPT [SUB]: an entry point beside train.py (plan.py, hf.py, generate.py)

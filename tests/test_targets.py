@@ -17,8 +17,8 @@ import sys
 import pytest
 
 from conftest import ROOT, real_target_env
-from sharding.hardware import HARDWARE
-from sharding.targets import has_compiler, tpu_slice_shape
+from planner.hardware import HARDWARE
+from planner.targets import has_compiler, tpu_slice_shape
 
 pytestmark = pytest.mark.real_target  # make test runs and times these apart
 

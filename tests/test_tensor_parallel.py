@@ -13,7 +13,7 @@ import pytest
 import trainer
 from configs import load_config
 from bench.procs import TINY
-from sharding.hlo import collectives
+from planner.hlo import collectives
 
 # d_ff 192 is no other dim of the tiny model (d_model 64, vocab 264, 16 heads and 8 kv heads of
 # 8), so a [4, 32, 192] array can only be a whole MLP hidden and [4, 32, 96] only half of one.

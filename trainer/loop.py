@@ -25,8 +25,8 @@ from configs import Config, ConfigError, dump_config
 from configs.schema import nan_steps
 from data import describe, eval_batches, global_batches, make_iterator
 from model import flops_per_token, hf
+from planner.hardware import check_quant, hardware_of_kind, peak_flops_of_kind
 from sharding import distributed, resolve_mesh_shape
-from sharding.hardware import check_quant, hardware_of_kind, peak_flops_of_kind
 from sharding.mesh import check_nodes
 from trainer import rundir_lock
 from trainer.checkpoint import Checkpointer, check_resumable, checkpoint_dir, has_checkpoints, saved_config

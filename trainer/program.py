@@ -23,6 +23,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from configs import Config, ConfigError
 from data import batch_fields, open_source
+from planner.hlo import COLLECTIVES, static_counts  # noqa: F401  (COLLECTIVES: re-exported)
 from sharding import (
     activation_rules,
     axes_size,
@@ -36,7 +37,6 @@ from sharding import (
 )
 from sharding.cast import cast_for_compute
 from sharding.context import SequenceSplit
-from sharding.hlo import COLLECTIVES, static_counts  # noqa: F401  (COLLECTIVES: re-exported)
 from model import hf
 from trainer.checkpoint import check_resumable, has_checkpoints
 from trainer.layout import (

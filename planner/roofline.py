@@ -4,7 +4,7 @@ emitted, each timed at the slower of its matmul rate and its memory traffic.
 Works on the optimized HLO text of any compiler (GPU, TPU, CPU), which is what runs: a
 *kernel* is an instruction of a non-fused computation (the entry, loop bodies, called
 computations) that does work: a fusion, a custom call (cuBLAS GEMM, cuDNN attention), or a
-bare op. Its executions per step are its computation's loop trip counts (sharding.hlo).
+bare op. Its executions per step are its computation's loop trip counts (planner.hlo).
 
 - FLOPs: 2 x result elements x contracted elements for every `dot` inside a fusion (nested
   fusions included) or a GEMM custom call, and for every `convolution` (the TPU's matmul) the
@@ -14,8 +14,8 @@ bare op. Its executions per step are its computation's loop trip counts (shardin
   through `dynamic-slice` counts the slices (a scan reading layer i of a stacked weight), and
   a fusion whose root is `dynamic-update-slice` writes only the update (in place).
 - Precision: a kernel whose matmul reads float8 operands is "fp8", one reading int8 "int8"
-  (timed at that rate, sharding.hardware), any other "bf16" (the device's default peak).
-Collectives are left to sharding.hlo and the step-time model.
+  (timed at that rate, planner.hardware), any other "bf16" (the device's default peak).
+Collectives are left to planner.hlo and the step-time model.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import re
 from collections import defaultdict
 from typing import Callable
 
-from sharding.hlo import COLLECTIVES, HEADER, multiplicities, shape_bytes
+from planner.hlo import COLLECTIVES, HEADER, multiplicities, shape_bytes
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*)$")
 _DIMS = re.compile(r"\[([\d,]*)\]")

@@ -8,7 +8,7 @@ pass at 2.6 TB/s = 78% of 3.35) and carried over as assumptions elsewhere. `memo
 assumption for GPUs (CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers); a TPU compile checks
 its own memory, so TPUs reserve nothing here.
 
-The step-time model, per device (inputs from sharding/roofline.py and sharding/hlo.py):
+The step-time model, per device (inputs from planner/roofline.py and planner/hlo.py):
 
     compute  = sum over the compiled program's kernels of max(FLOPs / (peak x matmul_efficiency),
                bytes / (HBM bandwidth x hbm_efficiency)), loop trips included
@@ -26,7 +26,7 @@ FP8 and int8 dense peaks from the datasheets, where the device has them; every o
 the bf16 peak). MFU stays defined against the bf16 peak whatever `model.quant` is, so an FP8
 run's MFU can pass what bf16 could reach but stays comparable between runs.
 
-A collective costs ring-algorithm bytes (sharding.hlo.RING_FACTORS) over the slowest link its
+A collective costs ring-algorithm bytes (planner.hlo.RING_FACTORS) over the slowest link its
 groups cross: the intra-node link (NVLink, ICI) if every group stays inside one node or slice,
 else the inter-node one (InfiniBand, data-center network).
 """
@@ -42,7 +42,7 @@ BATCH_AXES = ("data", "fsdp")  # activations never cross these inside a step, we
 class Hardware:
     name: str
     platform: str  # the compiler that builds for it: "cuda" or "tpu"
-    spec: str  # cuda: the GPU target description in sharding/gpu_specs/; tpu: libtpu's generation name
+    spec: str  # cuda: the GPU target description in planner/gpu_specs/; tpu: libtpu's generation name
     peak_flops: float  # dense bf16 FLOP/s per device
     hbm_bytes_per_s: float
     memory_bytes: float  # what the device reports (GPU: the target description's device_memory_size)

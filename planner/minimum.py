@@ -1,5 +1,5 @@
 """The least communication a layout needs per step and device, to hold a compiled program's
-traffic against (bytes each device sends, ring algorithm, as sharding.hlo counts them).
+traffic against (bytes each device sends, ring algorithm, as planner.hlo counts them).
 
 Per mesh axis of size n > 1 (G: the parameter bytes one device's FSDP group gathers, each
 parameter in the dtype it is gathered in: matmul weights in the compute dtype, norm scales in

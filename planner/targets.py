@@ -1,7 +1,7 @@
 """Devices of hardware this host does not have, from that hardware's own compiler.
 
 XLA's GPU compiler (the `jax-cuda12-plugin` + `jax-cuda12-pjrt` wheels, given a GPU target
-description from sharding/gpu_specs/) and the TPU compiler (`libtpu`) both run on a CPU-only
+description from planner/gpu_specs/) and the TPU compiler (`libtpu`) both run on a CPU-only
 host: `jax.experimental.topologies.get_topology_desc` hands out devices of the target, a mesh
 is built on them, and `jit(...).lower(...).compile()` emits the real program (sm_90 code, TPU
 bundles) with its real memory figures and collectives. No driver, no device.
@@ -12,7 +12,7 @@ compiling child process puts that folder on its path, so `train.py` and every ot
 never load the plugins: no plugin warnings, no slower start. A compiler found on the ordinary
 path (a TPU VM's libtpu, say) is used as well.
 
-    python -m sharding.targets --requirements   # the wheels, pinned to the installed jax
+    python -m planner.targets --requirements   # the wheels, pinned to the installed jax
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import re
 import sys
 
 from configs.schema import ConfigError
-from sharding.hardware import Hardware
+from planner.hardware import Hardware
 
 SPECS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_specs")
 # libtpu's accelerator names, one per generation: they only quiet its start-up log here.
@@ -161,4 +161,4 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--requirements"]:
         print(" ".join(requirements()))
     else:
-        sys.exit("usage: python -m sharding.targets --requirements")
+        sys.exit("usage: python -m planner.targets --requirements")
