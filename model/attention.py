@@ -25,29 +25,13 @@ model names no mesh axis and no platform either way.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from typing import Callable, Iterator
-
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from model import kernels
+
 Array = jax.Array
-# (q, k, v, positions, segment_ids) -> out [batch, length, heads, head_dim]
-AttentionFn = Callable[[Array, Array, Array, Array, "Array | None"], Array]
-
-_SHARDED: contextvars.ContextVar[AttentionFn | None] = contextvars.ContextVar("sharded_attention", default=None)
-
-
-@contextlib.contextmanager
-def sharded_attention(fn: AttentionFn | None) -> Iterator[None]:
-    """While tracing under it, every attention layer calls `fn` instead of its own kernel."""
-    token = _SHARDED.set(fn)
-    try:
-        yield
-    finally:
-        _SHARDED.reset(token)
 
 
 def block_mask(q_pos: Array, k_pos: Array, q_seg: Array | None, k_seg: Array | None) -> Array:
@@ -177,7 +161,7 @@ def local_attention(q: Array, k: Array, v: Array, positions: Array, segment_ids:
 
 def attend(q: Array, k: Array, v: Array, positions: Array, segment_ids: Array | None, *, impl: str,
            max_documents: int = 0) -> Array:
-    sharded = _SHARDED.get()
+    sharded = kernels.current().attention
     if sharded is not None:
         return sharded(q, k, v, positions, segment_ids)
     if impl == "xla":

@@ -10,8 +10,8 @@ experts run as grouped matmuls, every assignment computed: `jax.lax.ragged_dot`,
 trainer picks for the platform (`megablox_matmul`, TPU) and binds into the dispatcher. Capacity mode:
 each expert takes its first `capacity` assignments in token order; later ones are dropped (their
 weight counts 0) and counted, and the experts run as one batched matmul over [expert, capacity]
-slots. Under expert parallelism the trainer installs a dispatcher
-(`expert_dispatch`, built in sharding/experts.py) that moves the rows to the experts' devices;
+slots. Under expert parallelism the trainer binds a dispatcher
+(`model.kernels`, built in sharding/experts.py) that moves the rows to the experts' devices;
 it calls the same `capacity_keep` and `expert_rows` as the local path, so the math is one.
 
 The layer also returns its router statistics, [aux, z, dropped, imbalance] (see `STATS`):
@@ -23,40 +23,24 @@ whole batch the layer sees, outside any dispatcher, so they do not depend on the
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from typing import Callable, Iterator
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from configs.schema import ModelConfig
+from model import kernels
+from model.kernels import DispatchFn
 from model.layers import MLP, constrain, param
 
 Array = jax.Array
 STATS = ("aux_loss", "z_loss", "dropped", "imbalance")
-# (x [b, l, d], expert ids [b, l, k], weights [b, l, k], gate, up, down, capacity_factor)
-#   -> (y [b, l, d], kept [b, l, k] bool)
-DispatchFn = Callable[[Array, Array, Array, Array, Array, Array, float], tuple[Array, Array]]
 # (rows [m, k] sorted by group, weights [G, k, n], group sizes [G] int32) -> [m, n]; rows past
 # the groups (sum of sizes .. m), and their gradients, may come back as anything: `expert_rows` masks them.
 GroupedMatmul = Callable[[Array, Array, Array], Array]
 MEGABLOX_TILES = (512, 256, 128)  # the tile sizes megablox_matmul picks from, largest first
-
-_DISPATCH: contextvars.ContextVar[DispatchFn | None] = contextvars.ContextVar("expert_dispatch", default=None)
-
-
-@contextlib.contextmanager
-def expert_dispatch(fn: DispatchFn | None) -> Iterator[None]:
-    """While tracing under it, every MoE layer hands its routed tokens to `fn` (None: local)."""
-    token = _DISPATCH.set(fn)
-    try:
-        yield
-    finally:
-        _DISPATCH.reset(token)
-
 
 def capacity(tokens: int, num_experts: int, k: int, factor: float) -> int:
     """Assignments one expert takes from `tokens` tokens (0: unbounded, dropless)."""
@@ -182,7 +166,7 @@ class MoE(nnx.Module):
         logits = jnp.einsum("bld,de->ble", x.astype(jnp.float32), self.router[...].astype(jnp.float32))
         logits = constrain(logits, ("batch", "length", None))
         ids, weights = route(logits, e.experts_per_token, e.router, e.renormalize)
-        dispatch = _DISPATCH.get() or local_dispatch
+        dispatch = kernels.current().dispatch or local_dispatch
         y, kept = dispatch(x, ids, weights, self.gate[...].astype(dt), self.up[...].astype(dt),
                            self.down[...].astype(dt), e.capacity_factor)
         if e.shared_experts:

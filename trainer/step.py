@@ -11,8 +11,8 @@ from flax import nnx
 
 from configs.schema import MoEConfig
 from model import LayerRunner
-from model.attention import sharded_attention
-from model.moe import STATS, DispatchFn, expert_dispatch
+from model.kernels import DispatchFn, Kernels, use_kernels
+from model.moe import STATS
 from sharding.context import SequenceSplit
 from sharding.pipeline import to_microbatches
 from trainer.optimizer import schedule_count
@@ -113,7 +113,7 @@ def make_loss_fn(
             # permuted as a whole: inputs, targets, weights, positions and segments alike.
             inputs, targets, weights, positions = (a[:, split.order] for a in (inputs, targets, weights, positions))
             seg_in = None if seg_in is None else seg_in[:, split.order]
-        with sharded_attention(attention), expert_dispatch(dispatch):
+        with use_kernels(Kernels(attention=attention, dispatch=dispatch)):
             x, stats = model.features_and_stats(inputs, positions, seg_in, runner=runner)
         ce, count = head_loss(model, x, targets, weights, loss_chunk), jnp.sum(weights)
         if moe is None or not moe.enabled:

@@ -1,0 +1,54 @@
+"""The one place a run hands the model kernels of its own: `Kernels`, bound by `use_kernels`.
+
+The model is written once and knows no mesh. Some of its computations depend on how the run
+lays the model out: attention under a sequence split runs as a sharded kernel (ring attention,
+splash under shard_map), and a mixture of experts under expert parallelism moves its tokens to
+the experts' devices. The trainer builds those functions from the mesh and binds them here while
+it traces the step, as flax binds its logical-axis rules (`nn.logical_axis_rules`); the layers
+read them with `current()`. Nothing bound: every layer runs its own kernel.
+
+A context (not constructor arguments) because the layers are re-merged from their state inside
+the layer scan and the pipeline runners on every trace, where no constructor runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Callable, Iterator
+
+import jax
+
+Array = jax.Array
+# (q, k, v, positions, segment_ids) -> out [batch, length, heads, head_dim]
+AttentionFn = Callable[[Array, Array, Array, Array, "Array | None"], Array]
+# (x [b, l, d], expert ids [b, l, k], weights [b, l, k], gate, up, down, capacity_factor)
+#   -> (y [b, l, d], kept [b, l, k] bool)
+DispatchFn = Callable[[Array, Array, Array, Array, Array, Array, float], tuple[Array, Array]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """What replaces the model's own kernels (None: the model's own)."""
+
+    attention: AttentionFn | None = None  # every attention layer calls it instead of `model.attention`'s kernel
+    dispatch: DispatchFn | None = None  # every MoE layer hands its routed tokens to it (None: local)
+
+
+_BOUND: contextvars.ContextVar[Kernels] = contextvars.ContextVar("kernels", default=Kernels())
+
+
+@contextlib.contextmanager
+def use_kernels(kernels: Kernels) -> Iterator[None]:
+    """While tracing under it, the model's layers run `kernels`."""
+    token = _BOUND.set(kernels)
+    try:
+        yield
+    finally:
+        _BOUND.reset(token)
+
+
+def current() -> Kernels:
+    """The kernels bound by the innermost `use_kernels` (the model's own outside any)."""
+    return _BOUND.get()
