@@ -60,7 +60,7 @@ from planner.targets import child_env, compiler_name, has_compiler, node_of, tar
 from trainer.layout import attention_notes
 from trainer.program import abstract_program, compiled_stats, fill_microbatches, prepare, sharded_optimizer
 from trainer.state import abstract_state
-from trainer.xla_env import set_cpu_collective_env
+from trainer.xla_env import set_cpu_collective_env, set_default_flags
 
 DEFAULT_REMATS = ("none", "save_dots", "full")  # in order of growing recompute
 
@@ -250,6 +250,7 @@ def child_main(spec_path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    set_default_flags()
     if args.child:
         child_main(args.child)
         return 0

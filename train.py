@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         import trainer  # after the config is known good: importing JAX takes a while
 
+        trainer.set_default_flags()
         trainer.run(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

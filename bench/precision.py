@@ -43,7 +43,7 @@ import tempfile
 
 import numpy as np
 
-import trainer  # sets the stack's XLA flags before JAX starts
+import trainer
 from configs import ConfigError, load_config
 
 WINDOW = 10
@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="run every variant with run.seed 0..N-1 and judge the mean curve (0: one run, the config's seed)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
+    trainer.set_default_flags()
     if args.seeds < 0:
         print(f"error: --seeds must be >= 0, got {args.seeds}", file=sys.stderr)
         return 2

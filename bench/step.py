@@ -27,9 +27,10 @@ import numpy as np
 from configs import Config, ConfigError, load_config
 from data import batch_fields
 from model import flops_per_token
-from trainer.metrics import peak_flops  # importing trainer sets the stack's XLA flags
+from trainer.metrics import peak_flops
 from trainer.program import Program, abstract_program, compiled_stats
 from trainer.state import init_state, param_count
+from trainer.xla_env import set_default_flags
 
 
 def peak_memory(compiled: jax.stages.Compiled) -> tuple[float, str]:
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the result to this file")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
+    set_default_flags()
     try:
         r = bench(args.config, args.overrides, args.steps, args.warmup)
     except ConfigError as e:

@@ -84,3 +84,25 @@ def test_no_import_cycle() -> None:
         if m not in state:
             visit(m, [m])
     assert not cycles, cycles
+
+
+ENV_PROBE = """
+import os, sys
+before = dict(os.environ)
+import configs, model, data, sharding, planner, trainer, bench.step  # noqa: F401, E401
+changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))
+print(changed)
+"""
+
+
+def test_importing_a_package_changes_no_environment_variable() -> None:
+    """Flags are the entry points' to set (train.py, plan.py, bench): a library import that wrote
+    XLA_FLAGS would change every program of the process that imports it."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # this process's flags came from conftest
+    done = subprocess.run([sys.executable, "-c", ENV_PROBE], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stdout
