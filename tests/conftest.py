@@ -60,12 +60,14 @@ import gc  # noqa: E402
 import pytest  # noqa: E402
 
 from configs import Config, load_config  # noqa: E402
-from trainer.xla_env import KEEP_COLLECTIVES_IN_LOOPS, set_cpu_collective_env  # noqa: E402
+from trainer.xla_env import KEEP_COLLECTIVES_IN_LOOPS, set_cpu_collective_env, set_default_flags  # noqa: E402
 
 # Room in XLA:CPU's thread pool for the 8 devices' collectives, and collectives kept in their loops
 # (see trainer/xla_env.py: without either, pipelined steps aborted or hung now and then under
 # load); before any test starts the backend, and inherited by every process a test starts.
 set_cpu_collective_env(8)
+# The flags every entry point sets (train.py, plan.py): the tests stand in for them.
+set_default_flags()
 
 # Tracing a program allocates hundreds of thousands of short-lived objects, and Python's default
 # collector (a young-generation pass every 700 allocations, full passes over every object
