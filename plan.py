@@ -31,7 +31,7 @@ holds it, as every stage computes on every tick).
 
 Exit status: 0 fits (search: something fits); 1 does not fit; 2 bad input (one line, before
 any compile). An entry point above the trainer, like train.py; the HLO, roofline and hardware
-arithmetic it reads the compile with live in sharding/.
+arithmetic it reads the compile with live in planner/.
 """
 
 from __future__ import annotations

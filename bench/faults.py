@@ -165,8 +165,8 @@ def nan_batch(root: str) -> Row:
 
 
 def hung_step(root: str) -> Row:
-    """The default model's step (about 1 s here) against a 0.3 s timeout: the watchdog fires
-    inside the first timed step; detected = from the last line before the dump to the dump."""
+    """The default model's step, longer on CPU than a 0.3 s timeout: the watchdog fires inside
+    the first timed step; detected = from the last line before the dump to the dump."""
     run_dir = os.path.join(root, "hung")
     t = Train(f"run.dir={run_dir}", DATA, "train.steps=50", "train.log_every=1", "train.step_timeout_s=0.3")
     t.finish(120)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The issue-6 measurements on one GPU, in parts that each fit a 10-minute device command.
+# The GPU measurements of the 1B shape and its peers, in parts that each fit a 10-minute device command.
 # Run from the repo root on the GPU machine (../shared/gpu/README.md). Here, first:
 #   EXTRA="tensorboardX==2.6.5" ../shared/gpu/fetch-wheels.sh   # grain, array-record, tensorboardX wheels
 #   mkdir -p .peer && cp ../shared/bench/torch_llama_peer.py .peer/ && echo /.peer/ >> .git/info/exclude
@@ -43,7 +43,7 @@ case $part in
     step b8-full $B train.global_batch=8 model.remat=full model.loss_chunk=512
     step b16-full $B train.global_batch=16 model.remat=full model.loss_chunk=512
     ;;
-  ablate)  # one change at a time against b8 (BENCHMARKS.md wants each change's effect)
+  ablate)  # one change at a time against b8: each change's own effect
     B=configs/llama3-1b.yaml
     step b8-dot-product $B train.global_batch=8 model.attention=dot_product
     step b8-remat-none $B train.global_batch=8 model.remat=none model.loss_chunk=512

@@ -9,7 +9,7 @@ compile time, per-device memory from `memory_analysis()`, FLOPs per device from
 Nothing is allocated or trained: the state and the batch are abstract. A pipelined layout
 that names no `pipeline.microbatches` gets as many as the per-replica batch allows. XLA's cost analysis
 counts the body of a loop (the layer scan, the pipeline ticks) once, not once per trip, so its
-FLOPs sit below the model's; the `model GF/dev` column is the formula in DESIGN.md for reference.
+FLOPs sit below the model's; the `model GF/dev` column is the formula of model/flops.py for reference.
 """
 
 from __future__ import annotations

@@ -8,14 +8,14 @@ and `=int8` (no float32 run then), on the same real text, step by step.
         train.global_batch=8 model.vocab_size=384 model.attention=xla   # the 1B body on one GPU, byte text
                                                                  # (cuDNN attention has no float32 path)
 
-    python -m bench.precision --steps 200 --quant fp8,int8      # issue 21: each mode against bf16
+    python -m bench.precision --steps 200 --quant fp8,int8      # each mode against bf16
     python -m bench.precision --steps 200 --quant fp8,int8 --seeds 3   # the same, judged on 3 seeds' mean
     python -m bench.precision --steps 200 --grad-reduce         # float32 against bf16 gradient reductions
 
 Prints both losses at a few steps, the largest per-step relative gap, and the largest gap between
 their 10-step means; exits 1 if the windowed gap exceeds `--tolerance` (default 2%). Why windows:
 both runs see the same batches, but once rounding has moved the weights their single-step losses
-wander apart and back (measured: 2.2% at one step, 0.02% at the last); a precision bug, such as a
+wander apart and back, at single steps by more than the tolerance; a precision bug, such as a
 softmax or loss in bf16, shows as a sustained offset instead, which the windowed gap keeps.
 Each `--quant` mode is judged against the bfloat16 run with the same tolerance; on CPU its FP8
 and int8 matmuls are emulated (the same rounding, float32 arithmetic).
@@ -23,10 +23,10 @@ and int8 matmuls are emulated (the same rounding, float32 arithmetic).
 `--seeds N` runs every variant with `run.seed` 0..N-1 (each seed its own initialization and batch
 order, the same for every variant) and judges the mean of the N loss curves, step by step, with
 the same windows and tolerance; each seed's own windowed gap is printed too. Why: on one seed,
-changes of one rounding (float32 against bf16 logits, or the gradient matmuls' output dtype) were
-measured to move the 10-step means by 1.5-3% (BENCHMARKS.md, "Low precision"), about the size
-of the tolerance, in either direction depending on the seed; what a precision bug does, a
-sustained offset, survives the mean over seeds, and the trajectory noise shrinks with it.
+changing one rounding (float32 against bf16 logits, or the gradient matmuls' output dtype) moves
+the 10-step means by about the size of the tolerance, in either direction depending on the seed;
+what a precision bug does, a sustained offset, survives the mean over seeds, and the trajectory
+noise shrinks with it.
 
 `--grad-reduce` judges a float32 run with `model.grad_reduce=bfloat16` (every block weight
 gradient leaves its matmul rounded to bfloat16, the dtype its reduction over the batch shards then

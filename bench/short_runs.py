@@ -7,7 +7,7 @@ N = 20, then 200, as real processes, and reads each run's `summary.json` and `me
 the 20-step run's summary tokens/s (productive step time only; the first execution's one-time
 set-up has its own goodput bucket), its logged steps 1, 5 and 10, that bucket, and the 200-step
 run's median logged tokens/s over steps 25-200 (its steady state). Prints a markdown table and
-the ratio per pair (issue 15 asks for 0.8 or above). CPU figures: run it on an idle machine.
+the ratio per pair (the aim: 0.8 or above). CPU figures: run it on an idle machine.
 """
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ def generate(
 
 # One jitted function for every call (the sampling settings static): calls with the same model
 # structure, shapes and settings run one compiled program, whatever the parameters, prompt or
-# seed; a jit made inside `generate` traced and compiled again on every call.
+# seed; a jit made inside `generate` would trace and compile again on every call.
 @functools.partial(nnx.jit, static_argnums=(3, 4, 5))
 def _generate(m: Transformer, prompt: Array, key: Array, max_new_tokens: int, temperature: float, top_k: int) -> Array:
     batch, length = prompt.shape

@@ -110,7 +110,7 @@ def _head_bwd(w_dims: str, tied_grads: bool, out_dtype: str, res: tuple[Array, A
         return dx, dw
     # Both products before dx flows on into the layers: nothing else orders dw, and libtpu
     # schedules it after the layers' whole backward pass, keeping g ([batch, length, vocab],
-    # 2.1 GB a device for Llama-3-8B at 8192 tokens) alive through it (BENCHMARKS.md, issue 20).
+    # 2.1 GB a device for Llama-3-8B at 8192 tokens) alive through it.
     return jax.lax.optimization_barrier((dx, dw))
 
 
@@ -178,7 +178,7 @@ class Transformer(nnx.Module):
         """Hidden states [batch, length, embed] -> logits [batch, length, vocab] in
         `model.logits_dtype` (the compute dtype, or float32).
         `tied_grads=False` lets the compiler order the head's two gradients freely: the chunked
-        loss, where tying them cost memory on TPU (BENCHMARKS.md, issue 20)."""
+        loss, where tying them costs memory on TPU."""
         dt = x.dtype
         out_dtype = jnp.dtype(dt if self.cfg.logits_dtype == "compute" else jnp.float32).name
         if self.cfg.tie_embeddings:

@@ -2,9 +2,9 @@
 time that follows from a compiled program.
 
 Vendor figures (dense bf16 peak, HBM size and bandwidth, link bandwidths) are datasheet values;
-`matmul_efficiency` and `hbm_efficiency` are calibrations, measured where we could (H100 SXM,
-shared/gpu/README.md: a bf16 8192^3 matmul at 694 TFLOP/s median = 70% of 989; an elementwise
-pass at 2.6 TB/s = 78% of 3.35) and carried over as assumptions elsewhere. `memory_reserve` is an
+`matmul_efficiency` and `hbm_efficiency` are calibrations: the fractions of peak that a large
+bf16 matmul and an elementwise pass reach on an H100 SXM, carried over as assumptions to the
+other devices. `memory_reserve` is an
 assumption for GPUs (CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers); a TPU compile checks
 its own memory, so TPUs reserve nothing here.
 

@@ -130,8 +130,8 @@ def peer_beats(run: int) -> dict[int, str]:
     """The last heartbeat of every process that has published one for `run` (one call however many
     processes). Unlike the coordination service's own liveness query (`get_live_nodes`), which
     waits until every live process asks too, this never blocks: a peer that has ended its run
-    and waits in jax.distributed's shutdown barrier asks nothing, and a watchdog waiting on it then
-    outlived its own process's exit (the interpreter aborted on the thread blocked in XLA)."""
+    and waits in jax.distributed's shutdown barrier asks nothing, and a watchdog waiting on it would
+    outlive its own process's exit (the interpreter aborts on the thread blocked in XLA)."""
     if jax.process_count() == 1:
         return {}
     return {int(key.rsplit("/", 1)[1]): value for key, value in _client().key_value_dir_get(f"{_BEATS}/{run}/")}

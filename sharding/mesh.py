@@ -2,7 +2,7 @@
 
 One size may be -1 and takes the devices left over; the product must equal the device count.
 Axes are `Auto` so XLA propagates shardings from the logical-axis constraints (a plain Flax
-model does not run under Explicit axes; see JAX-NOTES).
+model does not run under Explicit axes).
 
 A hybrid mesh (`mesh.nodes` > 1) spans several GPU hosts or TPU slices joined by a slower link
 (InfiniBand, DCN): `mesh_utils.create_hybrid_device_mesh` lays the devices out so that only the

@@ -13,29 +13,25 @@ import tempfile
 from types import ModuleType
 
 # LLVM's optimization of the CPU code off: the tests check numbers and behaviour, not CPU speed,
-# and it takes about a quarter of their CPU time (test_golden 20.8 -> 15.1 s, test_train 144 ->
-# 106 s) while changing no result (no fast-math: the golden values hold either way). XLA:CPU's
-# newer fusion emitters off too: they took most of what LLVM time was left, and without them a
-# pipeline train step compiles 2-2.5x faster (7.0 -> 3.1 s; test_pipeline 194 -> 139 CPU s at
-# load 3-5), golden values unchanged. The real-target compiles drop both (`real_target_env`):
-# their programs are the ones users get.
+# and it takes a large share of their CPU time while changing no result (no fast-math: the
+# golden values hold either way). XLA:CPU's newer fusion emitters off too: they take most of the
+# compile time left, and the golden values hold without them. The real-target compiles drop
+# both (`real_target_env`): their programs are the ones users get.
 # One LLVM module per program, not XLA:CPU's split into pieces to compile on parallel threads: the
-# pieces cost more CPU time in all, and the suite's workers keep both cores busy anyway (train
-# step compiles 10-20% less CPU: zero-bubble pipeline 2.57 -> 2.23 s, data=2 x fsdp=2 x tensor=2
-# 0.92 -> 0.83 s).
+# pieces cost more CPU time in all, and the suite's workers keep both cores busy anyway.
 FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
                 "--xla_cpu_parallel_codegen_split_count=1")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 {FAST_COMPILE}")
 os.environ["JAX_PLATFORMS"] = "cpu"
 # Each op's location in the lowered program names its innermost frame only, not the whole stack
 # (up to 100 frames, most of them pytest's under a test): lowering and the cache key's
-# strip-debuginfo walk less (test_context+test_moe+test_quant 67.0 -> 64.4 s, one process, idle).
-# Compiled code is the same; train.py keeps JAX's default of full tracebacks for profiles.
+# strip-debuginfo walk less. Compiled code is the same; train.py keeps JAX's default of full
+# tracebacks for profiles.
 os.environ["JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS"] = "false"
 # One persistent compilation cache for the session, shared by pytest-xdist's workers (they inherit
 # the variable from the pytest process, which loads this file before starting them) and every
-# train.py the tests start: most tests compile the same tiny programs, and a cache hit turns
-# ~3 s of XLA work into ~0.3 s. A fresh directory each session, so no test can pass on an
+# train.py the tests start: most tests compile the same tiny programs, and a cache hit costs a
+# fraction of the compile. A fresh directory each session, so no test can pass on an
 # executable from older code; removed by the process that made it.
 _SHARED = "MESHLM_TEST_JAX_CACHE"
 if _SHARED not in os.environ:
@@ -48,9 +44,8 @@ os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_SHARED]
 os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(16 << 30)
 # The bound also makes every write scan the whole directory (JAX's LRU eviction reads each
 # entry's access time), so only programs that take 0.2 s to compile are kept: the train steps,
-# inits and schedules a hit pays for. At 0 s the suite wrote ~850 entries, mostly one-op eager
-# programs that compile faster than a write then cost, and took 327 s (worker CPU 617 s) against
-# 315 s (592 s) at 0.2 s (idle, 2026-11-25).
+# inits and schedules a hit pays for, not the many one-op eager programs that compile faster
+# than a write would then cost.
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -63,17 +58,17 @@ from configs import Config, load_config  # noqa: E402
 from trainer.xla_env import KEEP_COLLECTIVES_IN_LOOPS, set_cpu_collective_env, set_default_flags  # noqa: E402
 
 # Room in XLA:CPU's thread pool for the 8 devices' collectives, and collectives kept in their loops
-# (see trainer/xla_env.py: without either, pipelined steps aborted or hung now and then under
-# load); before any test starts the backend, and inherited by every process a test starts.
+# (see trainer/xla_env.py: without either, pipelined steps can abort or hang); before any test
+# starts the backend, and inherited by every process a test starts.
 set_cpu_collective_env(8)
 # The flags every entry point sets (train.py, plan.py): the tests stand in for them.
 set_default_flags()
 
 # Tracing a program allocates hundreds of thousands of short-lived objects, and Python's default
 # collector (a young-generation pass every 700 allocations, full passes over every object
-# imported) spent about a tenth of the CPU time of tracing, lowering and compiling a train step
-# (3 steps: 7.1-7.4 -> 6.2-6.6 s). Everything imported so far is kept out of the collector's
-# passes for good, and the young generation is collected less often.
+# imported) takes a noticeable share of the CPU time of tracing, lowering and compiling a train
+# step. Everything imported so far is kept out of the collector's passes for good, and the young
+# generation is collected less often.
 gc.freeze()
 gc.set_threshold(50_000, 20, 100)
 
@@ -98,7 +93,8 @@ def require(module: str, extra: str, lazy: bool = False) -> ModuleType:
     """Imports an optional package the tests need. Missing, it skips the caller (a user running a
     subset by hand without `pip install 'meshlm[extra]'`) or, under REQUIRE_EXTRAS=1, fails it.
     `lazy`: found but loaded at its first use (for a module-level call: every xdist worker
-    collects every file, and torch with transformers' Mixtral took 4.7 s of each one's collection)."""
+    collects every file, and importing torch with transformers' Mixtral would cost each one
+    seconds of collection)."""
     try:
         if not lazy:
             return importlib.import_module(module)
@@ -157,13 +153,11 @@ def tiny(tmp_path):
     return make
 
 
-# Worker seconds per file (`--durations=0` of a fake-CPU run with three workers, 2026-11-27 08:1x,
-# with the CPU matmul kernel), heaviest first. `--dist loadfile`
+# Worker seconds per file (`--durations=0` of a fake-CPU run), heaviest first. `--dist loadfile`
 # hands each xdist worker whole files in collection order, so with the files in alphabetical
-# order a worker could pick up a long file last while the others sat idle (396 against 354 worker
-# seconds in a run of 2026-11-25); handed out longest first, the last files are short ones and the
-# workers end together. A file not listed goes after these, in its own order; a stale weight only
-# costs time.
+# order a worker could pick up a long file last while the others sat idle; handed out longest
+# first, the last files are short ones and the workers end together. A file not listed goes
+# after these, in its own order; a stale weight only costs time.
 FILE_SECONDS = {
     "test_pipeline": 125, "test_faults": 73, "test_distributed": 69, "test_moe": 48,
     "test_bench_step": 45, "test_train": 39, "test_cli": 38, "test_context": 34, "test_plan": 32,

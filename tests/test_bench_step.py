@@ -28,7 +28,7 @@ def test_the_step_benchmark_prints_a_row_and_writes_json(tmp_path, capsys):
     assert r["tokens_per_s"] > 0 and r["step_ms"] > 0 and r["compile_s"] > 0 and r["peak_memory_gib"] > 0
     assert r["mfu"] is None  # no known peak for a CPU: no made-up MFU
     # Bad input is refused by its main before JAX does anything: run here, not in a second process
-    # (1.5 CPU s of importing JAX and the trainer for one line).
+    # (seconds of importing JAX and the trainer for one line).
     from bench.step import main
 
     assert main([*cmd[3:5], "model.loss_chunk=5"]) == 2
@@ -81,7 +81,7 @@ def test_the_precision_benchmark_runs_both_variants(tmp_path, flags, header):
     # The suite's XLA flags for both: their float32 runs are one program (the shared compilation
     # cache serves the second). 5 steps: the bf16 gradient reductions' rounding moves the loss by
     # a few 1e-6 only (Adam's update is near sign(g) in its first steps), and with the suite's
-    # flags it first shows in the 6 printed decimals at step 5 (step 3: 5.140326 both).
+    # flags it first shows in the 6 printed decimals at step 5.
     cmd = [sys.executable, "-m", "bench.precision", "--config", "tiny", "--steps", "5", *flags, "mesh.data=1",
            "train.global_batch=8", f"data.path={stdlib_glob('json')}"]
     done = subprocess.run(cmd, cwd=ROOT, env=cpu_env(1), capture_output=True, text=True, timeout=240)

@@ -166,11 +166,10 @@ print(f"process {pid} ended its run", flush=True)
 def test_a_peer_that_ended_its_run_first_is_not_taken_for_a_dead_one(announce):
     """The processes of a job end their last step together, but one can commit its save and exit
     while another still saves; the first then waits in jax.distributed's shutdown barrier. The
-    other must exit 0, not stop as if its peer had crashed (a CI run's 2-process job exited 5
-    after its last step and summary, its watchdog blocked in the coordination service's liveness
-    query, which waits for every live peer to ask too). A peer that ends its run says so
-    (`Watchdog.finished`); one that stops beating without saying so is dead, and the survivor
-    says which and exits 5."""
+    other must exit 0, not stop as if its peer had crashed, nor block its watchdog in the
+    coordination service's liveness query, which waits for every live peer to ask too. A peer
+    that ends its run says so (`Watchdog.finished`); one that stops beating without saying so is
+    dead, and the survivor says which and exits 5."""
     import subprocess
     import sys
 

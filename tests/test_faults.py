@@ -45,7 +45,7 @@ def train_here(run_dir, *extra: str, devices: int = 8) -> None:
 def main_here(capfd, *argv: str) -> tuple[int, str]:
     """`python train.py ARGV`'s exit status and output, from its own `main` run in this process:
     for the claims about what a run prints, writes and returns, not about a process (a process
-    costs 2-3 CPU s of imports and teardown)."""
+    costs seconds of CPU time in imports and teardown)."""
     capfd.readouterr()
     code = train.main(list(argv))
     captured = capfd.readouterr()
@@ -115,8 +115,8 @@ def test_kill_9_mid_run_resumes_bit_for_bit(tmp_path, capfd, uninterrupted):
 
 # Synthetic tokens: a 16k vocabulary is far from the byte tokenizer's, which the text source refuses.
 # The state is the vocabulary's; 64 tokens a step (not the preset's 512) keep its steps short. One
-# device: the state's size on disk is the same, but 8 data-parallel replicas made every step (each
-# replica's optimizer update, the gradients' all-reduce) and the trace 3-5x slower.
+# device: the state's size on disk is the same, but 8 data-parallel replicas make every step (each
+# replica's optimizer update, the gradients' all-reduce) and the trace several times slower.
 BIG_STATE = ["data.source=synthetic", "model.d_model=128", "model.head_dim=8", "model.vocab_size=16384",
              "train.global_batch=8", "model.seq_len=8", "checkpoint.every=1", "checkpoint.keep=2", "train.steps=6",
              "mesh.data=1"]

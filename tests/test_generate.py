@@ -37,8 +37,7 @@ MOE_CFG = ModelConfig(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, d_f
 
 
 # The cached forward under test and the references run jitted (as generate runs the former): op
-# by op, every new sequence length cost a compile of each op (0.2-0.3 s a forward, against one
-# 0.1-0.2 s compile for all).
+# by op, every new sequence length would cost a compile of each op, more than one compile of all.
 _cached_forward = nnx.jit(forward)
 
 
@@ -143,7 +142,7 @@ def test_cli_samples_from_a_sharded_checkpoint(tiny, tmp_path, capsys):
     # Text that counts: a few steps teach the next digit, so greedy text depends on the context.
     for i in range(4):
         (tmp_path / f"count{i}.txt").write_text("0123456789" * 100)
-    # Fewer steps (12-20) left greedy text stuck on one digit after the prompt.
+    # 30 steps: with 20 or fewer, greedy text can stay stuck on one digit after the prompt.
     cfg = tiny("mesh.fsdp=2", "mesh.tensor=2", "train.steps=30", "checkpoint.every=15", "optim.lr=1e-2",
                "optim.warmup_steps=0", "train.log_every=30", f"data.path={tmp_path}/count*.txt", "data.eval_fraction=0")
     trainer.run(cfg)

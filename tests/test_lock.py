@@ -30,7 +30,7 @@ def args(run_dir, *extra: str) -> list[str]:
 def main_here(capfd, *argv: str) -> tuple[int, str]:
     """`python train.py ARGV`'s exit status and output from its `main` in this process: the runs
     that meet a lock (refused, or taking it over) claim what they print, write and return, not
-    anything of a process (one costs 2-3 CPU s of start-up); a holder is a real process."""
+    anything of a process (one costs seconds of CPU time to start); a holder is a real process."""
     capfd.readouterr()
     code = train.main(list(argv))
     captured = capfd.readouterr()

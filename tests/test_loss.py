@@ -64,7 +64,7 @@ def test_the_head_weight_gradient_is_computed_with_its_input_gradient(tiny, tied
     """The whole-sequence output head's backward ties its weight gradient to its input gradient:
     libtpu otherwise schedules that [embed, vocab] matmul after the layers' whole backward pass,
     and the logits' gradient it reads, [batch, length, vocab], stays alive through it. The
-    chunked loss leaves them untied: tying them there cost memory (BENCHMARKS.md, issue 20)."""
+    chunked loss leaves them untied: tying them there costs memory."""
     cfg = tiny(f"model.tie_embeddings={str(tied).lower()}")
     program = abstract_program(cfg)
     loss_fn = make_loss_fn(program.spec.model.graphdef, program.runner, chunk)

@@ -216,7 +216,7 @@ def test_megablox_in_the_expert_parallel_dispatch_equals_one_device():
     with activation_rules(mesh, rules):
         y, _ = jax.jit(expert_parallel(rules, 2, MEGABLOX), static_argnums=6)(
             *(jax.device_put(a, rows) for a in (x, ids, weights, gate, up, down)), 0.0)
-    # Jitted: one compile, not one per primitive (op by op it was most of the test's 1.7 CPU s).
+    # Jitted: one compile, not one per primitive (op by op, dispatch would be most of the test's time).
     y_ref, _ = jax.jit(local_dispatch, static_argnums=6)(x, ids, weights, gate, up, down, 0.0)
     assert np.abs(y_ref).min() > 0
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
@@ -360,8 +360,8 @@ def test_every_second_layer_equals_a_layer_by_layer_reference_and_stays_scanned(
     from model.transformer import Transformer, transformer_from_params
 
     cfg = _grouped(4)
-    # Every model computation below is jitted: one compile each instead of one per primitive
-    # (op by op, the test took ~30 s).
+    # Every model computation below is jitted: one compile each instead of one per primitive,
+    # which op by op would make this a slow test.
     params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(1)))))()
     assert params["layers"]["dense"]["mlp"]["gate"].shape[:2] == (2, 1) and "router" in params["layers"]["moe"]["mlp"]
     tokens = jax.random.randint(jax.random.key(2), (2, 16), 0, 257)

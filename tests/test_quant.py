@@ -66,8 +66,8 @@ def test_int8_einsum_scales_per_row_and_per_output_channel():
     assert not np.array_equal(out, jnp.einsum(SPEC, x, w)), "int8 must round something"
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
     # The gradient of the quantized forward, straight through the rounding alone: the gradient
-    # matmuls read the dequantized operands, not the unrounded ones (whose gradient, that of a
-    # function no pass computed, left int8 3.7% above bf16 after 200 steps: BENCHMARKS.md).
+    # matmuls read the dequantized operands, not the unrounded ones (whose gradient is that of a
+    # function no pass computed, which leaves int8 training clearly behind bf16).
     g = jax.random.normal(jax.random.key(2), out.shape)
     got = jax.grad(lambda a, b: jnp.sum(int8_einsum(SPEC, a, b) * g), argnums=(0, 1))(x, w)
     dx = jnp.einsum("blhk,dhk->bld", g, jnp.round(w / sw) * sw)
@@ -147,7 +147,7 @@ def test_unknown_mode_is_refused(tiny):
 
 
 def test_precision_bench_refuses_an_unknown_mode_before_any_run(capsys):
-    # Its main in this process, not `python -m bench.precision` (2-3 CPU s of a process's imports
+    # Its main in this process, not `python -m bench.precision` (seconds of a process's imports
     # for one line of argument checking; tests/test_bench_step.py runs the module as a process).
     from bench.precision import main
 
@@ -288,7 +288,8 @@ def fsdp_gathers(tmp_path_factory):
 
 def test_fp8_gathers_learn_within_rounding_of_compute_gathers(fsdp_gathers):
     """FP8 weights (3 mantissa bits, one scale per weight) in every block matmul: the losses stay
-    within the fp8 matmuls' tolerance of the full-precision run (measured: 3e-4 over 8 steps)."""
+    within the fp8 matmuls' tolerance of the full-precision run (their gap, about 3e-4 over 8
+    steps, sits well inside it)."""
     got, full = fsdp_gathers["fp8"], fsdp_gathers["compute"]
     assert got[-1] < got[0] - 0.1, f"the loss did not fall: {got}"
     assert not np.array_equal(got, full), "the fp8 gathers rounded nothing"

@@ -76,8 +76,8 @@ def test_the_readme_has_the_commands_this_test_reads():
 
 
 def test_the_readme_test_table_names_every_test_file():
-    """The "what the suite checks" table has a row for each test file: a README cut short (as an
-    edit once cut it after test_quant.py's row) or a new file left out shows here."""
+    """The "what the suite checks" table has a row for each test file: a README cut short or a
+    new file left out shows here."""
     with open(os.path.join(ROOT, "README.md")) as f:
         rows = [line for line in f if line.startswith("| `test_")]
     named = set(re.findall(r"`(test_\w+\.py)`", "".join(rows)))

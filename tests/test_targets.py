@@ -1,9 +1,9 @@
 """Real-target plans: the step compiled by XLA's GPU compiler and by libtpu on this CPU host.
 
 Each big shape is compiled once per test session (module fixtures) by the planner, exactly as
-a user runs it; the tests read its JSON. Expected verdicts come from the issue's own compiles
-(llama3-1b on one H100: batch 8 with `model.loss_chunk=512` fits, batch 16 without it does
-not; llama3-8b on 64 H100: `mesh.fsdp=64` fits, `mesh.data=64` does not).
+a user runs it; the tests read its JSON. Expected verdicts are those of the same programs on
+the real devices (llama3-1b on one H100: batch 8 with `model.loss_chunk=512` fits, batch 16
+without it does not; llama3-8b on 64 H100: `mesh.fsdp=64` fits, `mesh.data=64` does not).
 """
 
 from __future__ import annotations
@@ -59,18 +59,18 @@ def h100_8b(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict, s
 def test_llama3_1b_on_one_h100_follows_the_real_memory(tmp_path_factory: pytest.TempPathFactory) -> None:
     _need("h100")
     base = ["--config", os.path.join(ROOT, "configs", "llama3-1b.yaml"), "--devices", "1", "--hardware", "h100"]
-    # The issue measured the program with float32 logits (the default then).
+    # The real-device figures the bounds below hold to are those of float32 logits.
     small, out, status = plan(tmp_path_factory, *base, "train.global_batch=8", "model.loss_chunk=512",
                               "model.logits_dtype=float32")
     assert out.splitlines()[0].startswith("compiled by: XLA GPU compiler"), out
     p = small["plans"][0]
     assert status == 0 and p["status"] == "fits", p.get("reason")
-    assert 35 * GIB < _total(p) < 55 * GIB, _total(p) / GIB  # the issue measured 44.1 GiB
+    assert 35 * GIB < _total(p) < 55 * GIB, _total(p) / GIB  # the program takes 44.1 GiB on an H100
     big, _, status = plan(tmp_path_factory, *base, "train.global_batch=16", "model.logits_dtype=float32")
     q = big["plans"][0]
-    assert status == 1 and q["status"] == "does not fit" and _total(q) > 100 * GIB, _total(q) / GIB  # issue: 122.7
-    # bf16 logits (the default now) take the float32 [16, 8192, 128256] logits (67 GB) out of the
-    # step, but it still does not fit an H100 (78.8 GiB, 2026-11-25).
+    assert status == 1 and q["status"] == "does not fit" and _total(q) > 100 * GIB, _total(q) / GIB  # on an H100: 122.7 GiB
+    # bf16 logits (the default) take the float32 [16, 8192, 128256] logits (67 GB) out of the
+    # step, but it still does not fit an H100 (78.8 GiB).
     bf16, _, status = plan(tmp_path_factory, *base, "train.global_batch=16")
     r = bf16["plans"][0]
     assert status == 1 and r["status"] == "does not fit" and _total(r) < _total(q) - 30 * GIB, _total(r) / GIB
@@ -202,12 +202,11 @@ def test_llama3_8b_on_v5p_64_compiles_with_bf16_gathers(tmp_path_factory: pytest
 
 
 def test_llama3_8b_with_splash_on_v5p_64_needs_less_than_maxtext(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Issue 20's done-when: the llama3-8b step with `model.attention=splash`, `mesh.fsdp=64`, on
-    a v5p-64 (4x4x4) needs at most 12.7 GiB per device (the issue's figure for MaxText's own step;
-    MaxText at e591f30 compiles to 10.67 GiB with this libtpu, BENCHMARKS.md). The program holds
-    the splash kernels, no [T, T] scores, and no float32 [T, vocab] logits: the head writes bf16
-    (`model.logits_dtype=compute`) and the loss upcasts inside its reductions (9.78 GiB here;
-    13.69 GiB with `model.logits_dtype=float32`)."""
+    """The llama3-8b step with `model.attention=splash`, `mesh.fsdp=64`, on a v5p-64 (4x4x4)
+    needs at most 12.7 GiB per device, MaxText's figure for its own step. The program
+    holds the splash kernels, no [T, T] scores, and no float32 [T, vocab] logits: the head writes
+    bf16 (`model.logits_dtype=compute`) and the loss upcasts inside its reductions (with
+    `model.logits_dtype=float32` the step would not stay under the bound)."""
     dump = tmp_path_factory.mktemp("hlo")
     result, out, status = _v5p_64_8b(tmp_path_factory, "mesh.data=1", "mesh.fsdp=64", "model.attention=splash",
                                      "--dump-hlo", str(dump))
@@ -324,8 +323,7 @@ def test_moe_experts_run_as_the_megablox_kernel_on_tpu(tmp_path_factory: pytest.
     megablox kernel on TPU, so the experts' matmuls are its Pallas calls (gmm forward and input
     gradient, tgmm weight gradient) and no dense product of every local expert over every row
     is left. With ragged_dot libtpu runs the forward as its own grouped kernel ("ragged-dot")
-    but the weight gradient as masked [experts, rows, dim] operands, bf16[2,4096,*] here
-    (BENCHMARKS.md, MoE)."""
+    but the weight gradient as masked [experts, rows, dim] operands, bf16[2,4096,*] here."""
     _need("tpu-v5p")
     dump = tmp_path_factory.mktemp("hlo")
     _, out, status = plan(tmp_path_factory, "--config", "tiny-moe", "--devices", "4", "--hardware", "tpu-v5p",

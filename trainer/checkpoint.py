@@ -188,8 +188,8 @@ class LibraryLog:
 
     def stop(self, collect: bool = True) -> None:
         """Collects what the failed reads left behind (their coroutines report when collected;
-        `collect=False` where none failed: a full collection walks every object JAX holds, 0.3 s
-        in a long-lived process), then gives the console its printers back."""
+        `collect=False` where none failed: a full collection walks every object JAX holds, which
+        is slow in a long-lived process), then gives the console its printers back."""
         if not self.started:
             return
         if collect:
@@ -217,10 +217,9 @@ def save_replicas_whole() -> None:
     """With one process, each replicated array is saved from one replica. Orbax's default
     (replica-parallel saving) has every replica write a slice of it, which spreads the writing
     over the hosts holding replicas; with one host there is nothing to spread, and each slice is
-    a jit-compiled device slice per device and array shape: 2.5-4.3 s of a tiny 8-device run's
-    first save, 0.1 s without (2026-11-24, CPU). Orbax offers no public switch on the registered
-    jax.Array handler, so a copy of it with the option off replaces it (process-wide: a process
-    runs one training)."""
+    a jit-compiled device slice per device and array shape, which dominates a small run's first
+    save. Orbax offers no public switch on the registered jax.Array handler, so a copy of it with
+    the option off replaces it (process-wide: a process runs one training)."""
     handler = copy.copy(ocp.type_handlers.get_type_handler(jax.Array))
     if getattr(handler, "_use_replica_parallel", False):
         handler._use_replica_parallel = False

@@ -4,9 +4,9 @@ Goodput is productive step time over the wall time of an invocation (from `train
 start to its end; interpreter start-up and imports are not counted). The rest is split into:
 init (distributed start-up, checks, building or restoring the state), compile, first
 execution (the first step's time beyond a steady step: the compiler's one-time set-up of a
-program's first run: about 0.1 s of CPU time on XLA:CPU, five steps of the tiny preset), checkpoint (the blocking part
-of saves and the final wait), eval, data wait (the loop waiting for a
-batch), profile (finishing a trace), and recompute: steps this invocation ran again because an
+program's first run, worth several steps of a small model), checkpoint (the blocking part of
+saves and the final wait), eval, data wait (the loop waiting for a batch), profile (finishing
+a trace), and recompute: steps this invocation ran again because an
 earlier one had reached them before it stopped (the highest step in metrics.jsonl beyond the
 checkpoint resumed from), estimated at this invocation's mean step time.
 

@@ -33,8 +33,8 @@ PROFILE_DIR = "profile"
 def _without_torch() -> Iterator[None]:
     """Imports inside it see torch as absent, unless it is already loaded. tensorboardX's package
     imports its SummaryWriter, which imports torch where installed (only to accept torch tensors;
-    without it, numpy arrays): 1.6 of the 1.8 CPU s the import costs, and torch's memory, in
-    every run, for an event writer and two protobuf classes that never touch torch."""
+    without it, numpy arrays): most of the import's CPU time, and torch's memory, in every run,
+    for an event writer and two protobuf classes that never touch torch."""
     if "torch" in sys.modules:
         yield
         return

@@ -31,20 +31,16 @@ FORCE_COUNT = "--xla_force_host_platform_device_count"
 # holds its thread until every peer has arrived. With one thread per device, a device with two
 # collectives in flight (a layer scan's fsdp all-gather beside the pipeline's collective-permute)
 # can leave a peer no thread to reach either: all threads wait, and after 40 s XLA aborts the
-# process ("Termination timeout for `collective permute ...`", seen on 8 fake devices under load
-# in tests/test_pipeline.py's 1F1B and zero-bubble cases with fsdp). Four threads per device
-# leave the room; threads that wait cost no CPU.
+# process ("Termination timeout for `collective permute ...`"). Four threads per device leave
+# the room; threads that wait cost no CPU.
 POOL_THREADS_PER_DEVICE = 4
 # XLA:CPU orders the collectives of one program per device, but not a collective outside a loop
 # against the collectives inside one: XLA's loop-invariant code motion hoists, say, a pipeline
 # loop's all-to-all of the targets out of the loop, and then a device can enter the loop's
 # all-reduce before the all-to-all while its peers wait in the all-to-all for a device that
 # never gets to it. All wait; after 40 s XLA aborts ("Termination timeout for `all to all`"), or
-# the process hangs (a CI run of tests/test_pipeline_train.py's 1F1B step, 2026-11-24; gdb showed
-# device 0 in the loop's all-reduce beside its all-to-all, devices 1-2 in the all-to-all, device 3
-# in neither). Without the pass the collectives stay in the loop body, where they run in program
-# order on every device. Measured on that test in a loop at load 7-10 (3 copies side by side):
-# with the pass, 4 aborts or hangs in 58 runs; without it, 0 in 45.
+# the process hangs. Without the pass the collectives stay in the loop body, where they run in
+# program order on every device.
 KEEP_COLLECTIVES_IN_LOOPS = "--xla_disable_hlo_passes=while-loop-invariant-code-motion"
 
 GPU_DEFAULTS = {
