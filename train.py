@@ -1,5 +1,6 @@
 """Entry point: `python train.py [--config FILE] [dotted.key=value ...]`, or
-`python train.py --sweep FILE [--emit slurm | --summarize] [dotted.key=value ...]` (trainer.sweep).
+`python train.py --sweep FILE [--emit slurm | --summarize] [dotted.key=value ...]` (trainer.sweep),
+or `python train.py --help-config` (every key, its type, default and meaning).
 
 Parses the command line, loads the config and hands it to the trainer. Exit status: 0 done;
 2 bad input or a run.dir in use by a live run (one line naming the key, file or holder, before
@@ -27,12 +28,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sweep", metavar="FILE", help="run every point of a sweep file (configs/sweeps/) in turn")
     parser.add_argument("--emit", choices=["slurm"], help="with --sweep: write a SLURM array job instead of running")
     parser.add_argument("--summarize", action="store_true", help="with --sweep: only rewrite the summary and plot")
+    parser.add_argument("--help-config", action="store_true",
+                        help="list every config key with its type, default and meaning, and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.help_config:  # before anything imports JAX: the listing is the schema's alone
+        from configs.doc import text
+
+        print(text())
+        return 0
     if args.sweep or args.emit or args.summarize:
         from trainer import sweep
 

@@ -2,9 +2,10 @@
 
 The schema stays plain dataclasses (configs/schema.py); pydantic's `TypeAdapter` validates the
 nested mapping the file and the overrides make into one (types, coercion of the command line's
-strings, nested sections), and its errors become our one-line messages. What is ours: the dotted
-keys (a YAML section and `a.b=c` address the same field), the closest valid key for a typo, and
-the cross-key checks of `validate_static`.
+strings, nested sections, each field's `Literal` choices and `Range`), and its first error becomes
+our one-line message, worded from the field's own declaration. What is ours: the dotted keys (a
+YAML section and `a.b=c` address the same field), the closest valid key for a typo, and the
+cross-key checks of `validate_static`.
 
 Why pydantic (compared with draccus and tyro, which also type dataclasses): both of those own
 the command line (`--model.d_model 3`), so the `key=value` contract, presets by name and our
@@ -22,6 +23,7 @@ from typing import Any
 import pydantic
 import yaml
 
+from configs.fields import choices_of, keys, plain, range_of
 from configs.schema import Config, ConfigError, closest
 from configs.validate import validate_static
 
@@ -29,17 +31,11 @@ PRESET_DIR = os.path.dirname(os.path.abspath(__file__))
 RULE_TABLES = ("sharding.params", "sharding.activations")  # dict fields: one key each, entries below
 
 
-@functools.cache  # every key of every load_config resolves here: typing.get_type_hints is slow
-def _annotations(cls: type = Config, prefix: str = "") -> dict[str, Any]:
-    """Dotted key -> annotated type, for every settable key (a dict field is one key). Shared
-    between callers: read it, never change it."""
-    out = {}
-    for name, tp in typing.get_type_hints(cls).items():
-        if dataclasses.is_dataclass(tp):
-            out.update(_annotations(tp, f"{prefix}{name}."))
-        else:
-            out[f"{prefix}{name}"] = tp
-    return out
+@functools.cache
+def _annotations() -> dict[str, Any]:
+    """Dotted key -> its type without markers, for every settable key (a dict field is one key).
+    Shared between callers: read it, never change it."""
+    return {name: plain(key.annotation) for name, key in keys(Config).items()}
 
 
 def all_keys() -> list[str]:
@@ -55,8 +51,27 @@ def _adapter() -> pydantic.TypeAdapter:
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin is list:
-        return f"a list of {typing.get_args(tp)[0].__name__}"
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is typing.Literal:
+        return type(typing.get_args(tp)[0]).__name__
     return "mapping" if origin is dict else getattr(tp, "__name__", str(tp))
+
+
+def _message(error: dict[str, Any], key: str, given: Any) -> str:
+    """Pydantic's first error as our line's text after the key, worded from the field's
+    declaration (its choices, its Range and the Range's hint). `given`: the whole value as set."""
+    known = keys(Config).get(key)
+    annotation = known.annotation if known else str
+    kind, value = error["type"], error["input"]
+    if kind == "literal_error":
+        return f"{value!r} is not one of {', '.join(map(str, choices_of(annotation)))}"
+    bounds = range_of(annotation)
+    if bounds and kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+        # The value as the field holds it (a command line's "-1" for a float reads -1.0).
+        return bounds.message(pydantic.TypeAdapter(plain(annotation)).validate_python(value))
+    if kind == "string_too_short":
+        return "must not be empty"
+    return f"expected {_type_name(plain(annotation))}, got {given!r}"
 
 
 def _cli_value(tp: Any, text: str) -> Any:
@@ -142,15 +157,17 @@ def load_config(config_file: str | None = None, overrides: list[str] | tuple[str
     try:
         cfg = _adapter().validate_python(tree)
     except pydantic.ValidationError as e:
-        parts = [str(part) for part in e.errors()[0]["loc"] if not isinstance(part, int)]
+        error = e.errors()[0]
+        parts = [str(part) for part in error["loc"] if not isinstance(part, int)]
         value = tree
         for part in parts:  # the whole value as given (a list's, not only its bad item)
             value = value[part]
         key = ".".join(parts)
-        raise ConfigError(f"{key}: expected {_type_name(types.get(key, str))}, got {value!r}") from None
+        raise ConfigError(f"{key}: {_message(error, key, value)}") from None
     validate_static(cfg)
     return cfg
 
 
 def dump_config(cfg: Config) -> str:
+    """The config as YAML, every key (what run.dir/config.yaml holds; load_config reads it back)."""
     return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)

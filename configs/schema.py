@@ -1,9 +1,11 @@
-"""The typed configuration schema: every key a user can set, with its type and default.
+"""The typed configuration schema: every key a user can set, with its type, default and docstring.
 
 Keys are dotted paths into these dataclasses (`train.steps`, `mesh.fsdp`, ...). The defaults
 are the default run (`python train.py`): a small byte-level LM on the Python standard library.
-Static checks that need no devices live in `configs/validate.py`; checks that need the device
-count live in `sharding.mesh`.
+Each field declares itself once: its choices as a `Literal[...]`, its range as a `Range` (both
+checked by pydantic when `configs/load.py` builds a Config), and a one-line docstring right under
+it (`python train.py --help-config`, docs/config.md). Checks between keys live in
+`configs/validate.py`; checks that need the device count live in `sharding.mesh`.
 """
 
 from __future__ import annotations
@@ -11,32 +13,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Annotated, Any, Iterable, Literal
 
-# Each `model.remat` name, with the `jax.checkpoint_policies` member saying what a layer keeps for
-# its backward pass (None: no remat at all; "nothing_saveable": only the layer's input).
-REMAT_SAVES: dict[str, str | None] = {
-    "none": None,
-    "full": "nothing_saveable",
-    "save_dots": "checkpoint_dots",
-    "save_dots_no_batch": "dots_with_no_batch_dims_saveable",
-}
-REMAT_POLICIES = tuple(REMAT_SAVES)
-ATTENTION_IMPLS = ("xla", "dot_product", "cudnn", "splash")
-QUANT_MODES = ("none", "fp8", "int8")  # model.quant: the block matmuls' operand precision (model/quant.py)
-GRAD_REDUCE_DTYPES = ("compute", "float32", "bfloat16")  # model.grad_reduce
-GATHER_DTYPES = ("compute", "fp8")  # model.gather_dtype
-LOGITS_DTYPES = ("compute", "float32")  # model.logits_dtype
-DTYPES = ("float32", "bfloat16", "float16")
-DATA_SOURCES = ("text", "prepared", "synthetic")
-PACKINGS = ("concat", "document")
-SCHEDULES = ("cosine", "linear", "constant")
-OPTIMIZERS = ("adamw", "muon", "adafactor", "lion")  # all from optax (trainer/optimizer.py)
-TRACKERS = ("tensorboard", "wandb", "mlflow")  # trainer/trackers.py
-MESH_AXES = ("pipeline", "data", "fsdp", "expert", "context", "tensor")  # outermost first
-ROUTERS = ("softmax_topk", "topk_softmax")  # model.moe.router (model/moe.py)
-GROUPED_MATMULS = ("auto", "ragged_dot", "megablox")  # model.moe.grouped_matmul (trainer/layout.py)
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+from annotated_types import MinLen
+
+from configs.fields import Range, choices
+
 # The logical dim names the model gives its parameters and activations (model/layers.py,
 # model/transformer.py, the pipeline runner): the only keys a rules table may have, since a rule
 # for any other name matches nothing. tests/test_config.py checks the model uses exactly these.
@@ -57,27 +39,40 @@ def closest(word: str, choices: Iterable[str]) -> str | None:
 
 @dataclass(kw_only=True)
 class RunConfig:
-    dir: str = "runs/default"
-    seed: int = 0
-    # A directory for XLA's persistent compilation cache ("": off): a restarted or resumed job
-    # with the same program skips the compile (minutes at scale). Shared storage on a cluster.
+    """Where a run writes, and what it reports to."""
+
+    dir: Annotated[str, MinLen(1)] = "runs/default"
+    """The run directory: config.yaml, metrics.jsonl, summary.json, tb/, checkpoints/."""
+    seed: Annotated[int, Range(ge=0, lt=2**32)] = 0
+    """Seeds the parameter init and the data order."""
+    # A restarted or resumed job with the same program skips the compile (minutes at scale).
     compile_cache: str = ""
-    # run.dir's lock (trainer.rundir_lock): the holder refreshes it 4 times per period; a holder
-    # on another host whose heartbeat stays still this long is taken to be gone.
-    lock_timeout_s: float = 30.0
-    # Where process 0 sends every metric, the config and the summary (trainer/trackers.py).
-    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """A directory for XLA's persistent compilation cache ("": off); shared storage on a cluster."""
+    # The holder refreshes the lock 4 times per period (trainer.rundir_lock).
+    lock_timeout_s: Annotated[float, Range(gt=0)] = 30.0
+    """Seconds a run.dir lock on another host may stay still before its holder is taken to be gone."""
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=lambda: ["tensorboard"])
+    """Where process 0 sends every metric, the config and the summary (trainer/trackers.py)."""
 
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    steps: int = 200
-    global_batch: int = 16
-    grad_accum: int = 1
-    log_every: int = 10
-    step_timeout_s: float = 900.0  # a step (or save) stuck this long: dump stacks, exit 4; 0: off
-    max_bad_steps: int = 10  # non-finite loss/grad-norm steps in a row before stopping (exit 3)
-    preempt_exit_code: int = 143  # after SIGTERM/SIGINT and a committed checkpoint (0: "done")
+    """The training loop: its length, batch and failure handling."""
+
+    steps: Annotated[int, Range(ge=0)] = 200
+    """Total optimizer steps; a resumed run continues up to this."""
+    global_batch: Annotated[int, Range(gt=0)] = 16
+    """Sequences per step, over all devices and processes."""
+    grad_accum: Annotated[int, Range(gt=0)] = 1
+    """Micro-batches per step, their gradients summed before one update."""
+    log_every: Annotated[int, Range(gt=0)] = 10
+    """Steps between metric lines."""
+    step_timeout_s: Annotated[float, Range(ge=0, hint="0: off")] = 900.0
+    """A step (or save) stuck this long dumps every stack and exits 4."""
+    max_bad_steps: Annotated[int, Range(gt=0)] = 10
+    """Non-finite loss or grad-norm steps in a row before the run stops (exit 3)."""
+    preempt_exit_code: Annotated[int, Range(ge=0, lt=256)] = 143
+    """Exit status after SIGTERM/SIGINT once the checkpoint is committed (0: "done")."""
 
 
 @dataclass(kw_only=True)
@@ -85,11 +80,16 @@ class DistConfig:
     """Several processes (jax.distributed). Empty/0/-1: detect SLURM, Open MPI or a TPU pod from
     the environment, else run as one process."""
 
-    coordinator: str = ""  # host:port of process 0
-    num_processes: int = 0
-    process_id: int = -1
-    init_timeout_s: int = 300
-    heartbeat_timeout_s: int = 20  # a silent peer is declared dead after this long
+    coordinator: str = ""
+    """host:port of process 0 ("": detect)."""
+    num_processes: Annotated[int, Range(ge=0, hint="0: detect")] = 0
+    """Processes in the job."""
+    process_id: Annotated[int, Range(ge=-1, hint="-1: detect")] = -1
+    """This process's index, in [0, dist.num_processes)."""
+    init_timeout_s: Annotated[int, Range(gt=0)] = 300
+    """Seconds to wait for every process to join."""
+    heartbeat_timeout_s: Annotated[int, Range(gt=0)] = 20
+    """Seconds after which a silent peer is declared dead."""
 
 
 @dataclass(kw_only=True)
@@ -97,71 +97,88 @@ class MeshConfig:
     """Mesh axis sizes, outermost first. One may be -1: it takes the devices left over."""
 
     pipeline: int = 1
+    """Pipeline stages: the layer stack is split over this axis."""
     data: int = -1
+    """Data-parallel axis size (-1: the devices left over)."""
     fsdp: int = 1
-    expert: int = 1  # splits the MoE experts (and the batch); tokens reach them by all-to-all
-    context: int = 1  # splits activations' `length` dim (the sequence); see ContextConfig
+    """FSDP axis: shards parameters and optimizer state, and the batch."""
+    expert: int = 1
+    """Splits the MoE experts (and the batch); tokens reach them by all-to-all."""
+    context: int = 1
+    """Splits activations' `length` dim (the sequence); see context.*."""
     tensor: int = 1
-    # A hybrid mesh: the job spans `nodes` GPU hosts or TPU slices (> 1), and only the axis
-    # `across` crosses them (InfiniBand / DCN); the other axes stay inside a node (NVLink / ICI).
-    nodes: int = 1
-    across: str = "data"
+    """Tensor-parallel axis: shards heads, MLP and vocabulary."""
+    # A hybrid mesh: only the axis `across` crosses nodes (InfiniBand / DCN); the other axes stay
+    # inside a node (NVLink / ICI).
+    nodes: Annotated[int, Range(gt=0, hint="1: one node or slice")] = 1
+    """GPU hosts or TPU slices the job spans."""
+    across: Literal["pipeline", "data", "fsdp", "expert", "context", "tensor"] = "data"
+    """The one mesh axis that crosses nodes; its size must be a multiple of mesh.nodes."""
 
 
 @dataclass(kw_only=True)
 class PipelineConfig:
     """Used when mesh.pipeline > 1: the stacked layers are split into stages over `pipeline`."""
 
-    microbatches: int = 0  # 0: as many as stages
-    repeats: int = 1  # > 1: circular schedule, each stage holds `repeats` non-adjacent layer groups
+    microbatches: Annotated[int, Range(ge=0, hint="0: one per stage")] = 0
+    """Microbatches per step."""
+    repeats: Annotated[int, Range(gt=0)] = 1
+    """Layer groups per stage; > 1: a circular schedule over non-adjacent groups."""
     # gpipe: all forwards, then all backwards (activations of every microbatch live at once);
     # 1f1b: one forward and one backward per tick (activations of at most 2S - 1 microbatches);
     # interleaved_1f1b: the same over `repeats` layer groups per stage (at most 2RS - 1 stage inputs);
     # zero_bubble: 1f1b with each backward split, the weight-gradient half deferred into the bubble.
-    schedule: str = "gpipe"
-
-
-CONTEXT_STRATEGIES = ("allgather", "ring")
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "gpipe"
+    """The order stages run microbatches' forwards and backwards in."""
 
 
 @dataclass(kw_only=True)
 class ContextConfig:
     """Attention under a sequence split (mesh.context > 1)."""
 
-    # allgather: keys and values gathered over `context`, queries stay local.
-    # ring: key/value blocks passed round the `context` ring, online softmax (no whole-sequence keys).
-    strategy: str = "allgather"
-    # Each device holds chunks i and 2C-1-i of the sequence (2C chunks), so causal attention gives
-    # every device the same work; needs model.seq_len divisible by 2 x mesh.context.
+    # allgather: key/value gathered over `context`, queries stay local. ring: key/value blocks
+    # passed round the `context` ring, online softmax (no whole-sequence keys).
+    strategy: Literal["allgather", "ring"] = "allgather"
+    """How attention reaches the keys and values of other devices' positions."""
+    # Chunks i and 2C-1-i of 2C give causal attention the same work on every device.
     load_balance: bool = True
+    """Each device holds two mirrored sequence chunks; needs model.seq_len divisible by 2 x mesh.context."""
 
 
 @dataclass(kw_only=True)
 class MoEConfig:
     """A mixture of experts in place of the blocks' SwiGLU (model/moe.py); num_experts 0: dense."""
 
-    num_experts: int = 0
-    # Every k-th layer is an MoE (layers k-1, 2k-1, ...: Qwen3-MoE's decoder_sparse_step), the
-    # others dense SwiGLU; 1: every layer. model.num_layers must be a multiple.
-    every: int = 1
-    experts_per_token: int = 2  # top-k
-    d_ff: int = 0  # per expert; 0: model.d_ff
-    shared_experts: int = 0  # always-on experts (one SwiGLU of shared_experts x d_ff beside the routed ones)
+    num_experts: Annotated[int, Range(ge=0, hint="0: dense")] = 0
+    """Experts per MoE layer."""
+    # Qwen3-MoE's decoder_sparse_step: layers k-1, 2k-1, ... are MoE, the others dense SwiGLU.
+    every: Annotated[int, Range(ge=1, hint="1: every layer is an MoE")] = 1
+    """Every k-th layer is an MoE; model.num_layers must be a multiple."""
+    experts_per_token: int = 2
+    """Top-k: the experts each token is routed to, in [1, num_experts]."""
+    d_ff: Annotated[int, Range(ge=0, hint="0: model.d_ff")] = 0
+    """Each expert's hidden size."""
+    shared_experts: Annotated[int, Range(ge=0)] = 0
+    """Always-on experts (one SwiGLU of shared_experts x d_ff beside the routed ones)."""
     # softmax_topk (Mixtral): top-k of the logits, softmax over those k. topk_softmax (Qwen3-MoE):
     # softmax over all experts, then top-k, divided by their sum if `renormalize`.
-    router: str = "softmax_topk"
+    router: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
+    """How router logits become the chosen experts' weights."""
     renormalize: bool = True
-    aux_loss_coef: float = 0.01  # Switch load-balancing loss, added to the training loss
-    router_z_loss_coef: float = 0.001  # mean squared logsumexp of the router logits
-    # 0: dropless (every chosen expert computes every token). > 0: each expert takes at most
-    # ceil(capacity_factor x tokens x top-k / experts) of a device's tokens; the rest are dropped.
-    capacity_factor: float = 0.0
-    # The dropless experts' grouped matmuls: ragged_dot (jax.lax.ragged_dot, what XLA makes of it),
-    # megablox (the Pallas TPU kernel in jax.experimental.pallas.ops.tpu.megablox: on TPU compiled,
-    # on CPU interpreted, for tests; needs model.d_model, the expert d_ff and each device's rows
-    # (model.seq_len / mesh.context x experts_per_token) in multiples of 128, its tile), auto:
-    # megablox on TPU where those divide, else ragged_dot.
-    grouped_matmul: str = "auto"
+    """Under topk_softmax: divide the top-k weights by their sum."""
+    aux_loss_coef: Annotated[float, Range(ge=0)] = 0.01
+    """Weight of the Switch load-balancing loss, added to the training loss."""
+    router_z_loss_coef: Annotated[float, Range(ge=0)] = 0.001
+    """Weight of the router z-loss (mean squared logsumexp of the router logits)."""
+    # > 0: each expert takes at most ceil(capacity_factor x tokens x top-k / experts) of a
+    # device's tokens; the rest are dropped.
+    capacity_factor: Annotated[float, Range(ge=0, hint="0: dropless")] = 0.0
+    """Bounds the tokens each expert takes; 0 computes every chosen expert for every token."""
+    # megablox (the Pallas TPU kernel; interpreted on CPU, for tests) needs model.d_model, the
+    # expert d_ff and each device's rows (model.seq_len / mesh.context x experts_per_token) in
+    # multiples of 128, its tile.
+    grouped_matmul: Literal["auto", "ragged_dot", "megablox"] = "auto"
+    """The dropless experts' grouped matmuls (auto: megablox on TPU where its tiles divide, else ragged_dot)."""
 
     @property
     def enabled(self) -> bool:
@@ -170,39 +187,58 @@ class MoEConfig:
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    num_layers: int = 4
-    d_model: int = 256
-    num_heads: int = 8
-    num_kv_heads: int = 4
-    head_dim: int = 0  # 0: d_model // num_heads
-    d_ff: int = 768
-    vocab_size: int = 264  # 256 bytes + end-of-document, padded to a multiple of 8
-    seq_len: int = 256
+    """The decoder's shape and numerics."""
+
+    num_layers: Annotated[int, Range(gt=0)] = 4
+    """Transformer blocks."""
+    d_model: Annotated[int, Range(gt=0)] = 256
+    """Width of the residual stream."""
+    num_heads: Annotated[int, Range(gt=0)] = 8
+    """Query heads."""
+    num_kv_heads: Annotated[int, Range(gt=0)] = 4
+    """Key/value heads (grouped-query attention); must divide num_heads."""
+    head_dim: Annotated[int, Range(ge=0, hint="0: d_model // num_heads")] = 0
+    """Width of each head; must be even (rotary embeddings)."""
+    d_ff: Annotated[int, Range(gt=0)] = 768
+    """Hidden size of the SwiGLU feed-forward."""
+    vocab_size: Annotated[int, Range(gt=0)] = 264  # 256 bytes + end-of-document, padded to a multiple of 8
+    """Rows of the embedding and the output head."""
+    seq_len: Annotated[int, Range(gt=0)] = 256
+    """Tokens per sequence."""
     rope_theta: float = 10000.0
+    """Rotary embedding base."""
     norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
     tie_embeddings: bool = True
-    # RMSNorm (a learned scale per head_dim entry) on every head of q and k, before the rotary
-    # embedding, as Qwen3 and Qwen3-MoE do; off: Llama, Mixtral.
+    """The output head shares the embedding matrix."""
+    # As Qwen3 and Qwen3-MoE do; Llama and Mixtral have none.
     qk_norm: bool = False
+    """RMSNorm (a learned scale per head_dim entry) on every head of q and k, before the rotary embedding."""
     init_std: float = 0.02
-    dtype: str = "float32"  # compute dtype; parameters are always float32
-    remat: str = "none"
-    attention: str = "xla"
-    loss_chunk: int = 0  # > 0: output head + loss this many positions at a time (no full logits)
-    # The dtype the output head's matmul writes the logits in: "compute" (model.dtype, as MaxText,
-    # torchtitan and Megatron do; the loss upcasts inside its own fused reductions, so no float32
-    # [batch, length, vocab] array exists) or "float32". Same for a float32 model.
-    logits_dtype: str = "compute"
-    # > 0: with data.packing=document a row holds at most this many documents (pieces), and
-    # cudnn attention takes them as cuDNN's packed layout; 0: no bound (cudnn builds a dense mask).
-    max_documents: int = 0
-    quant: str = "none"  # none | fp8 | int8: the blocks' matmuls (model/quant.py)
-    # The dtype block weight gradients leave their matmuls in, so the dtype their reductions over
-    # the batch shards move ("compute": the compute dtype).
-    grad_reduce: str = "compute"
-    # The dtype block weights are gathered from their shards in (FSDP): "compute", or "fp8"
-    # (float8_e4m3fn with one scale per weight, back in the compute dtype after the gather).
-    gather_dtype: str = "compute"
+    """Standard deviation of the random init."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Compute dtype; parameters are always float32."""
+    remat: Literal["none", "full", "save_dots", "save_dots_no_batch"] = "none"
+    """What a layer keeps for its backward pass; the rest is recomputed (REMAT_SAVES)."""
+    attention: Literal["xla", "dot_product", "cudnn", "splash"] = "xla"
+    """The attention kernel."""
+    loss_chunk: Annotated[int, Range(ge=0, hint="0: off")] = 0
+    """Output head + loss this many positions at a time (no full logits); must divide seq_len."""
+    # "compute" is what MaxText, torchtitan and Megatron do: the loss upcasts inside its own fused
+    # reductions, so no float32 [batch, length, vocab] array exists.
+    logits_dtype: Literal["compute", "float32"] = "compute"
+    """The dtype the output head's matmul writes the logits in (compute: model.dtype)."""
+    # With data.packing=document cudnn attention takes the documents as cuDNN's packed layout;
+    # without a bound it builds a dense mask.
+    max_documents: Annotated[int, Range(ge=0, hint="0: no bound")] = 0
+    """Most documents (pieces) a packed row holds."""
+    quant: Literal["none", "fp8", "int8"] = "none"
+    """The operand precision of the blocks' matmuls (model/quant.py)."""
+    grad_reduce: Literal["compute", "float32", "bfloat16"] = "compute"
+    """The dtype block weight gradients leave their matmuls in, so the dtype their reductions move."""
+    # fp8: float8_e4m3fn with one scale per weight, back in the compute dtype after the gather.
+    gather_dtype: Literal["compute", "fp8"] = "compute"
+    """The dtype block weights are gathered from their FSDP shards in."""
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     @property
@@ -212,65 +248,106 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    source: str = "text"
-    path: str = ""  # text: glob of files (empty: Python's standard library); prepared: the directory
-    mixture: str = ""  # prepared corpora with weights, "DIR_A:0.7,DIR_B:0.3" (instead of data.path)
-    tokenizer: str = "byte"  # "byte", or a path to a tokenizer.json or a SentencePiece .model
-    packing: str = "concat"  # concat: join and cut; document: whole documents, attention within each
-    eval_fraction: float = 0.02  # text source: share of documents held out (by content hash) for eval
-    read_threads: int = 2
-    prefetch: int = 4
-    workers: int = 0  # Grain worker processes (0: threads only)
+    """The training and eval tokens: where they come from and how they are packed."""
+
+    source: Literal["text", "prepared", "synthetic"] = "text"
+    """text: files, one per document; prepared: a data.prepare directory; synthetic: random tokens."""
+    path: str = ""
+    """text: a glob of files ("": Python's standard library); prepared: the directory."""
+    mixture: str = ""
+    """Prepared corpora with weights, "DIR_A:0.7,DIR_B:0.3" (instead of data.path)."""
+    tokenizer: str = "byte"
+    """The tokenizer: "byte", or a path to a tokenizer.json or a SentencePiece .model."""
+    packing: Literal["concat", "document"] = "concat"
+    """concat: join and cut; document: whole documents, attention within each."""
+    eval_fraction: Annotated[float, Range(ge=0, lt=1)] = 0.02
+    """text source: the share of documents held out (by content hash) for eval."""
+    read_threads: Annotated[int, Range(gt=0)] = 2
+    """Grain read threads."""
+    prefetch: Annotated[int, Range(ge=0)] = 4
+    """Grain prefetch buffer, in batches."""
+    workers: Annotated[int, Range(ge=0, hint="0: threads only")] = 0
+    """Grain worker processes."""
 
 
 @dataclass(kw_only=True)
 class EvalConfig:
-    every: int = 50  # steps between evals of the held-out split; 0: off
-    batches: int = 4  # global batches per eval (the same ones every time)
+    """Evals of the held-out split."""
+
+    every: Annotated[int, Range(ge=0, hint="0: off")] = 50
+    """Steps between evals."""
+    batches: Annotated[int, Range(gt=0)] = 4
+    """Global batches per eval (the same ones every time)."""
 
 
 @dataclass(kw_only=True)
 class OptimConfig:
-    name: str = "adamw"
-    lr: float = 3e-3  # under muon: the AdamW rate of the embedding, output head and norms
-    muon_lr: float = 0.02  # under muon: the rate of the block matrices (Muon's own scale)
-    warmup_steps: int = 30
-    schedule: str = "cosine"
-    # The schedule's horizon: the step the decay ends at. 0: train.steps at the run's start, then
-    # kept on resume (from the checkpoints' config.yaml), so a longer train.steps continues the
+    """The optimizer and its learning-rate schedule (trainer/optimizer.py, all from optax)."""
+
+    name: Literal["adamw", "muon", "adafactor", "lion"] = "adamw"
+    """The optimizer."""
+    lr: Annotated[float, Range(gt=0)] = 3e-3
+    """Peak learning rate (under muon: of the embedding, output head and norms)."""
+    muon_lr: Annotated[float, Range(gt=0)] = 0.02
+    """Under muon: the rate of the block matrices (Muon's own scale)."""
+    warmup_steps: Annotated[int, Range(ge=0)] = 30
+    """Steps of linear warmup."""
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """The decay after warmup."""
+    # Kept on resume (from the checkpoints' config.yaml), so a longer train.steps continues the
     # schedule the run was on instead of reshaping it.
-    decay_steps: int = 0
-    min_lr_ratio: float = 0.1
+    decay_steps: Annotated[int, Range(ge=0, hint="0: train.steps at the run's start")] = 0
+    """The schedule's horizon: the step the decay ends at."""
+    min_lr_ratio: Annotated[float, Range(ge=0, le=1)] = 0.1
+    """The rate the decay ends at, as a fraction of optim.lr."""
     weight_decay: float = 0.1
+    """Decoupled weight decay on matrices (never on norm scales)."""
     b1: float = 0.9
+    """First-moment decay (AdamW, Lion)."""
     b2: float = 0.95
+    """Second-moment decay (AdamW, Lion)."""
     eps: float = 1e-8
-    clip: float = 1.0  # global-norm clipping; 0 turns it off
+    """Denominator epsilon."""
+    clip: Annotated[float, Range(ge=0, hint="0: off")] = 1.0
+    """Global-norm gradient clipping."""
 
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
-    every: int = 100
-    keep: int = 3
+    """Orbax checkpoints in run.dir/checkpoints/."""
+
+    every: Annotated[int, Range(gt=0)] = 100
+    """Steps between checkpoints."""
+    keep: Annotated[int, Range(gt=0)] = 3
+    """Checkpoints kept."""
     async_save: bool = True
-    fresh_if_unreadable: bool = False  # no readable checkpoint: start over instead of exit 2
+    """Write checkpoints in the background."""
+    fresh_if_unreadable: bool = False
+    """No readable checkpoint: start over instead of exit 2."""
 
 
 @dataclass(kw_only=True)
 class InitConfig:
     """Where the parameters of a run with no checkpoint come from (default: random, run.seed)."""
 
-    from_hf: str = ""  # a Hugging Face Llama directory (config.json + safetensors); see model/hf.py
+    from_hf: str = ""
+    """A Hugging Face Llama directory (config.json + safetensors) to start from; see model/hf.py."""
 
 
 @dataclass(kw_only=True)
 class ProfileConfig:
-    steps: list[int] = field(default_factory=list)  # [a, b]: trace steps a..b into run.dir/profile/; []: off
+    """A jax.profiler trace of some steps."""
+
+    steps: list[int] = field(default_factory=list)
+    """[a, b]: trace steps a..b into run.dir/profile/ ([]: off)."""
 
 
 @dataclass(kw_only=True)
 class DebugConfig:
-    nan_steps: str = ""  # fault injection: comma-separated steps whose batch is poisoned
+    """Fault injection, for tests."""
+
+    nan_steps: str = ""
+    """Comma-separated steps whose batch is poisoned."""
 
 
 def _default_param_rules() -> dict[str, Any]:
@@ -305,12 +382,17 @@ def _default_activation_rules() -> dict[str, Any]:
 class ShardingConfig:
     """Logical-axis -> mesh-axis rules, as data. A value is a mesh axis, a list of them, or null."""
 
+    # Keys and values are checked in configs/validate.py, whose lines suggest the closest name.
     params: dict[str, Any] = field(default_factory=_default_param_rules)
+    """Logical dim of stored parameters -> mesh axis, list of axes, or null; set one as sharding.params.NAME."""
     activations: dict[str, Any] = field(default_factory=_default_activation_rules)
+    """The same for activations and the input batch; set one as sharding.activations.NAME."""
 
 
 @dataclass(kw_only=True)
 class Config:
+    """The whole run: one section per dataclass above."""
+
     run: RunConfig = field(default_factory=RunConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -328,6 +410,23 @@ class Config:
     debug: DebugConfig = field(default_factory=DebugConfig)
 
 
+# The choices other packages loop over, read from their fields.
+MESH_AXES = choices(MeshConfig, "across")  # outermost first: the order of the mesh's dims
+PIPELINE_SCHEDULES = choices(PipelineConfig, "schedule")
+REMAT_POLICIES = choices(ModelConfig, "remat")
+TRACKERS = choices(RunConfig, "trackers")
+
+# Each `model.remat` name, with the `jax.checkpoint_policies` member saying what a layer keeps for
+# its backward pass (None: no remat at all; "nothing_saveable": only the layer's input).
+# tests/test_config.py checks its names are REMAT_POLICIES.
+REMAT_SAVES: dict[str, str | None] = {
+    "none": None,
+    "full": "nothing_saveable",
+    "save_dots": "checkpoint_dots",
+    "save_dots_no_batch": "dots_with_no_batch_dims_saveable",
+}
+
+
 def nan_steps(cfg: Config) -> set[int]:
     """The steps `debug.nan_steps` poisons ('3,7' -> {3, 7}). Raises ConfigError if malformed."""
     text = cfg.debug.nan_steps.strip()
@@ -338,4 +437,5 @@ def nan_steps(cfg: Config) -> set[int]:
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
+    """The config as nested plain dicts and lists (what config.yaml holds)."""
     return dataclasses.asdict(cfg)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -181,3 +183,68 @@ def test_every_key_is_settable():
         cfg = load_config(None, [*EXPLICIT.get(key, (None, []))[1], f"{key}={_cli_text(value)}"])
         got = _get(cfg, key)
         assert got == value and type(got) is type(value), (key, got, value)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("data.eval_fraction=1", "data.eval_fraction: must be in [0, 1), got 1.0"),
+        ("optim.min_lr_ratio=2", "optim.min_lr_ratio: must be in [0, 1], got 2.0"),
+        ("run.seed=-1", "run.seed: must be in [0, 2**32), got -1"),
+        ("train.step_timeout_s=-1", "train.step_timeout_s: must be >= 0 (0: off), got -1.0"),
+        ("run.dir=", "run.dir: must not be empty"),
+        ("run.trackers=[tensorboard,wandbb]", "run.trackers: 'wandbb' is not one of tensorboard, wandb, mlflow"),
+        ("run.trackers=5", "run.trackers: expected a list of str, got 5"),
+    ],
+)
+def test_declared_ranges_and_choices_word_the_error(override, message):
+    """A field's Range or Literal words its error line: the bounds, the hint, the value as the
+    field holds it (a float field's -1 reads -1.0) and the choices in declaration order."""
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", [override])
+    assert str(err.value) == message
+
+
+def test_every_key_has_a_one_line_docstring():
+    from configs.fields import keys
+
+    missing = [k.name for k in keys(Config).values() if not k.doc or "\n" in k.doc]
+    assert missing == [], f"give each of these fields a one-line docstring right under it: {missing}"
+    assert set(keys(Config)) == set(all_keys())
+
+
+def test_remat_saves_names_the_remat_choices():
+    from configs.schema import REMAT_POLICIES, REMAT_SAVES
+
+    assert tuple(REMAT_SAVES) == REMAT_POLICIES
+
+
+def test_docs_config_md_is_fresh():
+    from configs.doc import REGENERATE, markdown
+
+    with open(os.path.join(ROOT, "docs", "config.md")) as f:
+        assert f.read() == markdown(), f"docs/config.md is stale: regenerate it with `{REGENERATE}`"
+
+
+def test_help_config_lists_every_key_without_importing_jax():
+    script = (
+        "import contextlib, io, runpy, sys\n"
+        "sys.argv = ['train.py', '--help-config']\n"
+        "out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out):\n"
+        "    try:\n"
+        "        runpy.run_path('train.py', run_name='__main__')\n"
+        "    except SystemExit as e:\n"
+        "        code = e.code\n"
+        "print(code, 'jax' in sys.modules)\n"
+        "print(out.getvalue())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    status, listing = done.stdout.split("\n", 1)
+    assert status == "0 False", "--help-config exits 0 and never imports JAX"
+    for key in all_keys():
+        assert f"  {key}: " in listing, key
+    assert "  model.quant: none | fp8 | int8 = none\n" in listing
+    assert "  model.max_documents: int >= 0 (0: no bound) = 0\n" in listing
+    assert "  profile.steps: list of int = []\n" in listing
