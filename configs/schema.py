@@ -39,6 +39,7 @@ TRACKERS = ("tensorboard", "wandb", "mlflow")  # trainer/trackers.py
 MESH_AXES = ("pipeline", "data", "fsdp", "expert", "context", "tensor")  # outermost first
 ROUTERS = ("softmax_topk", "topk_softmax")  # model.moe.router (model/moe.py)
 GROUPED_MATMULS = ("auto", "ragged_dot", "megablox")  # model.moe.grouped_matmul (trainer/layout.py)
+# pipeline.schedule: the names of pipeline/registry.py's schedules (tests/test_plan.py checks they agree)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 # The logical dim names the model gives its parameters and activations (model/layers.py,
 # model/transformer.py, the pipeline runner): the only keys a rules table may have, since a rule

@@ -15,8 +15,8 @@ from model import LayerRunner
 from model.attention import sharded_attention
 from model.loss import GradFn, LossFn, head_loss, model_inputs
 from model.moe import STATS, DispatchFn, expert_dispatch
+from pipeline.stages import to_microbatches
 from sharding.context import SequenceSplit
-from sharding.pipeline import to_microbatches
 from trainer.optimizer import schedule_count
 from trainer.state import TrainState
 
@@ -105,7 +105,7 @@ def accumulate_stats(
     loss_fn: LossFn, params: dict, batch: dict[str, Array], steps: int, grad_fn: GradFn | None = None
 ) -> tuple[Array, dict, Any]:
     """The per-token mean loss over the whole batch and its gradients, computed over `steps`
-    equal micro-batches (the split of `sharding.pipeline.to_microbatches`) by a scan.
+    equal micro-batches (the split of `pipeline.stages.to_microbatches`) by a scan.
     `grad_fn` replaces autodiff of `loss_fn` where a pipeline schedule computes the gradients.
 
     Each micro-batch gives the gradient of its loss *sum*; sums, token counts and gradients add
