@@ -50,7 +50,8 @@ import jax
 from jax.sharding import AbstractMesh
 
 from configs import Config, ConfigError, load_config
-from configs.schema import MESH_AXES, PIPELINE_SCHEDULES, REMAT_POLICIES
+import pipeline
+from configs.schema import MESH_AXES, REMAT_POLICIES
 from planner.hardware import HARDWARE, Hardware, check_quant, kernel_seconds
 from planner.hlo import collectives
 from planner.minimum import minimum
@@ -114,7 +115,7 @@ def candidates(overrides: list[str], n: int, search: bool, remats: list[str]) ->
         schedule given); others under none."""
         if mesh["pipeline"] == 1:
             return [[]]
-        runs = [s for s in PIPELINE_SCHEDULES if s == "gpipe" or (s == "interleaved_1f1b") == (repeats > 1)]
+        runs = [s for s in pipeline.names() if pipeline.get(s).takes_repeats(repeats)]
         return [[f"pipeline.schedule={s}"] for s in ([pinned["pipeline.schedule"]] if "pipeline.schedule" in pinned
                                                      else runs)]
 

@@ -16,7 +16,7 @@ from flax import nnx
 
 from configs import load_config
 from model import Transformer
-from trainer.step import chunked_cross_entropy_sum, cross_entropy_sum
+from model.loss import chunked_cross_entropy_sum, cross_entropy_sum
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ from configs.schema import MESH_AXES
 from model import flops_per_token
 from planner.hardware import Hardware, predict
 from sharding.mesh import resolve_mesh_shape
-from sharding.pipeline import bubble_formula, bubble_fraction
+from pipeline import bubble_formula, bubble_fraction
 
 GB = 1e9
 

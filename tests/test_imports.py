@@ -15,9 +15,10 @@ ALLOWED = {
     "model": {"configs", "model"},
     "data": {"configs", "data"},
     "sharding": {"configs", "model", "sharding"},
-    "planner": {"configs", "model", "sharding", "planner"},
-    "trainer": {"configs", "model", "data", "sharding", "planner", "trainer"},
-    "bench": {"configs", "model", "data", "sharding", "planner", "trainer", "bench"},
+    "pipeline": {"configs", "model", "sharding", "pipeline"},
+    "planner": {"configs", "model", "sharding", "pipeline", "planner"},
+    "trainer": {"configs", "model", "data", "sharding", "pipeline", "planner", "trainer"},
+    "bench": {"configs", "model", "data", "sharding", "pipeline", "planner", "trainer", "bench"},
 }
 ENTRY_POINTS = ("train.py", "plan.py", "hf.py", "generate.py")
 

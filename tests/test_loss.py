@@ -85,7 +85,7 @@ def test_the_head_writes_logits_in_model_logits_dtype_and_the_loss_reads_either(
     and, to float32 rounding, the same gradients."""
     from flax import nnx
 
-    from trainer.step import cross_entropy_sum
+    from model.loss import cross_entropy_sum
 
     rng = np.random.default_rng(0)
     tokens = jax.numpy.asarray(rng.integers(0, 257, (2, 32)), jax.numpy.int32)

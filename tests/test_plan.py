@@ -17,10 +17,12 @@ import pytest
 
 from configs import load_config
 from plan import candidates, main, state_bytes
+import pipeline
+from configs.schema import PIPELINE_SCHEDULES
+from pipeline import bubble_formula, bubble_fraction
+from pipeline.ticks import backward_item, forward_of_backward
 from planner.hlo import collectives, device_groups, static_counts
 from planner.report import print_plan
-from sharding.pipeline import bubble_formula, bubble_fraction
-from sharding.ticks import measured_bubble, tick_table
 from conftest import ROOT
 from trainer.program import abstract_program, compiled_stats
 
@@ -240,17 +242,64 @@ def test_bubble_formula_names_the_numbers_of_the_fraction():
     ("zero_bubble", [(2, 2, 1), (4, 4, 1), (4, 16, 1), (3, 5, 1), (8, 8, 1)]),
 ])
 def test_the_bubble_measured_on_the_tick_table_is_the_formula(schedule, shapes):
-    """The schedule's own ticks (sharding/ticks.py: the phases its scans run, which stage runs
-    which pass), masked slots costed by the cost model, give the printed fraction."""
+    """The schedule's own ticks (pipeline/ticks.py and the schedule's phases: the scans it runs,
+    which stage runs which pass), masked slots costed by the cost model, give the bubble, and the
+    printed closed form with its numbers evaluates to it."""
+    s = pipeline.get(schedule)
     for S, M, R in shapes:
-        table = tick_table(schedule, S, R, M)
+        table = s.tick_table(S, R, M)
         for kind in "FBW":  # every stage runs every microbatch's pass of each slot kind once
-            ran = [sorted(i for row in table if kind in row for i in [row[kind][s]] if i is not None) for s in range(S)]
+            ran = [sorted(i for row in table if kind in row for i in [row[kind][st]] if i is not None) for st in range(S)]
             assert all(r == ran[0] for r in ran) and ran[0] in ([], list(range(R * M)))
-        assert measured_bubble(schedule, S, R, M) == pytest.approx(bubble_fraction(S, R, M, schedule), rel=1e-12)
+        closed = eval(s.formula(S, R, M).split(" = ")[-1].replace(" x ", " * "))
+        assert s.bubble(S, R, M) == pytest.approx(closed, rel=1e-12)
     if schedule == "zero_bubble":  # below 1F1B's, by the W of S - 1 ticks
         for S, M, _ in shapes:
-            assert measured_bubble("zero_bubble", S, 1, M) < measured_bubble("1f1b", S, 1, M)
+            assert s.bubble(S, 1, M) < pipeline.get("1f1b").bubble(S, 1, M)
+
+
+def test_the_registry_holds_the_schedules_the_config_names():
+    """configs cannot import the pipeline package: its list of names must follow the registry's."""
+    assert pipeline.names() == PIPELINE_SCHEDULES
+    assert [n for n in pipeline.names() if pipeline.get(n).computes_grads] == ["1f1b", "interleaved_1f1b", "zero_bubble"]
+
+
+def _stage_input_lives(schedule: str, S: int, R: int, M: int) -> tuple[int, int]:
+    """By the tick table, a stage input lives from the tick of its forward to that of its last use
+    (its backward, or under zero_bubble its W): the most any stage holds at once, and the longest
+    any lives, in ticks counting both ends."""
+    table = pipeline.get(schedule).tick_table(S, R, M)
+    most = longest = 0
+    for st in range(S):
+        forward, last = {}, {}
+        for t, row in enumerate(table):  # the phases run ticks 0, 1, ... in order
+            if row.get("F", [None] * S)[st] is not None:
+                forward[row["F"][st]] = t
+            if row.get("B", [None] * S)[st] is not None:
+                w = row["B"][st]
+                last[forward_of_backward(w, *backward_item(w, S, R), S, R)] = t
+            if row.get("W", [None] * S)[st] is not None:
+                last[row["W"][st]] = t  # R = 1: the W's pass index is its forward's
+        assert forward.keys() == last.keys() == set(range(R * M))
+        most = max(most, *(sum(forward[u] <= t <= last[u] for u in forward) for t in range(len(table))))
+        longest = max(longest, *(last[u] - forward[u] + 1 for u in forward))
+    return most, longest
+
+
+@pytest.mark.parametrize("schedule, shapes", [
+    ("1f1b", [(2, 2, 1), (4, 4, 1), (4, 16, 1), (3, 5, 1)]),
+    ("interleaved_1f1b", [(2, 4, 2), (4, 8, 2), (2, 6, 3), (4, 32, 2)]),
+    ("zero_bubble", [(2, 2, 1), (4, 4, 1), (4, 16, 1), (3, 5, 1), (8, 8, 1)]),
+])
+def test_the_stash_holds_every_stage_input_in_flight(schedule, shapes):
+    """The 1F1B step stashes each stage input in slot (forward tick mod the schedule's
+    stash_slots) until its last use, so the slots must cover the longest life (2RS - 1 ticks:
+    no fewer, or a live input is overwritten, and no more, by the tick table), and the memory a
+    schedule states holds every input in flight."""
+    s = pipeline.get(schedule)
+    for S, M, R in shapes:
+        most, longest = _stage_input_lives(schedule, S, R, M)
+        assert longest == s.stash_slots(S, R) and most <= s.in_flight(S, R, M)
 
 
 def test_search_tries_the_schedules_the_repeats_allow_or_the_one_given():

@@ -14,6 +14,7 @@ from typing import Callable
 import jax
 from flax import nnx
 
+import pipeline
 from configs import Config, ConfigError
 from model import LayerRunner, scan_layers
 from model.attention import block_mask, splash_attention
@@ -21,8 +22,6 @@ from sharding import Rules, axes_size, mesh_axes, resolve_mesh_shape, to_rules
 from model.moe import DispatchFn, GroupedMatmul, local_dispatch, megablox_matmul, megablox_tile
 from sharding.context import SequenceSplit, balanced_order, check_context, per_device, sharded_ring
 from sharding.experts import expert_parallel
-from sharding.pipeline import bubble_fraction, pipeline_runner
-from trainer.pipeline_grads import make_scheduled_grad_fn
 from trainer.step import GradFn
 
 
@@ -35,7 +34,7 @@ class Layout:
     stages: int
     repeats: int
     microbatches: int
-    schedule: str = "gpipe"
+    schedule: str  # pipeline.schedule, a name in the pipeline package's registry
 
     @property
     def pipelined(self) -> bool:
@@ -43,7 +42,7 @@ class Layout:
 
     @property
     def bubble(self) -> float:
-        return bubble_fraction(self.stages, self.repeats, self.microbatches, self.schedule)
+        return pipeline.get(self.schedule).bubble(self.stages, self.repeats, self.microbatches)
 
 
 def _with_batch_axis(rules: Rules, axis: str) -> Rules:
@@ -103,7 +102,7 @@ def plan_layout(cfg: Config, num_devices: int) -> Layout:
             act_rules = _with_batch_axis(act_rules, "pipeline")
     elif repeats > 1:
         raise ConfigError(f"pipeline.repeats={repeats} needs mesh.pipeline > 1")
-    elif cfg.pipeline.schedule != "gpipe":
+    elif pipeline.get(cfg.pipeline.schedule).computes_grads:  # the 1F1B family needs stages to schedule
         raise ConfigError(f"pipeline.schedule={cfg.pipeline.schedule} needs mesh.pipeline > 1")
     if cfg.model.moe.enabled and cfg.model.moe.grouped_matmul == "megablox":
         misfit = megablox_misfit(cfg, sizes, stage_rules)
@@ -125,22 +124,7 @@ def _check_pipeline(cfg: Config, stages: int, repeats: int, micro: int, per_repl
         raise ConfigError(
             f"model.num_layers={layers} is not divisible by mesh.pipeline={stages} x pipeline.repeats={repeats}"
         )
-    schedule = cfg.pipeline.schedule
-    if schedule in ("1f1b", "zero_bubble") and repeats > 1:
-        raise ConfigError(
-            f"pipeline.schedule={schedule} runs each stage's layers once: pipeline.repeats={repeats} needs "
-            "pipeline.schedule=gpipe or interleaved_1f1b"
-        )
-    if schedule == "interleaved_1f1b" and repeats == 1:
-        raise ConfigError("pipeline.schedule=interleaved_1f1b needs pipeline.repeats > 1 (with one repeat: "
-                          "pipeline.schedule=1f1b)")
-    if schedule == "interleaved_1f1b" and micro % stages:
-        raise ConfigError(f"pipeline.schedule=interleaved_1f1b runs microbatches in groups of mesh.pipeline={stages}: "
-                          f"pipeline.microbatches={micro} is not a multiple of it")
-    if schedule != "gpipe" and (cfg.mesh.context > 1 or cfg.model.attention == "splash"):
-        what = f"mesh.context={cfg.mesh.context}" if cfg.mesh.context > 1 else "model.attention=splash"
-        raise ConfigError(f"pipeline.schedule={schedule} does not yet run the sequence split or sharded attention that "
-                          f"{what} needs; use pipeline.schedule=gpipe")
+    pipeline.get(cfg.pipeline.schedule).check(cfg, stages, repeats, micro)
     if micro < stages:
         raise ConfigError(
             f"pipeline.microbatches={micro} is fewer than mesh.pipeline={stages} stages: every stage needs a "
@@ -183,11 +167,12 @@ def scheduled_grads(
     layout: Layout, graphdef: nnx.GraphDef, remat_policy: str, loss_chunk: int, cast: Callable[[dict], dict]
 ) -> GradFn | None:
     """None (autodiff through the layer runner: GPipe) unless the schedule computes the gradients."""
-    if not layout.pipelined or layout.schedule == "gpipe":
+    schedule = pipeline.get(layout.schedule)
+    if not layout.pipelined or not schedule.computes_grads:
         return None
-    return make_scheduled_grad_fn(
+    return schedule.grad_fn(
         graphdef, layout.stages, layout.repeats, layout.microbatches, remat_policy, layout.stage_rules, loss_chunk, cast,
-        layout.schedule, axes_size(mesh_axes("length", layout.stage_rules), layout.sizes),
+        axes_size(mesh_axes("length", layout.stage_rules), layout.sizes),
     )
 
 
@@ -196,7 +181,8 @@ def layer_runner(layout: Layout, remat_policy: str) -> LayerRunner | None:
     if not layout.pipelined:
         return None
     stage_fn = functools.partial(scan_layers, remat_policy=remat_policy)
-    return pipeline_runner(layout.stages, layout.repeats, layout.microbatches, stage_fn, layout.stage_rules)
+    return pipeline.get(layout.schedule).layer_runner(layout.stages, layout.repeats, layout.microbatches, stage_fn,
+                                                      layout.stage_rules)
 
 
 def megablox_misfit(cfg: Config, sizes: dict[str, int], stage_rules: Rules) -> str | None:
