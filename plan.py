@@ -58,7 +58,7 @@ from planner.minimum import minimum
 from planner.report import evaluate, print_plan, print_search
 from planner.roofline import compute_seconds, kernels
 from planner.targets import child_env, compiler_name, has_compiler, node_of, target_devices
-from trainer.layout import attention_notes
+from trainer.compute import attention_notes
 from trainer.program import abstract_program, compiled_stats, fill_microbatches, prepare, sharded_optimizer
 from trainer.state import abstract_state
 from trainer.xla_env import set_cpu_collective_env, set_default_flags

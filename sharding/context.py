@@ -22,7 +22,6 @@ Strategies (`context.strategy`):
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Callable
 
@@ -31,7 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from configs.schema import Config, ConfigError
 from sharding.rules import Rules, logical_to_spec, mesh_axes
 
 Array = jax.Array
@@ -42,41 +40,12 @@ MaskFn = Callable[[Array, Array, "Array | None", "Array | None"], Array]
 QKV_AXES = (("batch", "length", "heads", "head_dim"), ("batch", "length", "kv_heads", "head_dim"))
 
 
-@dataclasses.dataclass(frozen=True)
-class SequenceSplit:
-    """What the train step does for a sequence split: `order` (the load-balanced position of each
-    array slot, or None) and `attention` (a kernel the model calls instead of its own: a sharded
-    one, or without a split the CPU's query-blocked one; None: its own)."""
-
-    order: np.ndarray | None
-    attention: AttentionFn | None
-
-
 def balanced_order(length: int, shards: int) -> np.ndarray:
     """Slot -> sequence index such that, cut into `shards` equal blocks, block i holds chunks i
     and 2*shards-1-i of 2*shards equal chunks."""
     chunks = np.arange(length).reshape(2 * shards, length // (2 * shards))
     pairs = [np.concatenate([chunks[i], chunks[2 * shards - 1 - i]]) for i in range(shards)]
     return np.concatenate(pairs).astype(np.int32)
-
-
-def check_context(cfg: Config, sizes: dict[str, int], act_rules: Rules) -> None:
-    """Raises ConfigError naming the key when the sequence split cannot run as configured."""
-    c, m = sizes["context"], cfg.model
-    if m.attention == "splash" and m.seq_len % 128:
-        raise ConfigError(f"model.seq_len={m.seq_len} is not a multiple of 128, the tile of model.attention=splash")
-    if c == 1:
-        return
-    if mesh_axes("length", act_rules) != ("context",):
-        raise ConfigError(f"sharding.activations.length: must be 'context' when mesh.context={c} > 1 "
-                          f"(got {mesh_axes('length', act_rules) or None})")
-    if m.attention != "xla":
-        raise ConfigError(f"model.attention={m.attention}: the kernel cannot take a sequence split "
-                          f"(mesh.context={c}); use model.attention=xla with context.strategy=allgather or ring")
-    parts = 2 * c if cfg.context.load_balance else c
-    if m.seq_len % parts:
-        why = f"2 x mesh.context={c} (context.load_balance=true)" if cfg.context.load_balance else f"mesh.context={c}"
-        raise ConfigError(f"model.seq_len={m.seq_len} is not divisible by {why}")
 
 
 def ring_attention(q: Array, k: Array, v: Array, positions: Array, segment_ids: Array | None, *,

@@ -17,22 +17,8 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from configs.schema import ConfigError
 
 Rules = tuple[tuple[str, Any], ...]
-
-# Which config key sets the size of each logical dim, for error messages.
-DIM_KEYS = {
-    "vocab": "model.vocab_size",
-    "embed": "model.d_model",
-    "heads": "model.num_heads",
-    "kv_heads": "model.num_kv_heads",
-    "head_dim": "model.head_dim",
-    "mlp": "model.d_ff",
-    "layers": "model.num_layers",
-    "expert": "model.moe.num_experts",
-}
-
 
 def to_rules(table: dict[str, Any]) -> Rules:
     """Config table {logical: axis | [axes] | None} -> Flax's ((logical, axes), ...) form."""
@@ -63,25 +49,6 @@ def _as_axes(entry: str | Sequence[str] | None) -> tuple[str, ...]:
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def check_divisible(
-    shapes: dict, axes: dict, rules: Rules, sizes: dict[str, int]
-) -> None:
-    """Every sharded dim of every parameter must split evenly. Raises ConfigError naming the key."""
-    flat_shapes = jax.tree_util.tree_flatten_with_path(shapes)[0]
-    flat_axes = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
-    for (path, shape), names in zip(flat_shapes, flat_axes):
-        spec = logical_to_spec(names, rules)
-        for dim, logical, entry in zip(shape.shape, names, spec):
-            n = axes_size(entry, sizes)
-            if dim % n:
-                key = DIM_KEYS.get(logical, logical)
-                where = "/".join(str(getattr(p, "key", p)) for p in path)
-                raise ConfigError(
-                    f"{key}={dim} is not divisible by {n}, the size of mesh axes {entry} that shard "
-                    f"the '{logical}' dim of parameter {where}"
-                )
 
 
 def shardings(axes: dict, rules: Rules, mesh: Mesh) -> dict:

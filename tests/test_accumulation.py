@@ -74,7 +74,7 @@ def loss_and_grads(cfg, batch: dict, params: dict, devices: list | None = None) 
     program = abstract_program(cfg, devices)
     params = jax.device_put(params, program.state_sh.params)
     batch = {k: jax.device_put(v, program.batch_sh) for k, v in batch.items()}
-    loss_fn = make_loss_fn(program.spec.model.graphdef, program.runner, cfg.model.loss_chunk)
+    loss_fn = make_loss_fn(program.spec.model.graphdef, program.compute)
     with activation_rules(program.mesh, program.spec.layout.act_rules):
         loss, grads = jax.jit(lambda p, b: accumulate(loss_fn, p, b, cfg.train.grad_accum))(params, batch)
     return float(loss), jax.tree.map(np.asarray, grads)

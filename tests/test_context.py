@@ -78,7 +78,7 @@ def loss_and_grads(overrides: list[str], devices: list, documents: bool) -> tupl
     program = abstract_program(cfg, devices)
     params = initial_params(program)
     batch = {k: jax.device_put(v, program.batch_sh) for k, v in packed_batch(cfg.model.seq_len, documents).items()}
-    loss_fn = make_loss_fn(program.spec.model.graphdef, program.runner, split=program.split)
+    loss_fn = make_loss_fn(program.spec.model.graphdef, program.compute)
     with activation_rules(program.mesh, program.spec.layout.act_rules):
         compiled = jax.jit(lambda p, b: accumulate(loss_fn, p, b, 1)).lower(params, batch).compile()
     loss, grads = compiled(params, batch)
@@ -242,7 +242,7 @@ def test_cudnn_document_spans_attend_what_segment_ids_and_positions_do():
 
 
 def test_cudnn_with_packed_documents_says_when_it_builds_a_dense_mask():
-    from trainer.layout import attention_notes
+    from trainer.compute import attention_notes
 
     packed = ["model.attention=cudnn", "data.packing=document"]
     assert "dense [batch, 1, T, T] mask" in attention_notes(load_config(TINY, packed))[0]

@@ -4,6 +4,8 @@ gradients as the whole-sequence one, with document masks and with the vocabulary
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -20,7 +22,7 @@ from trainer.step import accumulate, make_loss_fn
 def _loss_and_grads(cfg, batch, chunk):
     program = abstract_program(cfg)
     params = init_state(cfg.model, program.tx, 0, program.state_sh).params
-    loss_fn = make_loss_fn(program.spec.model.graphdef, program.runner, chunk)
+    loss_fn = make_loss_fn(program.spec.model.graphdef, dataclasses.replace(program.compute, loss_chunk=chunk))
     batch = {k: jax.device_put(v, program.batch_sh) for k, v in batch.items()}
     with activation_rules(program.mesh, program.spec.layout.act_rules):
         loss, grads = jax.jit(lambda p, b: accumulate(loss_fn, p, b, 1))(params, batch)
@@ -67,7 +69,7 @@ def test_the_head_weight_gradient_is_computed_with_its_input_gradient(tiny, tied
     chunked loss leaves them untied: tying them there costs memory."""
     cfg = tiny(f"model.tie_embeddings={str(tied).lower()}")
     program = abstract_program(cfg)
-    loss_fn = make_loss_fn(program.spec.model.graphdef, program.runner, chunk)
+    loss_fn = make_loss_fn(program.spec.model.graphdef, dataclasses.replace(program.compute, loss_chunk=chunk))
     params = program.abstract_state().params
     batch = {"tokens": jax.ShapeDtypeStruct((2, cfg.model.seq_len + 1), np.int32)}
     with activation_rules(program.mesh, program.spec.layout.act_rules):

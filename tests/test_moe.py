@@ -9,6 +9,7 @@ between expert layouts."""
 from __future__ import annotations
 
 import functools
+import types
 import os
 
 import jax
@@ -28,7 +29,9 @@ from model.moe import MoE, expert_rows, local_dispatch, megablox_matmul, router_
 from sharding import activation_rules, make_mesh, resolve_mesh_shape, to_rules
 from sharding.experts import expert_parallel
 from trainer import abstract_program, collective_counts
-from trainer.layout import expert_dispatcher, grouped_matmul, plan_layout
+from trainer.checks import check_devices
+from trainer.compute import grouped_matmul
+from trainer.layout import plan_layout
 from trainer.step import accumulate_stats, make_loss_fn
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -53,8 +56,8 @@ def step_outputs(cfg, devices=None) -> dict:
     params = initial_params(program)
     tokens = np.asarray(jax.random.randint(jax.random.key(7), (16, cfg.model.seq_len + 1), 0, 257))
     batch = {"tokens": jax.device_put(tokens, program.batch_sh)}
-    loss_fn = make_loss_fn(program.spec.model.graphdef, program.runner, moe=cfg.model.moe, dispatch=expert_dispatcher(program.spec.layout))
-    fn = jax.jit(lambda p, b: accumulate_stats(loss_fn, p, b, cfg.train.grad_accum, program.grad_fn))
+    loss_fn = make_loss_fn(program.spec.model.graphdef, program.compute, router_losses=True)
+    fn = jax.jit(lambda p, b: accumulate_stats(loss_fn, p, b, cfg.train.grad_accum, program.compute.grad_fn))
     with activation_rules(program.mesh, program.spec.layout.act_rules):
         compiled = fn.lower(params, batch).compile()
     loss, grads, (count, stats) = compiled(params, batch)
@@ -236,8 +239,10 @@ def test_the_grouped_matmul_follows_the_platform():
     asked = load_config(TINY, ["model.d_model=128", "model.seq_len=64", "model.moe.num_experts=4", "mesh.data=1",
                                "model.moe.grouped_matmul=megablox"])
     assert grouped_matmul(asked, layout, "cpu").keywords["interpret"]
+    gpu = types.SimpleNamespace(platform="gpu", device_kind="", process_index=0)
+    check_devices(cfg, [gpu])  # auto is no kernel asked for by name
     with pytest.raises(ConfigError, match="model.moe.grouped_matmul=megablox is a TPU kernel"):
-        grouped_matmul(asked, layout, "cuda")
+        check_devices(asked, [gpu])
 
 
 # --- capacity mode ---------------------------------------------------------------------------

@@ -82,8 +82,8 @@ def loss_and_grads(cfg, devices=None, documents: bool = False) -> tuple[float, d
             return f(params, batch)
         return traced
 
-    loss_fn = counted(make_loss_fn(program.spec.model.graphdef, program.runner))
-    grad_fn = counted(program.grad_fn) if program.grad_fn else None
+    loss_fn = counted(make_loss_fn(program.spec.model.graphdef, program.compute))
+    grad_fn = counted(program.compute.grad_fn) if program.compute.grad_fn else None
     fn = jax.jit(lambda params, batch: accumulate(loss_fn, params, batch, cfg.train.grad_accum, grad_fn))
     with activation_rules(program.mesh, program.spec.layout.act_rules):
         compiled = fn.lower(params, batch).compile()

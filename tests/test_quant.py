@@ -172,13 +172,14 @@ def test_training_refuses_a_mode_the_devices_lack(tiny, tmp_path):
     """On a real device the check reads its `device_kind` (a CPU emulates every mode)."""
     from types import SimpleNamespace
 
-    from trainer.loop import _check_quant
+    from trainer.checks import check_devices
 
     cfg = tiny("model.quant=fp8")
+    v5e = SimpleNamespace(platform="tpu", device_kind="TPU v5 lite", slice_index=0)
     with pytest.raises(ConfigError, match=r"^model\.quant: fp8 has no matmul unit on tpu-v5e"):
-        _check_quant(cfg, [SimpleNamespace(device_kind="TPU v5 lite")])
-    _check_quant(cfg, [SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3")])
-    _check_quant(cfg, jax.devices())
+        check_devices(cfg, [v5e])
+    check_devices(cfg, [SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3", process_index=0)])
+    check_devices(cfg, jax.devices())
     assert not (tmp_path / "run").exists()
 
 

@@ -167,7 +167,7 @@ def test_shardings_neither_drift_nor_recompile_over_two_steps():
     ],
 )
 def test_dims_that_do_not_split_evenly_name_the_key(overrides, message):
-    from sharding import check_divisible
+    from trainer.checks import check_divisible
 
     cfg = load_config("tiny", overrides)
     _, shapes, axes = abstract_model(cfg.model)

@@ -21,24 +21,24 @@ from typing import Any, Iterator
 import jax
 import numpy as np
 
-from configs import Config, ConfigError, dump_config
+from configs import Config, dump_config
 from configs.schema import nan_steps
 from data import describe, eval_batches, global_batches, make_iterator
 from model import flops_per_token, hf
-from planner.hardware import check_quant, hardware_of_kind, peak_flops_of_kind
-from sharding import distributed, resolve_mesh_shape
-from sharding.mesh import check_nodes
+from planner.hardware import peak_flops_of_kind
+from sharding import distributed
 from trainer import rundir_lock
 from trainer.checkpoint import Checkpointer, check_resumable, checkpoint_dir, has_checkpoints, saved_config
+from trainer.checks import check_devices
 from trainer.faults import Preempted, StopSignal, Watchdog, fingerprint
 from trainer.goodput import Goodput, invocation_outcome
 from trainer.hooks import Hook, StepLog, make_hooks
-from trainer.layout import attention_notes, grouped_matmul
+from trainer.compute import attention_notes
 from trainer.metrics import MetricsLogger, log
 from trainer.observe import instrument
 from trainer.program import Program, RunSpec, make_program, prepare
 from trainer.state import TrainState, init_state, param_count, state_from_params
-from trainer.xla_env import device_count_hint, set_cpu_device_count, use_compile_cache
+from trainer.xla_env import set_cpu_device_count, use_compile_cache
 
 
 def _write_config(run_dir: str, cfg: Config, resume_step: int | None) -> None:
@@ -172,34 +172,14 @@ def run(cfg: Config, devices: list | None = None) -> list[dict[str, Any]]:
     distributed.initialize(cfg.dist)
     distributed.check_same_everywhere(fingerprint(cfg), cfg.dist.init_timeout_s)
     devices = jax.devices() if devices is None else devices
-    _check_device_count(cfg, devices, why_not)
-    _check_quant(cfg, devices)
+    check_devices(cfg, devices, why_not)
     spec = prepare(cfg, len(devices))
-    grouped_matmul(cfg, spec.layout, devices[0].platform)  # refuses a kernel the platform cannot run
-    check_nodes(devices, cfg.mesh.nodes)
     # Bad input has been refused with run.dir untouched; from here on this run writes there, alone.
     with rundir_lock.hold(cfg.run.dir, cfg.run.lock_timeout_s, cfg.dist.init_timeout_s, log):
         check_resumable(cfg)  # again: a holder alive at the first check may have saved since
         # Resolved under the lock: the horizon comes from the checkpoints this run resumes.
         cfg, schedule_note = resolve_schedule(cfg)
         return _run_holding_the_lock(dataclasses.replace(spec, cfg=cfg), devices, goodput, schedule_note)
-
-
-def _check_device_count(cfg: Config, devices: list, why_not: str) -> None:
-    """The mesh's own error for a device count that does not fit, with what to do about it."""
-    try:
-        resolve_mesh_shape(cfg.mesh, len(devices))
-    except ConfigError as e:
-        hint = device_count_hint(cfg, devices[0].platform, len(devices), why_not)
-        raise ConfigError(f"{e}; {hint}" if hint else str(e)) from None
-
-
-def _check_quant(cfg: Config, devices: list) -> None:
-    """Refuses a `model.quant` the devices have no matmul unit for (a CPU emulates every mode)."""
-    hw = hardware_of_kind(getattr(devices[0], "device_kind", ""))
-    why = check_quant(cfg.model.quant, hw) if hw else None
-    if why:
-        raise ConfigError(f"model.quant: {why}")
 
 
 def _run_holding_the_lock(spec: RunSpec, devices: list, goodput: Goodput, schedule_note: str) -> list[dict[str, Any]]:

@@ -18,17 +18,15 @@ from typing import Any, Callable, Iterator
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-from configs import Config, ConfigError
+from configs import Config
 from data import batch_fields, open_source
 from planner.hlo import COLLECTIVES, static_counts  # noqa: F401  (COLLECTIVES: re-exported)
 from sharding import (
     activation_rules,
     axes_size,
     batch_sharding,
-    check_divisible,
     make_mesh,
     mesh_axes,
     resolve_mesh_shape,
@@ -36,18 +34,11 @@ from sharding import (
     to_rules,
 )
 from sharding.cast import cast_for_compute
-from sharding.context import SequenceSplit
 from model import hf
 from trainer.checkpoint import check_resumable, has_checkpoints
-from trainer.layout import (
-    Layout,
-    expert_dispatcher,
-    grouped_matmul,
-    layer_runner,
-    plan_layout,
-    scheduled_grads,
-    sequence_split,
-)
+from trainer.checks import check_divisible
+from trainer.compute import Compute, build_compute
+from trainer.layout import Layout, plan_layout
 from trainer.optimizer import make_optimizer
 from trainer.state import AbstractModel, TrainState, abstract_model, abstract_state, state_shardings
 from trainer.step import make_loss_fn, make_train_step
@@ -68,11 +59,7 @@ class RunSpec:
 
 def prepare(cfg: Config, num_devices: int, with_data: bool = True) -> RunSpec:
     """All checks that need devices or files. Raises ConfigError; creates and compiles nothing."""
-    layout = plan_layout(cfg, num_devices)
-    if cfg.train.global_batch % jax.process_count():
-        raise ConfigError(
-            f"train.global_batch={cfg.train.global_batch} is not divisible by the {jax.process_count()} processes"
-        )
+    layout = plan_layout(cfg, num_devices, jax.process_count())
     model = abstract_model(cfg.model)
     check_divisible(model.shapes, model.axes, layout.param_rules, layout.sizes)
     if not with_data:
@@ -102,11 +89,9 @@ class Program:
     tx: optax.GradientTransformation
     state_sh: TrainState  # of NamedShardings
     batch_sh: NamedSharding
-    runner: Callable | None  # the layer runner (None: the model's scan)
+    compute: Compute  # how the step computes (trainer/compute.py)
     step: Callable  # jitted, state donated
     eval_loss: Callable  # jitted (params, batch) -> (loss sum, target tokens), no update
-    split: SequenceSplit | None = None  # load-balanced order and sharded attention (None: neither)
-    grad_fn: Callable | None = None  # the pipeline schedule's (loss, gradients) (None: autodiff)
 
     def abstract_state(self) -> TrainState:
         return abstract_state(self.tx, self.spec.model.shapes, self.state_sh)
@@ -142,21 +127,12 @@ def make_program(spec: RunSpec, devices: list) -> Program:
     mesh = make_mesh(layout.sizes, devices, cfg.mesh.nodes, cfg.mesh.across)
     tx, schedule, state_sh = sharded_optimizer(spec, mesh)
     batch_sh = batch_sharding(mesh, layout.act_rules)
-    runner = layer_runner(layout, cfg.model.remat)
-    split = sequence_split(cfg, layout, devices[0].platform)
     cast = functools.partial(cast_for_compute, axes=model.axes, dtype=cfg.model.dtype, shardings=state_sh.params)
-    grad_fn = scheduled_grads(layout, model.graphdef, cfg.model.remat, cfg.model.loss_chunk, cast)
-    dispatch = expert_dispatcher(layout, grouped_matmul(cfg, layout, devices[0].platform))
-    step = jax.jit(
-        make_train_step(model.graphdef, tx, schedule, cfg.train.grad_accum, runner, cfg.model.loss_chunk, cast,
-                        split, grad_fn, cfg.model.moe, dispatch),
-        in_shardings=(state_sh, batch_sh),
-        out_shardings=(state_sh, None),
-        donate_argnums=(0,),
-    )
-    eval_loss = jax.jit(make_loss_fn(model.graphdef, runner, cfg.model.loss_chunk, cast, split, dispatch=dispatch),
-                        in_shardings=(state_sh.params, batch_sh))
-    return Program(spec, mesh, tx, state_sh, batch_sh, runner, step, eval_loss, split, grad_fn)
+    compute = build_compute(cfg, layout, model.graphdef, devices[0].platform, cast)
+    step = jax.jit(make_train_step(model.graphdef, tx, schedule, compute), in_shardings=(state_sh, batch_sh),
+                   out_shardings=(state_sh, None), donate_argnums=(0,))
+    eval_loss = jax.jit(make_loss_fn(model.graphdef, compute), in_shardings=(state_sh.params, batch_sh))
+    return Program(spec, mesh, tx, state_sh, batch_sh, compute, step, eval_loss)
 
 
 def abstract_program(cfg: Config, devices: list | None = None) -> Program:

@@ -9,13 +9,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from configs.schema import MoEConfig
-from model import LayerRunner
-from model.kernels import DispatchFn, Kernels, use_kernels
+from model.kernels import use_kernels
 from model.loss import GradFn, LossFn, head_loss, model_inputs
 from model.moe import STATS
 from pipeline.stages import to_microbatches
-from sharding.context import SequenceSplit
+from trainer.compute import Compute
 from trainer.optimizer import schedule_count
 from trainer.state import TrainState
 
@@ -26,49 +24,38 @@ Array = jax.Array
 MOE_METRICS = ("lm_loss",) + tuple(f"moe_{name}" for name in STATS)
 
 
-def make_loss_fn(
-    graphdef: nnx.GraphDef,
-    runner: LayerRunner | None = None,
-    loss_chunk: int = 0,
-    cast: Callable[[dict], dict] | None = None,
-    split: SequenceSplit | None = None,
-    moe: MoEConfig | None = None,
-    dispatch: DispatchFn | None = None,
-) -> LossFn:
+def make_loss_fn(graphdef: nnx.GraphDef, compute: Compute = Compute(), *, router_losses: bool = False) -> LossFn:
     """loss(params, batch) -> (sum of the per-token losses, number of target tokens), both
     float32 scalars: the mean is their ratio, and the sums of several batches divided once give
     the mean over all their tokens, however unevenly the tokens fall into the batches.
 
     A batch is {"tokens"} (rows of seq_len + 1), plus "segment_ids" and "positions" for document
     packing: then attention stays within a document, positions restart per document, and
-    padding (segment 0) and targets across a document boundary carry no loss.
-    `loss_chunk` > 0 computes the output head and loss that many positions at a time. `cast`
-    maps the float32 parameters to their compute-dtype view (sharding.cast) inside the
-    differentiated function, so gathers and gradient reductions move the compute dtype.
-    `split` (a sequence split over `context`) reorders the positions for load balancing and
-    hands the model a sharded attention kernel. `moe` (an MoE model's config): the loss sum gains
-    the router losses, each a per-token mean of this batch times its target count (so that
-    micro-batches weigh by tokens as the cross-entropy does), and aux carries the MoE metrics;
-    without it the loss is the cross-entropy alone (eval). `dispatch` moves routed tokens to
-    their experts' devices (sharding/experts.py; None: every expert on every device)."""
+    padding (segment 0) and targets across a document boundary carry no loss. `compute` says how
+    (trainer/compute.py): the compute-dtype cast inside the differentiated function (so gathers
+    and gradient reductions move the compute dtype), the layer runner, the kernels bound into the
+    model, a sequence split's load-balanced order, the loss chunk. `router_losses` with an MoE
+    model (`compute.moe`): the loss sum gains the router losses, each a per-token mean of this
+    batch times its target count (so that micro-batches weigh by tokens as the cross-entropy
+    does), and aux carries the MoE metrics; without them the loss is the cross-entropy alone (eval)."""
+    cast, order, moe = compute.cast, compute.order, compute.moe if router_losses else None
 
     def loss_fn(params: dict, batch: dict[str, Array]) -> tuple[Array, Array]:
         model = nnx.merge(graphdef, params if cast is None else cast(params))
         b = model_inputs(batch)
         inputs, targets, weights = b["inputs"], b["targets"], b["weights"]
         positions, seg_in = b.get("positions"), b.get("segment_ids")
-        attention = None if split is None else split.attention
-        if split is not None and split.order is not None:
+        if order is not None:
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
             # The loss is a sum over tokens and the model masks by position, so the rows may be
             # permuted as a whole: inputs, targets, weights, positions and segments alike.
-            inputs, targets, weights, positions = (a[:, split.order] for a in (inputs, targets, weights, positions))
-            seg_in = None if seg_in is None else seg_in[:, split.order]
-        with use_kernels(Kernels(attention=attention, dispatch=dispatch)):
-            x, stats = model.features_and_stats(inputs, positions, seg_in, runner=runner)
-        ce, count = head_loss(model, x, targets, weights, loss_chunk), jnp.sum(weights)
-        if moe is None or not moe.enabled:
+            inputs, targets, weights, positions = (a[:, order] for a in (inputs, targets, weights, positions))
+            seg_in = None if seg_in is None else seg_in[:, order]
+        with use_kernels(compute.kernels):
+            x, stats = model.features_and_stats(inputs, positions, seg_in, runner=compute.runner)
+        ce, count = head_loss(model, x, targets, weights, compute.loss_chunk), jnp.sum(weights)
+        if moe is None:
             return ce, count
         router = moe.aux_loss_coef * stats[0] + moe.router_z_loss_coef * stats[1]
         return ce + router * count, (count, jnp.concatenate([ce[None], stats * count]))
@@ -119,22 +106,14 @@ def accumulate_stats(
 
 
 def make_train_step(
-    graphdef: nnx.GraphDef,
-    tx: optax.GradientTransformation,
-    schedule: optax.Schedule,
-    grad_accum: int,
-    runner: LayerRunner | None = None,
-    loss_chunk: int = 0,
-    cast: Callable[[dict], dict] | None = None,
-    split: SequenceSplit | None = None,
-    grad_fn: GradFn | None = None,
-    moe: MoEConfig | None = None,
-    dispatch: DispatchFn | None = None,
+    graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr_schedule: optax.Schedule, compute: Compute
 ) -> Callable[[TrainState, dict[str, Array]], tuple[TrainState, dict[str, Array]]]:
-    loss_fn = make_loss_fn(graphdef, runner, loss_chunk, cast, split, moe, dispatch)
+    """The pure train step: the loss and gradients `compute` says how to take (accumulated over
+    its micro-batches), the optimizer update, and the step's metrics."""
+    loss_fn = make_loss_fn(graphdef, compute, router_losses=True)
 
     def train_step(state: TrainState, batch: dict[str, Array]) -> tuple[TrainState, dict[str, Array]]:
-        loss, grads, aux = accumulate_stats(loss_fn, state.params, batch, grad_accum, grad_fn)
+        loss, grads, aux = accumulate_stats(loss_fn, state.params, batch, compute.grad_accum, compute.grad_fn)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -144,7 +123,7 @@ def make_train_step(
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
         # The rate this update used: optax indexes the schedule by its own count, which a skipped
         # step does not advance, so after one it lags `state.step`.
-        lr = schedule(schedule_count(state.opt_state))
+        lr = lr_schedule(schedule_count(state.opt_state))
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "finite": finite}
         if isinstance(aux, tuple):  # MoE: the router's per-token means
             count = jnp.maximum(aux[0], 1.0)

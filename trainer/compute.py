@@ -1,0 +1,134 @@
+"""How a run computes its step: one frozen `Compute`, built once by `build_compute`.
+
+The config says what to train and the layout where; `Compute` says how: the compute-dtype view
+of the parameters, the layer runner (the model's scan, or a pipeline schedule's), the gradient
+function (autodiff, or a 1F1B-family schedule's own), the kernels bound into the model while it
+traces (sharded attention under a sequence split, expert dispatch under expert parallelism), the
+load-balanced order of a sequence split, the loss chunk, the micro-batches and the router losses.
+`build_compute` is the one place these are decided, from the config, the layout and the devices'
+platform; `make_train_step` and `make_loss_fn` (trainer/step.py) take the result by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+
+import pipeline
+from configs import Config
+from configs.schema import MoEConfig
+from model import LayerRunner, scan_layers
+from model.attention import block_mask, splash_attention
+from model.kernels import AttentionFn, DispatchFn, Kernels
+from model.loss import GradFn
+from model.moe import GroupedMatmul, local_dispatch, megablox_matmul
+from sharding import axes_size, mesh_axes
+from sharding.context import balanced_order, per_device, sharded_ring
+from sharding.experts import expert_parallel
+from trainer.checks import megablox_misfit
+from trainer.layout import Layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Compute:
+    """How a run computes its step and its eval loss. The defaults are one device's plain step."""
+
+    grad_accum: int = 1  # micro-batches per step, their gradients summed (train.grad_accum)
+    loss_chunk: int = 0  # > 0: the output head and loss this many positions at a time (model.loss_chunk)
+    cast: Callable[[dict], dict] | None = None  # float32 parameters -> their compute-dtype view
+    runner: LayerRunner | None = None  # applies the layer stack (None: the model's own scan)
+    grad_fn: GradFn | None = None  # the loss and gradients a schedule computes itself (None: autodiff)
+    kernels: Kernels = Kernels()  # bound into the model while it traces (model/kernels.py)
+    order: np.ndarray | None = None  # the load-balanced order of a sequence split's positions
+    moe: MoEConfig | None = None  # an MoE model's router losses join the training loss
+
+
+def build_compute(cfg: Config, layout: Layout, graphdef: nnx.GraphDef, platform: str,
+                  cast: Callable[[dict], dict] | None = None) -> Compute:
+    """How `cfg` computes on `layout` over devices of `platform` ("cpu", "gpu", "tpu"); `cast`: the
+    parameters' compute-dtype view (sharding.cast, bound to the state's shardings)."""
+    m = cfg.model
+    return Compute(
+        grad_accum=cfg.train.grad_accum,
+        loss_chunk=m.loss_chunk,
+        cast=cast,
+        runner=layer_runner(layout, m.remat),
+        grad_fn=scheduled_grads(layout, graphdef, m.remat, m.loss_chunk, cast),
+        kernels=Kernels(attention=attention_kernel(cfg, layout, platform),
+                        dispatch=expert_dispatcher(layout, grouped_matmul(cfg, layout, platform))),
+        order=balanced_order(m.seq_len, layout.sizes["context"]) if layout.sizes["context"] > 1
+        and cfg.context.load_balance else None,
+        moe=m.moe if m.moe.enabled else None,
+    )
+
+
+def attention_notes(cfg: Config) -> list[str]:
+    """What the run's attention falls back to, said at start (train.py) and in plans."""
+    m = cfg.model
+    if m.attention == "cudnn" and cfg.data.packing == "document" and m.max_documents == 0:
+        return ["model.attention=cudnn with data.packing=document builds a dense [batch, 1, T, T] mask of the "
+                "documents; set model.max_documents (the most documents a row may hold) for cuDNN's packed "
+                "layout, no mask"]
+    return []
+
+
+def attention_kernel(cfg: Config, layout: Layout, platform: str) -> AttentionFn | None:
+    """The attention kernel that must see the mesh (None: the model's own): ring attention under
+    a sequence split, or splash per device (the TPU kernel on "tpu", interpreted elsewhere)."""
+    if cfg.context.strategy == "ring" and cfg.model.attention == "xla":
+        return sharded_ring(layout.stage_rules, layout.sizes["context"], block_mask)
+    if cfg.model.attention == "splash":
+        return per_device(functools.partial(splash_attention, interpret=platform != "tpu"), layout.stage_rules)
+    return None
+
+
+def layer_runner(layout: Layout, remat_policy: str) -> LayerRunner | None:
+    """None (the model's own scan) unless the layout pipelines the stack."""
+    if not layout.pipelined:
+        return None
+    stage_fn = functools.partial(scan_layers, remat_policy=remat_policy)
+    return pipeline.get(layout.schedule).layer_runner(layout.stages, layout.repeats, layout.microbatches, stage_fn,
+                                                      layout.stage_rules)
+
+
+def scheduled_grads(layout: Layout, graphdef: nnx.GraphDef, remat_policy: str, loss_chunk: int,
+                    cast: Callable[[dict], dict] | None) -> GradFn | None:
+    """None (autodiff through the layer runner: GPipe) unless the schedule computes the gradients."""
+    schedule = pipeline.get(layout.schedule)
+    if not layout.pipelined or not schedule.computes_grads:
+        return None
+    return schedule.grad_fn(
+        graphdef, layout.stages, layout.repeats, layout.microbatches, remat_policy, layout.stage_rules, loss_chunk, cast,
+        axes_size(mesh_axes("length", layout.stage_rules), layout.sizes),
+    )
+
+
+def grouped_matmul(cfg: Config, layout: Layout, platform: str) -> GroupedMatmul:
+    """The dropless experts' grouped matmul on devices of `platform` (`model.moe.grouped_matmul`):
+    megablox is the TPU kernel on "tpu" and interpreted elsewhere (tests; trainer/checks.py
+    refuses it on GPUs); auto takes it on TPU where it fits, else jax.lax.ragged_dot."""
+    choice = cfg.model.moe.grouped_matmul
+    if choice == "auto":
+        fits = platform == "tpu" and megablox_misfit(cfg, layout.sizes, layout.stage_rules) is None
+        choice = "megablox" if fits else "ragged_dot"
+    if choice == "ragged_dot" or not cfg.model.moe.enabled:
+        return jax.lax.ragged_dot
+    return functools.partial(megablox_matmul, interpret=platform != "tpu")
+
+
+def expert_dispatcher(layout: Layout, matmul: GroupedMatmul = jax.lax.ragged_dot) -> DispatchFn | None:
+    """The MoE dispatch of a multi-device layout: each device routes its own tokens (over
+    `expert` when mesh.expert > 1; with one expert shard the all-to-alls are no-ops and the
+    experts' weights are gathered, as FSDP gathers a dense MLP's). Left to the partitioner, the
+    sort of the assignments would run over the global batch. On one device, or when the rules
+    give the `expert` dim no mesh axis, every expert runs on the one device (None with
+    ragged_dot, the model's default). `matmul`: the dropless experts' grouped matmul."""
+    if math.prod(layout.sizes.values()) == 1 or not mesh_axes("expert", layout.stage_rules):
+        return None if matmul is jax.lax.ragged_dot else functools.partial(local_dispatch, matmul=matmul)
+    return expert_parallel(layout.stage_rules, layout.sizes["expert"], matmul)
