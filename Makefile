@@ -40,7 +40,7 @@ train: $(STAMP)
 # file's module fixtures are compiled once). The fake-CPU-device run has one worker per core and
 # one more (TEST_WORKERS): a test that waits on processes it started (their start-up, a signal, a
 # lock's heartbeat, a killed peer's timeout) leaves its worker's core idle, and the extra worker
-# runs a file there meanwhile (2 idle cores: 5 min 5-12 s with 2 workers, 4 min 51 s with 3). The
+# runs a file there meanwhile. The
 # real-target compiles keep one worker per core (-n auto): they never wait. Two runs, timed apart:
 # the fake-CPU-device tests, then the compiles for real H100 and TPU targets (tests marked
 # real_target); each prints its 15 slowest tests.

@@ -30,11 +30,10 @@ def cross_entropy_sum(logits: Array, targets: Array, weights: Array, gather: boo
     Each target's logit is taken by a gather (`gather=True`) or by a masked sum over the
     vocabulary (`False`): the same values, gradients equal to float32 rounding. `None` picks the
     masked sum for logits narrower than float32 and the gather for float32 ones, which is what
-    measured least memory on TPU (Llama-3-8B, v5p-64, BENCHMARKS.md): from bf16 logits
-    every use is then one upcast-and-reduce fusion, no float32 [batch, length, vocab] copy exists
-    and the logits die before the layers' backward pass (8.99 GB of temporaries; with a gather,
-    libtpu kept the upcast copy and ran the gather after the layers' backward loop: 13.19 GB);
-    from float32 logits the masked sum needed more (14.26 against 13.19 GB). Under a `vmap`
+    holds least memory on TPU: from bf16 logits every use is then one upcast-and-reduce fusion, no
+    float32 [batch, length, vocab] copy exists and the logits die before the layers' backward
+    pass (with a gather, libtpu keeps the upcast copy alive through it); from float32 logits the
+    gather needs less. Under a `vmap`
     sharded over a mesh axis (the pipeline head's pieces) pass False: the partitioner would
     all-gather a gather's whole operand, the logits, onto every device."""
     if gather is None:

@@ -153,9 +153,7 @@ def _int8_bwd(spec: str, grad_reduce: str, res: tuple, g: Array) -> tuple[Array,
     # Why the dequantized operands and not x and w themselves: the forward computed
     # deq(xq) . deq(wq), and the gradient of *that* (straight through the rounding alone) is
     # g . deq(wq) for x and deq(xq) . g for w. With the unrounded operands instead, the
-    # gradient is the one of a function no pass computed; measured on the default text run
-    # (BENCHMARKS.md, "Low precision"), that mismatch left int8 3.7% above bf16's loss after
-    # 200 steps, where the gradient of the quantized forward stays within the 2% tolerance.
+    # gradient is the one of a function no pass computed, and training drifts from bf16's loss.
     xq, sx, wq, sw, w_like = res
     a, b, out = _split(spec)
     x = (xq.astype(jnp.float32) * sx).astype(g.dtype)

@@ -34,7 +34,7 @@ How, and why this way:
   positions (`head_split`): the last stage's output [mb, L, D] goes out as S pieces of L / S
   positions, one per device (a `vmap` over pieces, sharded over `pipeline` like the stages), so
   each device computes 1/S of the head instead of all of it (with a 128k vocabulary the head
-  is a large share of a stage: BENCHMARKS.md), and the pieces' input gradients come back to the
+  is a large share of a stage), and the pieces' input gradients come back to the
   last stage. The head and embedding gradients add up per device, in an [S, ...] float32
   accumulator sharded over `pipeline` (the embedding's in stage 0's slot), summed over the
   devices once at the end, so no tick all-reduces the head's weight gradient. Where the
