@@ -1,5 +1,5 @@
 """What the training loop does between steps, outside jit: one hook per concern, each owning its
-interval (docs/design.md, "Data flow from config to checkpoint").
+interval (docs/design.md, "From config to checkpoint").
 
 - `StepLog` reads each step's `finite` flag one step late (so the device never waits on the
   host), counts non-finite steps and stops after `train.max_bad_steps` in a row, and writes the
