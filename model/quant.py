@@ -214,6 +214,8 @@ def qeinsum(spec: str, x: Array, w: Array, quant: str, grad_reduce: str = "compu
     `model.quant` ('none': the plain einsum) and `model.grad_reduce`."""
     if quant != "none":
         return _EINSUMS[quant](spec, x, w, grad_reduce)
-    if grad_reduce in ("compute", w.dtype.name):
-        return jnp.einsum(spec, x, w)
-    return reduced_einsum(spec, x, w, grad_reduce)
+    # One path for every grad_reduce: the custom gradient writes the weight gradient as
+    # activation x incoming gradient (autodiff's transpose puts the gradient first, which XLA:CPU
+    # lays out with a transposed copy of the larger operand; the GPU and TPU compilers pick their
+    # own layouts either way). The same products and sums.
+    return reduced_einsum(spec, x, w, w.dtype.name if grad_reduce == "compute" else grad_reduce)
