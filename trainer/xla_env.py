@@ -26,21 +26,13 @@ from configs.schema import MESH_AXES
 from sharding.distributed import process_layout
 
 FORCE_COUNT = "--xla_force_host_platform_device_count"
-# XLA:CPU runs every CPU device on one thread pool of max(cores, devices) threads (the NPROC
-# variable overrides the size), runs a device's independent thunks at once, and a collective
-# holds its thread until every peer has arrived. With one thread per device, a device with two
-# collectives in flight (a layer scan's fsdp all-gather beside the pipeline's collective-permute)
-# can leave a peer no thread to reach either: all threads wait, and after 40 s XLA aborts the
-# process ("Termination timeout for `collective permute ...`"). Four threads per device leave
-# the room; threads that wait cost no CPU.
+# XLA:CPU runs all CPU devices on one thread pool (NPROC sets its size), and a collective holds
+# its thread until every peer arrives: with one thread per device, two collectives in flight on
+# one device can leave a peer no thread, and XLA aborts after 40 s. Waiting threads cost no CPU.
 POOL_THREADS_PER_DEVICE = 4
-# XLA:CPU orders the collectives of one program per device, but not a collective outside a loop
-# against the collectives inside one: XLA's loop-invariant code motion hoists, say, a pipeline
-# loop's all-to-all of the targets out of the loop, and then a device can enter the loop's
-# all-reduce before the all-to-all while its peers wait in the all-to-all for a device that
-# never gets to it. All wait; after 40 s XLA aborts ("Termination timeout for `all to all`"), or
-# the process hangs. Without the pass the collectives stay in the loop body, where they run in
-# program order on every device.
+# XLA:CPU runs a device's collectives in program order within a loop body, but not against one
+# that loop-invariant code motion hoisted out of it: devices then wait in different collectives
+# and XLA aborts after 40 s, or hangs. Without the pass they stay in the loop, in order.
 KEEP_COLLECTIVES_IN_LOOPS = "--xla_disable_hlo_passes=while-loop-invariant-code-motion"
 
 GPU_DEFAULTS = {
