@@ -129,9 +129,9 @@ def make_program(spec: RunSpec, devices: list) -> Program:
     batch_sh = batch_sharding(mesh, layout.act_rules)
     cast = functools.partial(cast_for_compute, axes=model.axes, dtype=cfg.model.dtype, shardings=state_sh.params)
     compute = build_compute(cfg, layout, model.graphdef, devices[0].platform, cast)
-    step = jax.jit(make_train_step(model.graphdef, tx, schedule, compute), in_shardings=(state_sh, batch_sh),
-                   out_shardings=(state_sh, None), donate_argnums=(0,))
-    eval_loss = jax.jit(make_loss_fn(model.graphdef, compute), in_shardings=(state_sh.params, batch_sh))
+    step = jax.jit(make_train_step(model.graphdef, tx, schedule, compute=compute),
+                   in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=(0,))
+    eval_loss = jax.jit(make_loss_fn(model.graphdef, compute=compute), in_shardings=(state_sh.params, batch_sh))
     return Program(spec, mesh, tx, state_sh, batch_sh, compute, step, eval_loss)
 
 

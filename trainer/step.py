@@ -106,7 +106,7 @@ def accumulate_stats(
 
 
 def make_train_step(
-    graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr_schedule: optax.Schedule, compute: Compute
+    graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr_schedule: optax.Schedule, *, compute: Compute
 ) -> Callable[[TrainState, dict[str, Array]], tuple[TrainState, dict[str, Array]]]:
     """The pure train step: the loss and gradients `compute` says how to take (accumulated over
     its micro-batches), the optimizer update, and the step's metrics."""
