@@ -202,6 +202,15 @@ def test_real_process_bad_input_is_one_line(tmp_path, args, message):
     assert not (tmp_path / "r").exists()
 
 
+def test_a_bad_layout_is_one_line_where_train_py_sets_the_device_count(tmp_path):
+    """On a machine where train.py sets the CPU device count itself, its notice waits for the
+    checks: a refused layout prints the error line alone."""
+    out = _cli("--config", TINY, "mesh.data=3", f"run.dir={tmp_path / 'r'}", env=_env_without_device_count())
+    assert out.returncode == 2
+    assert out.stderr == ("error: train.global_batch=16 is not divisible by 3 = batch shards (data=3 x fsdp=1 x "
+                          "expert=1) x train.grad_accum=1\n") and out.stdout == ""
+
+
 def _env_without_device_count() -> dict[str, str]:
     """The environment of a user who has never heard of XLA_FLAGS, on a CPU-only machine."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPROC")}
