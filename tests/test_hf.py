@@ -111,7 +111,7 @@ def test_import_matches_transformers_and_export_round_trips(tmp_path, tied, kv_h
     assert rel_diff(their_logits(load_exported(str(out)), TOKENS), ref) < TOL
 
 
-@pytest.mark.parametrize("umask", [0o022, 0o027])
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["umask022", "umask027"])
 def test_exported_tensors_get_the_permissions_open_gives(tmp_path, umask):
     """model.safetensors gets the mode config.json gets (0666 less the umask), not a private 0600."""
     old = os.umask(umask)
