@@ -7,13 +7,15 @@ from __future__ import annotations
 import glob
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import pytest
 
 import trainer
 from configs import ConfigError, load_config
-from conftest import require, stdlib_glob
+from conftest import ROOT, require, stdlib_glob
 from trainer import trackers
 from trainer.program import prepare
 
@@ -146,14 +148,16 @@ def test_an_mlflow_file_store_without_the_opt_in_is_refused_in_one_line(tmp_path
         trackers.check_trackers(cfg)
 
 
-def test_the_users_wandb_dir_wins(tmp_path, monkeypatch):
-    """WANDB_DIR set by the user holds the W&B run; run.dir is only the default."""
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "elsewhere"))
+def test_the_users_wandb_dir_wins(tmp_path):
+    """WANDB_DIR set by the user holds the W&B run; run.dir is only the default. In a fresh
+    process, as a user's run starts: W&B reads its environment once per process."""
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=str(tmp_path / "elsewhere"))
     (tmp_path / "elsewhere").mkdir()
-    cfg = load_config("tiny", [f"run.dir={tmp_path / 'run'}", "run.trackers=[wandb]"])
-    run = trackers._Wandb(cfg, {}, 0)
-    run.close("done")
+    code = ("import sys; from configs import load_config; from trainer import trackers; "
+            "cfg = load_config('tiny', [f'run.dir={sys.argv[1]}', 'run.trackers=[wandb]']); "
+            "trackers._Wandb(cfg, {}, 0).close('done')")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
     assert glob.glob(str(tmp_path / "elsewhere" / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert not (tmp_path / "run" / "wandb").exists()
