@@ -187,7 +187,8 @@ def _cli(*args: str, timeout: int = 120, env: dict[str, str] | None = None) -> s
          "mesh: pipeline=1 x data=3 x fsdp=1 x expert=1 x context=1 x tensor=1 = 3 devices, but 8 are available; "
          "this process sees 8 cpu device(s): make the mesh sizes multiply to 8, or leave one at -1"),
         # FSDP is the rule `embed -> fsdp`: a misspelt name would leave every parameter whole.
-        (["--config", TINY, "sharding.params.embd=fsdp"], "sharding.params.embd: unknown logical name; did you mean 'embed'?"),
+        (["--config", TINY, "sharding.params.embd=fsdp"],
+         "sharding.params.embd: unknown logical name; did you mean 'embed'?"),
         (["model.d_model=abc"], "model.d_model: expected int, got 'abc'"),
         (["--config", "tiny-moee"], "config file not found: tiny-moee (did you mean tiny-moe?); presets: llama3-1b, "
                                     "llama3-3b, llama3-70b, llama3-8b, llama3-8b-128k, mixtral-8x7b, tiny, tiny-moe"),
@@ -228,7 +229,7 @@ def test_real_process_trains_a_sharded_run(tmp_path):
     out = _cli("--config", TINY, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.steps=3",
                f"run.dir={tmp_path / 'a'}", f"data.path={stdlib_glob('json')}", env=env)
     assert out.returncode == 0, out.stderr
-    assert out.stderr == "", out.stderr  # no library warning (Orbax's handler override, say): nothing that is not the run
+    assert out.stderr == "", out.stderr  # no library warning (Orbax's handler override, say)
     assert out.stdout.splitlines()[0] == (
         "the mesh names 8 devices: running 8 CPU devices on this CPU-only machine "
         "(XLA_FLAGS --xla_force_host_platform_device_count=8, set by train.py)")

@@ -381,7 +381,8 @@ def test_a_compile_is_named_by_preset_target_and_layout():
 
     cfg = load_config(LLAMA_8B, ["mesh.data=1", "mesh.fsdp=64", "model.remat=full"])
     v5p, h100 = HARDWARE["tpu-v5p"], HARDWARE["h100"]
-    assert plan.compiling_label(LLAMA_8B, cfg, v5p, v5p, 64, "") == "compiling llama3-8b for v5p 4x4x4 (fsdp=64, remat full)"
-    assert plan.compiling_label("llama3-8b", cfg, h100, h100, 64, "") == "compiling llama3-8b for 64 x h100 (fsdp=64, remat full)"
-    assert plan.compiling_label(None, cfg, h100, None, 64, "") == (
+    label = plan.compiling_label
+    assert label(LLAMA_8B, cfg, v5p, v5p, 64, "") == "compiling llama3-8b for v5p 4x4x4 (fsdp=64, remat full)"
+    assert label("llama3-8b", cfg, h100, h100, 64, "") == "compiling llama3-8b for 64 x h100 (fsdp=64, remat full)"
+    assert label(None, cfg, h100, None, 64, "") == (
         "compiling the default config for 64 fake CPU devices (fsdp=64, remat full)")
