@@ -268,6 +268,21 @@ def wait_with_progress(child: subprocess.Popen, progress: str, every: float = HE
             print(f"{label} ... {now - started:.0f} s", file=sys.stderr, flush=True)
 
 
+class Heartbeat:
+    """`what (i of n) ... 16 s` on stderr every HEARTBEAT_S seconds of a long loop (a search's
+    hundreds of layouts), and nothing for a loop that ends sooner: a bad input stays one line."""
+
+    def __init__(self, what: str, every: float = HEARTBEAT_S):
+        self.what, self.every, self.count = what, every, 0
+        self.start = self.beat = time.monotonic()
+
+    def tick(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.beat >= self.every:
+            self.beat = now
+            print(f"{self.what} ({done} of {total}) ... {now - self.start:.0f} s", file=sys.stderr, flush=True)
+
+
 def _read_progress(path: str) -> str:
     try:
         with open(path) as f:
@@ -335,7 +350,10 @@ def main(argv: list[str] | None = None) -> int:
         if why:
             raise ConfigError(f"model.quant: {why}")
         rows = []
-        for overrides in candidates(args.overrides, args.devices, args.search, remats):
+        tried = candidates(args.overrides, args.devices, args.search, remats)
+        beat = Heartbeat("checking the layouts")
+        for i, overrides in enumerate(tried):
+            beat.tick(i, len(tried))
             try:
                 cfg = check(args.config, overrides, args.devices)
                 rows.append({"overrides": overrides, "cfg": cfg, "status": "pending"})
@@ -356,7 +374,14 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
     measure_jobs = lambda jobs: run_child(args.config, jobs, args.devices, hw, target, args.topology,
                                           os.path.abspath(args.dump_hlo) if args.dump_hlo else "")  # noqa: E731
-    plan = evaluate(args, rows, hw, measure_jobs, state_bytes, compiler_name(target))
+    pending, sizing = sum(r["cfg"] is not None for r in rows), Heartbeat("sizing the parameters and optimizer state")
+
+    def sized(cfg: Config, n: int) -> dict[str, int]:
+        sizing.tick(sizing.count, pending)
+        sizing.count += 1
+        return state_bytes(cfg, n)
+
+    plan = evaluate(args, rows, hw, measure_jobs, sized, compiler_name(target))
     (print_search if args.search else print_plan)(plan)
     out = args.out or ("plan.json" if args.search else None)
     if out:

@@ -386,3 +386,12 @@ def test_a_compile_is_named_by_preset_target_and_layout():
     assert label("llama3-8b", cfg, h100, h100, 64, "") == "compiling llama3-8b for 64 x h100 (fsdp=64, remat full)"
     assert label(None, cfg, h100, None, 64, "") == (
         "compiling the default config for 64 fake CPU devices (fsdp=64, remat full)")
+
+
+def test_a_long_loop_says_how_far_it_got_and_a_short_one_nothing(capsys):
+    """A search's checks of hundreds of layouts report on stderr while they run, past the heartbeat."""
+    quiet, loud = plan.Heartbeat("checking the layouts", every=60.0), plan.Heartbeat("checking the layouts", every=0.0)
+    quiet.tick(1, 3)
+    assert capsys.readouterr().err == ""
+    loud.tick(2, 588)
+    assert re.fullmatch(r"checking the layouts \(2 of 588\) \.\.\. \d+ s\n", capsys.readouterr().err)
