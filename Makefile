@@ -16,18 +16,25 @@ TORCH  ?= torch==2.13.0
 
 venv: $(STAMP)
 
+# Each install step is one line saying what it installs (scripts/quietly.sh): pip's own output,
+# setuptools' warnings among it, is shown only if the step fails.
+STEP := scripts/quietly.sh
+
 # Re-install only when the dependency list changes.
 $(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e '.[dev,hf,data,trackers]'
-	touch $(STAMP)
+	@$(STEP) "creating the virtual environment $(VENV)" $(PYTHON) -m venv $(VENV)
+	@$(STEP) "upgrading pip" $(BIN)/python -m pip install -q --upgrade pip
+	@$(if $(TORCH),$(STEP) "installing $(TORCH)$(if $(filter torch==%,$(TORCH)), (CPU build))" \
+	  $(BIN)/python -m pip install -q $(TORCH),true)
+	@$(STEP) "installing meshlm and its extras (dev hf data trackers)" \
+	  $(BIN)/python -m pip install -q -e '.[dev,hf,data,trackers]'
+	@touch $(STAMP)
 
-# Pinned to the installed jax by `python -m planner.targets --requirements` (about 1.1 GB).
+# Pinned to the installed jax by `python -m planner.targets --requirements`.
 $(COMPILERS_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -q --no-deps --target $(COMPILERS) $$($(BIN)/python -m planner.targets --requirements)
-	touch $(COMPILERS_STAMP)
+	@$(STEP) "installing the GPU/TPU compilers for plan.py (about 1.1 GB)" $(BIN)/python -m pip install -q \
+	  --no-deps --target $(COMPILERS) $$($(BIN)/python -m planner.targets --requirements)
+	@touch $(COMPILERS_STAMP)
 
 compilers: $(COMPILERS_STAMP)
 

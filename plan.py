@@ -13,7 +13,9 @@ tpu-v6e) libtpu, for a slice shaped by `--topology` or the most cubic/square one
 (planner/targets.py). Only when that compiler is not installed does the child compile for N
 fake CPU devices instead, and the plan then says so on its first line: the CPU compiler makes a
 different program (it gathers in float32, has no reduce-scatter), so no figure of it is a
-GPU/TPU figure. Every plan names its compiler.
+GPU/TPU figure. Every plan names its compiler. While the child compiles, stderr names each
+compile (`compiling llama3-8b for v5p 4x4x4 (fsdp=64, remat full)`) and its elapsed time every
+15 s; the FALLBACK line comes before the compile.
 
 Memory is `memory_analysis()` of the compile (a TPU compile that does not fit is refused by the
 compiler itself); parameters and optimizer state are the shard sizes the rules give;
@@ -44,6 +46,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Any
 
 import jax
@@ -57,13 +60,16 @@ from planner.hlo import collectives
 from planner.minimum import minimum
 from planner.report import evaluate, print_plan, print_search
 from planner.roofline import compute_seconds, kernels
-from planner.targets import child_env, compiler_name, has_compiler, node_of, target_devices
+from planner.targets import child_env, compiler_name, has_compiler, node_of, target_devices, tpu_slice_shape
+from sharding import resolve_mesh_shape
 from trainer.compute import attention_notes
 from trainer.program import abstract_program, compiled_stats, fill_microbatches, prepare, sharded_optimizer
 from trainer.state import abstract_state
 from trainer.xla_env import set_cpu_collective_env, set_default_flags
 
 DEFAULT_REMATS = ("none", "save_dots", "full")  # in order of growing recompute
+# A compile for a large mesh can take minutes: the waiting parent says it is still at work this often.
+HEARTBEAT_S = 15.0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -226,23 +232,99 @@ def run_child(config: str | None, jobs: list[list[str]], n: int, hw: Hardware, t
             env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
             set_cpu_collective_env(n, env)
         here = os.path.abspath(__file__)
-        done = subprocess.run([sys.executable, here, "--child", spec], env=env, cwd=os.path.dirname(here),
-                              capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"the compiling process failed ({done.returncode}):\n{done.stderr[-4000:]}")
+        with open(os.path.join(tmp, "stderr"), "w+") as err:
+            child = subprocess.Popen([sys.executable, here, "--child", spec], env=env, cwd=os.path.dirname(here),
+                                     stdout=subprocess.DEVNULL, stderr=err, text=True)
+            try:
+                code = wait_with_progress(child, spec + ".progress")
+            except BaseException:  # Ctrl-C: the compile must not run on, orphaned
+                child.kill()
+                child.wait()
+                raise
+            if code:
+                err.seek(0)
+                raise RuntimeError(f"the compiling process failed ({code}):\n{err.read()[-4000:]}")
         with open(spec + ".out") as f:
             return json.load(f)
+
+
+def wait_with_progress(child: subprocess.Popen, progress: str, every: float = HEARTBEAT_S) -> int:
+    """Waits for the compiling child; its exit status. On stderr (stdout is the plan): each
+    compile as the child starts it (it writes what it compiles to `progress`) and, while one runs,
+    the elapsed time every `every` seconds."""
+    label, started = "starting the compiling process", time.monotonic()
+    beat = started
+    while True:
+        try:
+            return child.wait(timeout=min(1.0, every))
+        except subprocess.TimeoutExpired:
+            pass
+        now, current = time.monotonic(), _read_progress(progress)
+        if current and current != label:
+            label, started, beat = current, now, now
+            print(label, file=sys.stderr, flush=True)
+        elif now - beat >= every:
+            beat = now
+            print(f"{label} ... {now - started:.0f} s", file=sys.stderr, flush=True)
+
+
+class Heartbeat:
+    """`what (i of n) ... 16 s` on stderr every HEARTBEAT_S seconds of a long loop (a search's
+    hundreds of layouts), and nothing for a loop that ends sooner: a bad input stays one line."""
+
+    def __init__(self, what: str, every: float = HEARTBEAT_S):
+        self.what, self.every, self.count = what, every, 0
+        self.start = self.beat = time.monotonic()
+
+    def tick(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.beat >= self.every:
+            self.beat = now
+            print(f"{self.what} ({done} of {total}) ... {now - self.start:.0f} s", file=sys.stderr, flush=True)
+
+
+def _read_progress(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return ""
+
+
+def compiling_label(config: str | None, cfg: Config, hw: Hardware, target: Hardware | None, n: int,
+                    topology: str) -> str:
+    """What a compile is for, in the words of the command line: `compiling llama3-8b for v5p
+    4x4x4 (fsdp=64)`."""
+    name = os.path.basename(config).removesuffix(".yaml") if config else "the default config"
+    if target is None:
+        where = f"{n} fake CPU devices"
+    elif target.platform == "tpu":
+        slices = cfg.mesh.nodes
+        where = f"{target.spec} {topology or tpu_slice_shape(target, n // slices)}"
+        where = f"{slices} slices of {where}" if slices > 1 else where
+    else:
+        where = f"{n} x {target.name}"
+    sizes = resolve_mesh_shape(cfg.mesh, n)
+    layout = [f"{a}={s}" for a, s in sizes.items() if s > 1] or ["one device"]
+    if sizes["pipeline"] > 1:
+        layout.append(f"schedule {cfg.pipeline.schedule}")
+    return f"compiling {name} for {where} ({', '.join(layout)}, remat {cfg.model.remat})"
 
 
 def child_main(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
     hw, n = HARDWARE[spec["hardware"]], spec["devices"]
-    results = []
-    for overrides in spec["jobs"]:
+    results, target = [], hw if spec["target"] else None
+    for i, overrides in enumerate(spec["jobs"]):
         try:
             cfg = fill_microbatches(load_config(spec["config"], overrides), n)
-            results.append(measure(cfg, hw, hw if spec["target"] else None, n, spec["topology"], spec["dump"]))
+            label = compiling_label(spec["config"], cfg, hw, target, n, spec["topology"])
+            count = f" [{i + 1}/{len(spec['jobs'])}]" if len(spec["jobs"]) > 1 else ""
+            with open(spec_path + ".progress.tmp", "w") as f:
+                f.write(label + count)
+            os.replace(spec_path + ".progress.tmp", spec_path + ".progress")  # the parent never reads half a line
+            results.append(measure(cfg, hw, target, n, spec["topology"], spec["dump"]))
         except Exception as e:  # one layout XLA cannot compile must not sink the others
             results.append({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"})
     with open(spec_path + ".out", "w") as f:
@@ -268,7 +350,10 @@ def main(argv: list[str] | None = None) -> int:
         if why:
             raise ConfigError(f"model.quant: {why}")
         rows = []
-        for overrides in candidates(args.overrides, args.devices, args.search, remats):
+        tried = candidates(args.overrides, args.devices, args.search, remats)
+        beat = Heartbeat("checking the layouts")
+        for i, overrides in enumerate(tried):
+            beat.tick(i, len(tried))
             try:
                 cfg = check(args.config, overrides, args.devices)
                 rows.append({"overrides": overrides, "cfg": cfg, "status": "pending"})
@@ -283,11 +368,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     target = hw if has_compiler(hw) else None
     if target is None:
-        print(f"FALLBACK: {hw.name}'s compiler is not installed (make test installs it; see README); compiled "
-              f"for {args.devices} fake CPU devices: memory, traffic and time below are CPU figures, not {hw.name}'s")
+        # Said before the compile (minutes, at scale), so a user can stop and install the compiler.
+        print(f"FALLBACK: {hw.name}'s compiler is not installed (make compilers installs it); compiling "
+              f"for {args.devices} fake CPU devices: memory, traffic and time below are CPU figures, not {hw.name}'s",
+              flush=True)
     measure_jobs = lambda jobs: run_child(args.config, jobs, args.devices, hw, target, args.topology,
                                           os.path.abspath(args.dump_hlo) if args.dump_hlo else "")  # noqa: E731
-    plan = evaluate(args, rows, hw, measure_jobs, state_bytes, compiler_name(target))
+    pending, sizing = sum(r["cfg"] is not None for r in rows), Heartbeat("sizing the parameters and optimizer state")
+
+    def sized(cfg: Config, n: int) -> dict[str, int]:
+        sizing.tick(sizing.count, pending)
+        sizing.count += 1
+        return state_bytes(cfg, n)
+
+    plan = evaluate(args, rows, hw, measure_jobs, sized, compiler_name(target))
     (print_search if args.search else print_plan)(plan)
     out = args.out or ("plan.json" if args.search else None)
     if out:

@@ -128,7 +128,16 @@ def resolve_preset(path: str) -> str:
     for candidate in (os.path.join(PRESET_DIR, path), os.path.join(PRESET_DIR, path + ".yaml")):
         if os.path.isfile(candidate):
             return candidate
-    raise ConfigError(f"config file not found: {path}")
+    names = presets()
+    # A bare name was meant as a preset: the nearest one is the likely typo's target.
+    guess = None if os.path.dirname(path) else closest(path.removesuffix(".yaml"), names)
+    hint = f" (did you mean {guess}?)" if guess else ""
+    raise ConfigError(f"config file not found: {path}{hint}; presets: {', '.join(names)}")
+
+
+def presets() -> list[str]:
+    """The names `--config` takes for the presets in configs/, sorted."""
+    return sorted(name.removesuffix(".yaml") for name in os.listdir(PRESET_DIR) if name.endswith(".yaml"))
 
 
 def load_config(config_file: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -57,7 +57,17 @@ class SafetensorsDir:
 
 def write_safetensors(tensors: dict[str, np.ndarray], path: str, dtype: str = "float32") -> None:
     """Tensors -> one .safetensors file of `dtype` (rounded to nearest), written whole or not at
-    all (a temporary file renamed into place)."""
+    all (a temporary file renamed into place), with the permissions open() would give it."""
     cast = {name: np.ascontiguousarray(a, dtype=EXPORT_DTYPES[dtype]) for name, a in tensors.items()}
     save_file(cast, path + ".tmp", metadata={"format": "pt"})  # "pt": what transformers expects to find
+    # The library's writer creates its file private (0600) whatever the umask; the files written
+    # beside it (config.json, the tokenizer's) get 0666 less the umask, and so does this one.
+    os.chmod(path + ".tmp", 0o666 & ~_umask())
     os.replace(path + ".tmp", path)
+
+
+def _umask() -> int:
+    """The process's umask. Reading it means setting it: it is put straight back."""
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask

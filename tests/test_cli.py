@@ -181,19 +181,35 @@ def _cli(*args: str, timeout: int = 120, env: dict[str, str] | None = None) -> s
 
 
 @pytest.mark.parametrize(
-    "override, message",
+    "args, message",
     [
-        ("mesh.data=3", "mesh: pipeline=1 x data=3 x fsdp=1 x expert=1 x context=1 x tensor=1 = 3 devices, but 8 are available; "
-                        "this process sees 8 cpu device(s): make the mesh sizes multiply to 8, or leave one at -1"),
+        (["--config", TINY, "mesh.data=3"],
+         "mesh: pipeline=1 x data=3 x fsdp=1 x expert=1 x context=1 x tensor=1 = 3 devices, but 8 are available; "
+         "this process sees 8 cpu device(s): make the mesh sizes multiply to 8, or leave one at -1"),
         # FSDP is the rule `embed -> fsdp`: a misspelt name would leave every parameter whole.
-        ("sharding.params.embd=fsdp", "sharding.params.embd: unknown logical name; did you mean 'embed'?"),
+        (["--config", TINY, "sharding.params.embd=fsdp"],
+         "sharding.params.embd: unknown logical name; did you mean 'embed'?"),
+        (["model.d_model=abc"], "model.d_model: expected int, got 'abc'"),
+        (["--config", "tiny-moee"], "config file not found: tiny-moee (did you mean tiny-moe?); presets: llama3-1b, "
+                                    "llama3-3b, llama3-70b, llama3-8b, llama3-8b-128k, mixtral-8x7b, tiny, tiny-moe"),
     ],
 )
-def test_real_process_bad_input_no_traceback(tmp_path, override, message):
-    out = _cli("--config", TINY, f"run.dir={tmp_path / 'r'}", override)
+def test_real_process_bad_input_is_one_line(tmp_path, args, message):
+    """A bad command prints exactly its error line on stderr, nothing on stdout: no traceback,
+    no set-up notice, no library warning."""
+    out = _cli(*args, f"run.dir={tmp_path / 'r'}")
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines() == [f"error: {message}"]
+    assert out.stderr == f"error: {message}\n" and out.stdout == ""
     assert not (tmp_path / "r").exists()
+
+
+def test_a_bad_layout_is_one_line_where_train_py_sets_the_device_count(tmp_path):
+    """On a machine where train.py sets the CPU device count itself, its notice waits for the
+    checks: a refused layout prints the error line alone."""
+    out = _cli("--config", TINY, "mesh.data=3", f"run.dir={tmp_path / 'r'}", env=_env_without_device_count())
+    assert out.returncode == 2
+    assert out.stderr == ("error: train.global_batch=16 is not divisible by 3 = batch shards (data=3 x fsdp=1 x "
+                          "expert=1) x train.grad_accum=1\n") and out.stdout == ""
 
 
 def _env_without_device_count() -> dict[str, str]:
@@ -213,6 +229,7 @@ def test_real_process_trains_a_sharded_run(tmp_path):
     out = _cli("--config", TINY, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.steps=3",
                f"run.dir={tmp_path / 'a'}", f"data.path={stdlib_glob('json')}", env=env)
     assert out.returncode == 0, out.stderr
+    assert out.stderr == "", out.stderr  # no library warning (Orbax's handler override, say)
     assert out.stdout.splitlines()[0] == (
         "the mesh names 8 devices: running 8 CPU devices on this CPU-only machine "
         "(XLA_FLAGS --xla_force_host_platform_device_count=8, set by train.py)")

@@ -111,6 +111,20 @@ def test_import_matches_transformers_and_export_round_trips(tmp_path, tied, kv_h
     assert rel_diff(their_logits(load_exported(str(out)), TOKENS), ref) < TOL
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["umask022", "umask027"])
+def test_exported_tensors_get_the_permissions_open_gives(tmp_path, umask):
+    """model.safetensors gets the mode config.json gets (0666 less the umask), not a private 0600."""
+    old = os.umask(umask)
+    try:
+        write_safetensors({"w": np.ones((2, 3), np.float32)}, str(tmp_path / "model.safetensors"))
+        (tmp_path / "config.json").write_text("{}")
+    finally:
+        os.umask(old)
+    mode = lambda name: os.stat(tmp_path / name).st_mode & 0o777  # noqa: E731
+    assert mode("model.safetensors") == mode("config.json") == 0o666 & ~umask
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]  # no temporary file left
+
+
 def test_sharded_load_reads_each_block(tmp_path):
     """load_params into pipeline=2 x fsdp=2 x tensor=2 shardings gives the one-device arrays."""
     make_hf(str(tmp_path / "hf"), tied=False, kv_heads=2)
@@ -192,6 +206,8 @@ def test_import_cli_fine_tune_on_a_pipeline_then_export(tmp_path, capsys):
                           cwd=ROOT, env=cpu_env(1), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "exported step 2" in proc.stdout
+    modes = {name: os.stat(os.path.join(out, name)).st_mode & 0o777 for name in os.listdir(out)}
+    assert len(set(modes.values())) == 1, modes  # every exported file alike (the umask's)
     exported = load_exported(out)
     assert exported.config.eos_token_id == theirs.config.eos_token_id  # carried over from the import
     assert rel_diff(their_logits(exported, TOKENS), tuned_logits) < TOL

@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ import jax
 import pytest
 
 from configs import load_config
+import plan
 from plan import candidates, main, state_bytes
 import pipeline
 from configs.schema import PIPELINE_SCHEDULES
@@ -342,3 +344,54 @@ def test_cli_bad_device_count_exit_status():
     done = subprocess.run([sys.executable, "plan.py", "--config", TINY, "--devices", "6", "mesh.fsdp=4"],
                           cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.startswith("error: mesh")
+
+
+def test_the_fallback_is_said_before_anything_compiles(monkeypatch, tmp_path, capsys):
+    """Without the target's compiler, the FALLBACK line (naming `make compilers`) is out before
+    the compiling process starts, not after its minutes."""
+    said: list[str] = []
+
+    def compile_nothing(config, jobs, *rest):  # noqa: ANN001, ANN002 (run_child's arguments)
+        said.append(capsys.readouterr().out)
+        return [{"error": "not compiled"} for _ in jobs]
+
+    monkeypatch.setenv("MESHLM_COMPILERS", str(tmp_path / "none"))
+    monkeypatch.setattr(plan, "run_child", compile_nothing)
+    assert main(["--config", TINY, "--devices", "8", "--hardware", "h200"]) == 1
+    assert said and said[0].startswith("FALLBACK: h200's compiler is not installed (make compilers installs it); "
+                                       "compiling for 8 fake CPU devices"), said
+
+
+def test_the_wait_for_a_compile_names_it_and_counts_the_seconds(tmp_path, capsys):
+    """The parent echoes each compile the child starts and, while it runs, the elapsed time."""
+    progress, tmp = str(tmp_path / "progress"), str(tmp_path / "progress.tmp")
+    script = (f"import os, time\nfor label in ('compiling a', 'compiling b'):\n"
+              f"    open({tmp!r}, 'w').write(label)\n    os.replace({tmp!r}, {progress!r})\n    time.sleep(1.5)\n")
+    child = subprocess.Popen([sys.executable, "-c", script])
+    assert plan.wait_with_progress(child, progress, every=0.4) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert lines.index("compiling a") < lines.index("compiling b"), lines
+    assert any(re.fullmatch(r"compiling a \.\.\. \d+ s", line) for line in lines), lines
+    assert all(re.fullmatch(r"(compiling [ab]|(starting the compiling process|compiling [ab]) \.\.\. \d+ s)", line)
+               for line in lines), lines
+
+
+def test_a_compile_is_named_by_preset_target_and_layout():
+    from planner.hardware import HARDWARE
+
+    cfg = load_config(LLAMA_8B, ["mesh.data=1", "mesh.fsdp=64", "model.remat=full"])
+    v5p, h100 = HARDWARE["tpu-v5p"], HARDWARE["h100"]
+    label = plan.compiling_label
+    assert label(LLAMA_8B, cfg, v5p, v5p, 64, "") == "compiling llama3-8b for v5p 4x4x4 (fsdp=64, remat full)"
+    assert label("llama3-8b", cfg, h100, h100, 64, "") == "compiling llama3-8b for 64 x h100 (fsdp=64, remat full)"
+    assert label(None, cfg, h100, None, 64, "") == (
+        "compiling the default config for 64 fake CPU devices (fsdp=64, remat full)")
+
+
+def test_a_long_loop_says_how_far_it_got_and_a_short_one_nothing(capsys):
+    """A search's checks of hundreds of layouts report on stderr while they run, past the heartbeat."""
+    quiet, loud = plan.Heartbeat("checking the layouts", every=60.0), plan.Heartbeat("checking the layouts", every=0.0)
+    quiet.tick(1, 3)
+    assert capsys.readouterr().err == ""
+    loud.tick(2, 588)
+    assert re.fullmatch(r"checking the layouts \(2 of 588\) \.\.\. \d+ s\n", capsys.readouterr().err)

@@ -263,7 +263,9 @@ def test_without_the_compiler_the_plan_says_it_fell_back(tmp_path_factory: pytes
                            "--hardware", "h200", "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.splitlines()[0].startswith("FALLBACK: h200's compiler is not installed"), done.stdout
+    assert done.stdout.splitlines()[0].startswith("FALLBACK: h200's compiler is not installed (make compilers "
+                                                  "installs it)"), done.stdout
+    assert "compiling tiny for 8 fake CPU devices (data=8, remat " in done.stderr, done.stderr
     assert json.loads(out.read_text())["compiler"].startswith("XLA CPU compiler on fake CPU devices")
 
 

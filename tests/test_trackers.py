@@ -7,13 +7,15 @@ from __future__ import annotations
 import glob
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import pytest
 
 import trainer
 from configs import ConfigError, load_config
-from conftest import require, stdlib_glob
+from conftest import ROOT, require, stdlib_glob
 from trainer import trackers
 from trainer.program import prepare
 
@@ -118,3 +120,44 @@ def test_a_tracker_that_is_not_installed_is_refused_before_anything_is_written(t
     with pytest.raises(ConfigError, match=r"run.trackers: wandb is not installed \(pip install 'meshlm\[trackers\]'\)"):
         prepare(cfg, 8)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("uri", ["file:{tmp}/store", "{tmp}/store"])
+def test_an_mlflow_file_store_without_the_opt_in_is_refused_in_one_line(tmp_path, monkeypatch, uri):
+    """MLflow 3 refuses a file store unless MLFLOW_ALLOW_FILE_STORE is true: one line naming the
+    store and what to do, before anything is written or compiled."""
+    uri = uri.format(tmp=tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    cfg = load_config("tiny", [f"run.dir={tmp_path / 'run'}", f"data.path={stdlib_glob('json')}",
+                               "run.trackers=[mlflow]"])
+    with pytest.raises(ConfigError) as err:
+        prepare(cfg, 8)
+    assert str(err.value) == (f"run.trackers: mlflow refuses the file store at {uri}; set MLFLOW_ALLOW_FILE_STORE=true "
+                              "or MLFLOW_TRACKING_URI to a server")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "store").exists()
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    trackers.check_trackers(cfg)  # the opt-in given: accepted
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://localhost:5000")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
+    trackers.check_trackers(cfg)  # a server: no file store to refuse
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    trackers.check_trackers(cfg)  # the default store beside the run opts in itself
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "false")  # ... unless the user said otherwise
+    with pytest.raises(ConfigError, match=f"at file:{tmp_path / 'run' / 'mlruns'}; set MLFLOW_ALLOW_FILE_STORE"):
+        trackers.check_trackers(cfg)
+
+
+def test_the_users_wandb_dir_wins(tmp_path):
+    """WANDB_DIR set by the user holds the W&B run; run.dir is only the default. In a fresh
+    process, as a user's run starts: W&B reads its environment once per process."""
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=str(tmp_path / "elsewhere"))
+    (tmp_path / "elsewhere").mkdir()
+    code = ("import sys; from configs import load_config; from trainer import trackers; "
+            "cfg = load_config('tiny', [f'run.dir={sys.argv[1]}', 'run.trackers=[wandb]']); "
+            "trackers._Wandb(cfg, {}, 0).close('done')")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert glob.glob(str(tmp_path / "elsewhere" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert not (tmp_path / "run" / "wandb").exists()

@@ -167,13 +167,16 @@ def run(cfg: Config, devices: list | None = None) -> list[dict[str, Any]]:
     Raises ConfigError for bad input or a run.dir in use by a live run, Preempted after a signal
     (checkpoint committed) and TooManyBadSteps after `train.max_bad_steps` non-finite steps in a row."""
     goodput = Goodput()
-    why_not = set_cpu_device_count(cfg) if devices is None else "the caller chose the devices"
+    notices: list[str] = []
+    why_not = set_cpu_device_count(cfg, notices=notices) if devices is None else "the caller chose the devices"
     use_compile_cache(cfg.run.compile_cache)
     distributed.initialize(cfg.dist)
     distributed.check_same_everywhere(fingerprint(cfg), cfg.dist.init_timeout_s)
     devices = jax.devices() if devices is None else devices
     check_devices(cfg, devices, why_not)
     spec = prepare(cfg, len(devices))
+    for line in notices:  # after the checks: a bad command gets its error line alone
+        print(line, flush=True)
     # Bad input has been refused with run.dir untouched; from here on this run writes there, alone.
     with rundir_lock.hold(cfg.run.dir, cfg.run.lock_timeout_s, cfg.dist.init_timeout_s, log):
         check_resumable(cfg)  # again: a holder alive at the first check may have saved since

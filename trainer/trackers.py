@@ -2,11 +2,16 @@
 the run's summary, from process 0 only.
 
 - `tensorboard` (default): event files in `run.dir/tb/` (trainer.observe).
-- `wandb` (extra `trackers`): a Weights & Biases run in `run.dir/wandb/`, online or offline as
-  `WANDB_MODE` says; project `WANDB_PROJECT` (default meshlm), named after run.dir.
+- `wandb` (extra `trackers`): a Weights & Biases run in `WANDB_DIR/wandb/` (default
+  `run.dir/wandb/`), online or offline as `WANDB_MODE` says; project `WANDB_PROJECT` (default
+  meshlm), named after run.dir.
 - `mlflow` (extra `trackers`): an MLflow run at `MLFLOW_TRACKING_URI` (default a file store,
   `run.dir/mlruns`: MLflow 3 keeps file stores in maintenance mode, so the default sets
-  MLFLOW_ALLOW_FILE_STORE; with mlflow-skinny a database store needs a tracking server), experiment `MLFLOW_EXPERIMENT_NAME` (default meshlm).
+  MLFLOW_ALLOW_FILE_STORE; a file store the user names needs it set, or the run stops with one
+  line before compiling; with mlflow-skinny a database store needs a tracking server), experiment
+  `MLFLOW_EXPERIMENT_NAME` (default meshlm).
+
+The user's environment wins over these defaults.
 
 A restarted or resumed run logs into the same tracker run: the ids are kept in
 `run.dir/trackers.json`. Steps recomputed after a restart (those after the last checkpoint) are
@@ -20,6 +25,7 @@ import importlib.util
 import json
 import os
 import time
+import urllib.parse
 import uuid
 from typing import Any, Protocol
 
@@ -38,11 +44,43 @@ class Tracker(Protocol):
 
 
 def check_trackers(cfg: Config) -> None:
-    """Each tracker named in run.trackers must be installed: one line before anything is written."""
+    """Each tracker named in run.trackers must be installed and able to start: one line before
+    anything is written or compiled."""
     for name in cfg.run.trackers:
         module = EXTRA.get(name)
         if module and importlib.util.find_spec(module) is None:
             raise ConfigError(f"run.trackers: {name} is not installed (pip install 'meshlm[trackers]')")
+    if "mlflow" in cfg.run.trackers:
+        _check_mlflow_store(cfg.run.dir)
+
+
+def _check_mlflow_store(run_dir: str) -> None:
+    """MLflow 3 refuses a file store (a `file:` URI, or a bare path) unless MLFLOW_ALLOW_FILE_STORE
+    is true, and says so in a traceback once the run has started. The default store beside the
+    run opts in itself (`_Mlflow`), unless the user set the variable otherwise."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    allowed = os.environ.get("MLFLOW_ALLOW_FILE_STORE", "" if uri else "true").strip().lower() in ("true", "1")
+    if allowed or urllib.parse.urlparse(uri).scheme not in ("", "file") or not _mlflow_has_file_store_opt_in():
+        return
+    raise ConfigError(f"run.trackers: mlflow refuses the file store at {uri or _default_store(run_dir)}; "
+                      "set MLFLOW_ALLOW_FILE_STORE=true or MLFLOW_TRACKING_URI to a server")
+
+
+def _mlflow_has_file_store_opt_in() -> bool:
+    """Whether the installed MLflow knows MLFLOW_ALLOW_FILE_STORE (the versions that refuse file
+    stores without it), read from its source: importing mlflow takes seconds."""
+    spec = importlib.util.find_spec("mlflow")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(folder, "environment_variables.py")
+        if os.path.exists(path):
+            with open(path) as f:
+                return "MLFLOW_ALLOW_FILE_STORE" in f.read()
+    return False
+
+
+def _default_store(run_dir: str) -> str:
+    """The tracking URI when MLFLOW_TRACKING_URI is unset: a file store beside the run."""
+    return "file:" + os.path.join(os.path.abspath(run_dir), "mlruns")
 
 
 def _numbers(record: dict[str, Any]) -> dict[str, float]:
@@ -80,9 +118,10 @@ class _Wandb:
         import wandb
 
         ids.setdefault("wandb", uuid.uuid4().hex[:12])
+        # The user's WANDB_DIR wins: wandb.init's dir argument would override it.
+        where = {} if os.environ.get("WANDB_DIR") else {"dir": cfg.run.dir}
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "meshlm"), name=os.path.basename(
-            os.path.abspath(cfg.run.dir)), id=ids["wandb"], resume="allow", dir=cfg.run.dir,
-            config=dataclasses.asdict(cfg))
+            os.path.abspath(cfg.run.dir)), id=ids["wandb"], resume="allow", config=dataclasses.asdict(cfg), **where)
 
     def scalars(self, record: dict[str, Any]) -> None:
         self.run.log(_numbers(record), step=int(record["step"]))
@@ -101,7 +140,7 @@ class _Mlflow:
 
         uri = os.environ.get("MLFLOW_TRACKING_URI")
         if not uri:  # a file store beside the run: MLflow 3 keeps it (maintenance mode) behind this opt-in
-            uri = "file:" + os.path.join(os.path.abspath(cfg.run.dir), "mlruns")
+            uri = _default_store(cfg.run.dir)
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client, self.metric = MlflowClient(uri), Metric
         if "mlflow" not in ids:

@@ -106,10 +106,11 @@ def backend_started() -> bool:
     return xla_bridge.backends_are_initialized()
 
 
-def set_cpu_device_count(cfg: Config, env: dict[str, str] | None = None) -> str:
+def set_cpu_device_count(cfg: Config, env: dict[str, str] | None = None, notices: list[str] | None = None) -> str:
     """On a CPU-only machine, asks XLA for as many CPU devices as the mesh names (per process), if
     JAX has not started yet and the user's XLA_FLAGS name no count (the processes, set in `dist.*`
-    or by `srun`/`mpirun`, share the mesh); prints one line saying so.
+    or by `srun`/`mpirun`, share the mesh); one line says so (on process 0), printed, or added to
+    `notices` for the caller to print once the run's checks have passed.
     Returns "" when the count is set or not needed, else why it could not be set (for the hint
     of `device_count_hint`)."""
     env = os.environ if env is None else env
@@ -129,8 +130,12 @@ def set_cpu_device_count(cfg: Config, env: dict[str, str] | None = None) -> str:
     set_cpu_collective_env(local, env)
     if index == 0:
         each = " per process" if processes > 1 else ""
-        print(f"the mesh names {wanted} devices: running {local} CPU devices{each} on this CPU-only machine "
-              f"(XLA_FLAGS {FORCE_COUNT}={local}, set by train.py)", flush=True)
+        line = (f"the mesh names {wanted} devices: running {local} CPU devices{each} on this CPU-only machine "
+                f"(XLA_FLAGS {FORCE_COUNT}={local}, set by train.py)")
+        if notices is None:
+            print(line, flush=True)
+        else:
+            notices.append(line)
     return ""
 
 
