@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# A real one-node SLURM runs what the README tells users to submit (`make test-slurm` runs this
-# after installing Debian's slurmctld, slurmd and munge; this script installs nothing):
+# A real one-node SLURM runs what docs/sweeps.md and docs/clusters.md tell users to submit
+# (`make test-slurm` runs this after installing Debian's slurmctld, slurmd and munge; this
+# script installs nothing):
 #   1. starts munged, slurmctld and slurmd on this host, from a slurm.conf written to a fresh
 #      temporary directory (one node: this host, its CPUs from nproc, its memory from free), on
 #      free ports, and waits until sinfo shows the node idle (60 s at most, else the daemons'

@@ -37,7 +37,7 @@ def test_citations_of_the_design_page_name_its_sections() -> None:
     for path in _tracked("*.py", "*.md", "Makefile"):
         with open(path) as f:
             text = f.read()
-        if os.path.abspath(path) != DESIGN and re.search(r"(?<![/\w])DESIGN\.md", text):
+        if os.path.abspath(path) not in (DESIGN, os.path.abspath(__file__)) and re.search(r"(?<![/\w])DESIGN\.md", text):
             wrong.append(f"{os.path.relpath(path, ROOT)} cites DESIGN.md, which the repository does not hold")
         for name in re.findall(r'docs/design\.md, "([^"]+)"', text):
             cited += 1

@@ -1,6 +1,7 @@
-"""The import graph: dependencies point one way (README "Layout and data flow"), and no
-modules import each other in a circle. Every import statement counts, those inside functions too,
-so an entry point cannot hide in a package behind a deferred import."""
+"""The import graph: dependencies point one way
+(docs/design.md, "Packages and the one import direction"), and no modules import each other in a
+circle. Every import statement counts, those inside functions too, so an entry point cannot hide
+in a package behind a deferred import."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from trainer.state import abstract_model, state_shardings
 
 NAMES = ("adamw", "muon", "adafactor", "lion")
 # A rate each learns with in a few steps (adafactor's is relative to the parameters' RMS, lion's
-# sign steps want a smaller one): the README's advice.
+# sign steps want a smaller one): docs/training.md's advice.
 LR = {"adamw": "3e-3", "muon": "3e-3", "adafactor": "1e-2", "lion": "3e-4"}
 
 

@@ -1,11 +1,13 @@
-"""The README's command blocks name only what exists: every config key (dotted `key=value`),
-every flag (`--x`, checked against the command's own `--help`, run as a real process), every
-file of this repository and every make target; the `python train.py` commands load their
-config and overrides through the real loader, and the cheap ones run (`--emit slurm`)."""
+"""The README's and docs/'s command blocks name only what exists: every config key (dotted
+`key=value`), every flag (`--x`, checked against the command's own `--help`, run as a real
+process), every file of this repository and every make target; the `python train.py` commands
+load their config and overrides through the real loader, and the cheap ones run (`--emit
+slurm`). Every relative link in them resolves to a file, and a `#anchor` to one of its headings."""
 
 from __future__ import annotations
 
 import functools
+import glob
 import json
 import shutil
 import os
@@ -30,17 +32,31 @@ WRAPPERS = {"srun"}
 MADE_BY_USE = (".venv", "runs")
 
 
-def command_lines() -> list[str]:
-    """Every line of a fenced block of README.md that runs one of our commands (continuations joined)."""
-    with open(os.path.join(ROOT, "README.md")) as f:
-        text = f.read()
+def doc_files() -> list[str]:
+    """README.md and every page of docs/, relative to the repository root."""
+    pages = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    return ["README.md", *pages]
+
+
+def _read(doc: str) -> str:
+    with open(os.path.join(ROOT, doc)) as f:
+        return f.read()
+
+
+def command_lines(doc: str = "README.md") -> list[str]:
+    """Every line of a fenced block of `doc` that runs one of our commands (continuations joined)."""
     lines = []
-    for block in re.findall(r"^```[^\n]*\n(.*?)^```", text, re.S | re.M):
+    for block in re.findall(r"^```[^\n]*\n(.*?)^```", _read(doc), re.S | re.M):
         for line in re.sub(r"\\\n\s*", " ", block).splitlines():
             line = line.strip()
             if re.match(r"(make|python|\.venv/bin/python|\. |srun|gcloud|[A-Z_]+=)", line):
                 lines.append(line)
     return lines
+
+
+def all_command_lines() -> list[tuple[str, str]]:
+    """(document, line) for every command line of README.md and docs/."""
+    return [(doc, line) for doc in doc_files() for line in command_lines(doc)]
 
 
 def _argv(line: str) -> list[str]:
@@ -54,7 +70,8 @@ def _argv(line: str) -> list[str]:
         words = words[1:]
     if words and words[0] in WRAPPERS:
         words = words[next(i for i, w in enumerate(words) if w == "python"):]
-    return [w.strip("[]") for w in words if w != "&"]
+    # `[--config FILE]` in a usage line loses its brackets; `run.trackers=[a,b]` keeps its own.
+    return [w.strip("[]") if w.count("[") != w.count("]") else w for w in words if w != "&"]
 
 
 def synopsis(argv: list[str]) -> bool:
@@ -62,27 +79,40 @@ def synopsis(argv: list[str]) -> bool:
     return any(w in PLACEHOLDERS for w in argv)
 
 
-def commands() -> list[list[str]]:
-    return [[w for w in _argv(line) if w not in PLACEHOLDERS] for line in command_lines()]
+def commands(doc: str | None = None) -> list[list[str]]:
+    """The words of every command line of `doc` (None: of README.md and every page of docs/)."""
+    lines = command_lines(doc) if doc else [line for _, line in all_command_lines()]
+    return [[w for w in _argv(line) if w not in PLACEHOLDERS] for line in lines]
 
 
-def test_the_readme_has_the_commands_this_test_reads():
-    """A parser that found nothing would pass everything below: the README's blocks hold these."""
-    found = {" ".join(argv[:3]) for argv in commands()}
-    for expected in ("make train", "python train.py --config", "python train.py --sweep", "python plan.py",
-                     "python -m data.prepare", "python hf.py", "python generate.py"):
-        assert any(f.startswith(expected) for f in found), (expected, found)
-    assert len(commands()) >= 30
+def _starts(argvs: list[list[str]]) -> set[str]:
+    return {" ".join(argv[:3]) for argv in argvs}
 
 
-def test_the_readme_test_table_names_every_test_file():
-    """The "what the suite checks" table has a row for each test file: a README cut short or a
-    new file left out shows here."""
-    with open(os.path.join(ROOT, "README.md")) as f:
+def test_the_docs_have_the_commands_this_test_reads():
+    """A parser that found nothing would pass everything below: the README's tour and the docs'
+    blocks hold these."""
+    readme = _starts(commands("README.md"))
+    for expected in ("make train", "make test", "python train.py --config", "python plan.py", "python hf.py",
+                     "python generate.py"):
+        assert any(f.startswith(expected) for f in readme), (expected, readme)
+    everywhere = _starts(commands())
+    for expected in ("python train.py --sweep", "python -m data.prepare"):
+        assert any(f.startswith(expected) for f in everywhere), (expected, everywhere)
+    for wrapper in ("srun", "gcloud"):  # unwrapped by _argv, so looked for in the lines
+        assert any(line.startswith(wrapper) for _, line in all_command_lines()), wrapper
+    assert len(commands("README.md")) >= 8 and len(commands()) >= 60
+    assert len(doc_files()) >= 15, doc_files()
+
+
+def test_the_test_table_names_every_test_file():
+    """docs/tests.md's "one file a concern" table has a row for each test file: a page cut
+    short or a new file left out shows here."""
+    with open(os.path.join(ROOT, "docs", "tests.md")) as f:
         rows = [line for line in f if line.startswith("| `test_")]
     named = set(re.findall(r"`(test_\w+\.py)`", "".join(rows)))
     files = {name for name in os.listdir(os.path.join(ROOT, "tests")) if re.fullmatch(r"test_\w+\.py", name)}
-    assert files - named == set(), f"README's test table has no row for {sorted(files - named)}"
+    assert files - named == set(), f"docs/tests.md's test table has no row for {sorted(files - named)}"
 
 
 def _is_key_value(word: str) -> bool:
@@ -142,7 +172,7 @@ json.dump(texts, sys.__stdout__)
 
 @functools.cache
 def help_texts() -> dict[str, list]:
-    """' '.join(command) -> [exit code, --help text] for every command the README names."""
+    """' '.join(command) -> [exit code, --help text] for every command the README and docs/ name."""
     wanted = sorted({c for argv in commands() if len(argv) > 1 and (c := help_command(argv))})
     out = subprocess.run([sys.executable, "-c", HELP_ALL], input=json.dumps(wanted), capture_output=True,
                          text=True, cwd=ROOT, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
@@ -170,8 +200,8 @@ def _check_config(config: str | None, overrides: list[str]) -> None:
     load_config(config, concrete)
 
 
-@pytest.mark.parametrize("line", command_lines())
-def test_a_readme_command_names_only_what_exists(line):
+@pytest.mark.parametrize(("doc", "line"), all_command_lines(), ids=[f"{doc}: {line}" for doc, line in all_command_lines()])
+def test_a_documented_command_names_only_what_exists(doc, line):
     argv = _argv(line)
     for word in argv:
         _check_path(word)
@@ -205,10 +235,10 @@ def test_a_readme_command_names_only_what_exists(line):
 
 
 def test_the_sweep_emit_command_runs_as_written(tmp_path):
-    """`python train.py --sweep configs/sweeps/tiny_lr.yaml --emit slurm` (from the README): a
+    """`python train.py --sweep configs/sweeps/tiny_lr.yaml --emit slurm` (from docs/sweeps.md): a
     real process in a copy of the repository's configs, so the sweep's dir: lands in tmp_path."""
     shutil.copytree(os.path.join(ROOT, "configs"), tmp_path / "configs")
-    (line,) = [line for line in command_lines() if "--emit slurm" in line]
+    (line,) = {line for _, line in all_command_lines() if "--emit slurm" in line}
     argv = _argv(line)
     assert argv[:2] == ["python", "train.py"], argv
     out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *argv[2:]], capture_output=True, text=True,
@@ -217,3 +247,68 @@ def test_the_sweep_emit_command_runs_as_written(tmp_path):
     (script,) = [os.path.join(d, f) for d, _, files in os.walk(tmp_path / "runs") for f in files if f == "sweep.sbatch"]
     with open(script) as f:
         assert 'PYTHON="${PYTHON:-python}"' in f.read()
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lowercase, punctuation other than '-' and '_' dropped
+    (backticks and links included), each space a '-'."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(doc: str) -> set[str]:
+    """Every heading's anchor in `doc` (outside fenced blocks); repeats get -1, -2, ... as on GitHub."""
+    text = re.sub(r"^```.*?^```", "", _read(doc), flags=re.S | re.M)
+    seen: dict[str, int] = {}
+    found = set()
+    for heading in re.findall(r"^#{1,6} +(.+?) *#*$", text, re.M):
+        anchor = github_anchor(heading)
+        found.add(anchor if anchor not in seen else f"{anchor}-{seen[anchor]}")
+        seen[anchor] = seen.get(anchor, 0) + 1
+    return found
+
+
+def relative_links(doc: str) -> list[str]:
+    """The targets of `doc`'s Markdown links and images that point into the repository (not
+    http(s), mailto or other schemes), outside fenced blocks and code spans."""
+    text = re.sub(r"^```.*?^```", "", _read(doc), flags=re.S | re.M)
+    text = re.sub(r"`[^`]*`", "", text)  # a code span may wrap a line
+    targets = re.findall(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)", text)
+    targets += re.findall(r"^\s*\[[^\]]+\]:\s*(\S+)", text, re.M)  # reference-style definitions
+    return [t for t in targets if not re.match(r"[a-z][a-z0-9+.-]*:", t, re.I)]
+
+
+def broken_links(doc: str) -> list[str]:
+    wrong = []
+    for target in relative_links(doc):
+        path, _, anchor = target.partition("#")
+        where = os.path.normpath(os.path.join(os.path.dirname(doc), path)) if path else doc
+        if where.startswith(".."):
+            wrong.append(f"{target}: outside the repository")
+        elif not os.path.exists(os.path.join(ROOT, where)):
+            wrong.append(f"{target}: no file {where}")
+        elif anchor and where.endswith(".md") and anchor not in anchors(where):
+            wrong.append(f"{target}: {where} has no heading with the anchor #{anchor}")
+    return wrong
+
+
+def test_github_anchors_follow_githubs_rules():
+    assert github_anchor("Exit codes: what they mean, what to do") == "exit-codes-what-they-mean-what-to-do"
+    assert github_anchor("The compilers: `make compilers`") == "the-compilers-make-compilers"
+    assert github_anchor("TPU torus shapes: the planner's advice") == "tpu-torus-shapes-the-planners-advice"
+    assert github_anchor("metrics.jsonl") == "metricsjsonl"
+    assert github_anchor("Run directory (run_dir)") == "run-directory-run_dir"
+
+
+@pytest.mark.parametrize("doc", doc_files())
+def test_every_relative_link_resolves(doc):
+    """A link into the repository names a file that exists, and a `#anchor` one of its headings."""
+    assert not broken_links(doc), broken_links(doc)
+
+
+def test_the_docs_link_each_other():
+    """The link check reads links at all: the README links into docs/, and every page of docs/
+    is linked from the README."""
+    linked = {os.path.normpath(t.partition("#")[0]) for t in relative_links("README.md")}
+    pages = {p for p in doc_files() if p.startswith("docs/")}
+    assert pages - linked == set(), f"README.md links no page {sorted(pages - linked)}"
