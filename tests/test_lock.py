@@ -5,6 +5,7 @@ was taken over stops; of two runs breaking the same dead lock, the later keeps t
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -79,7 +80,8 @@ def test_a_second_run_is_refused_while_the_first_lives_and_takes_over_after_kill
 def test_a_lock_of_another_host_is_refused_while_it_beats_and_taken_over_once_it_stops(tmp_path, capfd):
     """The test plays a holder on another host: it writes the lease and bumps its heartbeat."""
     lock = tmp_path / "lock.json"
-    theirs = {"host": "node-b", "pid": 4242, "since": "2026-11-01T00:00:00+00:00", "host_key": "node-b/other-boot",
+    since = datetime.datetime(2026, 11, 1, tzinfo=datetime.timezone.utc).isoformat()  # "...T00:00:00+00:00"
+    theirs = {"host": "node-b", "pid": 4242, "since": since, "host_key": "node-b/other-boot",
               "pid_start": "1", "token": "theirs", "timeout_s": 2, "beat": 0}
     lock.write_text(json.dumps(theirs))
     stop = threading.Event()
@@ -98,7 +100,7 @@ def test_a_lock_of_another_host_is_refused_while_it_beats_and_taken_over_once_it
         stop.set()
         beating.join()
     assert code == 2, out
-    assert held_line(tmp_path, "node-b", 4242) + "2026-11-01T00:00:00+00:00" in out, out
+    assert held_line(tmp_path, "node-b", 4242) + since in out, out
     assert os.listdir(tmp_path) == ["lock.json"], "the refused run wrote nothing"
     code, out = main_here(capfd, *cmd)
     assert code == 0, out
