@@ -385,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     (print_search if args.search else print_plan)(plan)
     out = args.out or ("plan.json" if args.search else None)
     if out:
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         with open(out, "w") as f:
             json.dump(plan, f, indent=1)
         print(f"wrote {out}")

@@ -103,8 +103,9 @@ def _tiny(*overrides: str):
 def search(tmp_path_factory: pytest.TempPathFactory, name: str, *args: str) -> tuple[str, dict]:
     """`plan.py --devices 4 --search ARGS` run by its `main` in this process (the compiles still
     run in plan.py's child, as from the command line), on the CPU fallback: no compilers on its
-    path. Its printed plan and plan.json (plan.py's command line: test_cli_bad_device_count_exit_status)."""
-    out = tmp_path_factory.mktemp(name) / "plan.json"
+    path. Its printed plan and plan.json (plan.py's command line: test_cli_bad_device_count_exit_status),
+    written into a folder that does not exist yet, as `--out runs/plans/NAME.json` would be."""
+    out = tmp_path_factory.mktemp(name) / "plans" / "plan.json"
     printed = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed):
         mp.setenv("MESHLM_COMPILERS", str(tmp_path_factory.mktemp("no-compilers")))
