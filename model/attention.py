@@ -56,16 +56,19 @@ def xla_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, posit
 
 def masked_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
     """q [b, t, heads, d] over k, v [b, s, kv_heads, d] where mask [b or 1, 1, t, s] is true;
-    also what KV-cache decoding (model/decode.py) and ring attention's blocks attend with."""
+    also what KV-cache decoding (model/decode.py) attends with."""
     b, t, h, d = q.shape
     kv = k.shape[2]
-    # Group query heads by the kv head they share instead of repeating k and v.
-    q = q.reshape(b, t, kv, h // kv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * d**-0.5
-    scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)  # broadcast over the group axis
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(b, t, h, d)
+    g = h // kv
+    # Query heads grouped by the kv head they share (no repeated k and v), the group merged with
+    # the queries: each product then has one free dim per operand, the layout a matmul takes
+    # without copying the [t, s] scores or probabilities into another order.
+    q = q.reshape(b, t, kv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, d)
+    scores = jnp.einsum("bkqd,bskd->bkqs", q, k, preferred_element_type=jnp.float32) * d**-0.5
+    scores = jnp.where(mask[:, :, None], scores.reshape(b, kv, g, t, -1), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv, g * t, -1)
+    out = jnp.einsum("bkqs,bskd->bkqd", probs, v)
+    return out.reshape(b, kv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
 def fused_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, implementation: str | None,
