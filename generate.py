@@ -22,6 +22,7 @@ from data.tokenizer import load_tokenizer
 from model.decode import generate
 from model.transformer import transformer_from_params
 from trainer.checkpoint import restore_params
+from trainer.xla_env import set_default_flags
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--step", type=int, help="the checkpoint step (default: the newest)")
     args = parser.parse_args(argv)
+    set_default_flags()
     try:
         if args.max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens: must be >= 1, got {args.max_new_tokens}")

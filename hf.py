@@ -30,6 +30,7 @@ from model.safetensors_files import EXPORT_DTYPES, write_safetensors
 from trainer.checkpoint import has_checkpoints, restore_params
 from trainer.loop import make_session
 from trainer.program import prepare
+from trainer.xla_env import set_default_flags
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "generation_config.json",
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--dtype", default="float32", help="float32 (exact), bfloat16 or float16 (half the size)")
     exp.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
     args = parser.parse_args(argv)
+    set_default_flags()
     try:
         if args.command == "import":
             import_(args.hf_dir, args.run_dir, args.config, args.overrides)
