@@ -52,8 +52,8 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh
 
-from configs import Config, ConfigError, load_config
 import pipeline
+from configs import Config, ConfigError, load_config
 from configs.schema import MESH_AXES, REMAT_POLICIES
 from planner.hardware import HARDWARE, Hardware, check_quant, kernel_seconds
 from planner.hlo import collectives
@@ -269,18 +269,21 @@ def wait_with_progress(child: subprocess.Popen, progress: str, every: float = HE
 
 
 class Heartbeat:
-    """`what (i of n) ... 16 s` on stderr every HEARTBEAT_S seconds of a long loop (a search's
-    hundreds of layouts), and nothing for a loop that ends sooner: a bad input stays one line."""
+    """`what (i of n) ... 16 s` on stderr every HEARTBEAT_S seconds of a long loop of `total`
+    items (a search's hundreds of layouts), and nothing for a loop that ends sooner: a bad input
+    stays one line. `tick()` once per item, before it."""
 
-    def __init__(self, what: str, every: float = HEARTBEAT_S):
-        self.what, self.every, self.count = what, every, 0
+    def __init__(self, what: str, total: int, every: float = HEARTBEAT_S):
+        self.what, self.total, self.every, self.done = what, total, every, 0
         self.start = self.beat = time.monotonic()
 
-    def tick(self, done: int, total: int) -> None:
+    def tick(self) -> None:
         now = time.monotonic()
         if now - self.beat >= self.every:
             self.beat = now
-            print(f"{self.what} ({done} of {total}) ... {now - self.start:.0f} s", file=sys.stderr, flush=True)
+            print(f"{self.what} ({self.done} of {self.total}) ... {now - self.start:.0f} s", file=sys.stderr,
+                  flush=True)
+        self.done += 1
 
 
 def _read_progress(path: str) -> str:
@@ -351,9 +354,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"model.quant: {why}")
         rows = []
         tried = candidates(args.overrides, args.devices, args.search, remats)
-        beat = Heartbeat("checking the layouts")
-        for i, overrides in enumerate(tried):
-            beat.tick(i, len(tried))
+        beat = Heartbeat("checking the layouts", len(tried))
+        for overrides in tried:
+            beat.tick()
             try:
                 cfg = check(args.config, overrides, args.devices)
                 rows.append({"overrides": overrides, "cfg": cfg, "status": "pending"})
@@ -374,11 +377,10 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
     measure_jobs = lambda jobs: run_child(args.config, jobs, args.devices, hw, target, args.topology,
                                           os.path.abspath(args.dump_hlo) if args.dump_hlo else "")  # noqa: E731
-    pending, sizing = sum(r["cfg"] is not None for r in rows), Heartbeat("sizing the parameters and optimizer state")
+    sizing = Heartbeat("sizing the parameters and optimizer state", sum(r["cfg"] is not None for r in rows))
 
     def sized(cfg: Config, n: int) -> dict[str, int]:
-        sizing.tick(sizing.count, pending)
-        sizing.count += 1
+        sizing.tick()
         return state_bytes(cfg, n)
 
     plan = evaluate(args, rows, hw, measure_jobs, sized, compiler_name(target))

@@ -46,10 +46,13 @@ class Range(annotated_types.Interval):
         op, bound = lower or upper  # type: ignore[misc]
         return f"{op} {_number(bound)}"
 
+    def hinted(self) -> str:
+        """`text()` with the hint: '>= 0 (0: off)'."""
+        return self.text() + (f" ({self.hint})" if self.hint else "")
+
     def message(self, value: Any) -> str:
         """The error line's text after the key, for a value outside the range."""
-        hint = f" ({self.hint})" if self.hint else ""
-        return f"must be {self.text()}{hint}, got {value}"
+        return f"must be {self.hinted()}, got {value}"
 
 
 def plain(tp: Any) -> Any:
@@ -94,7 +97,7 @@ def describe(tp: Any) -> str:
         text = getattr(base, "__name__", str(base))
     for marker in markers(tp):
         if isinstance(marker, Range):
-            text += f" {marker.text()}" + (f" ({marker.hint})" if marker.hint else "")
+            text += f" {marker.hinted()}"
         elif isinstance(marker, annotated_types.MinLen) and marker.min_length == 1:
             text += " (not empty)"
     return text

@@ -30,10 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from model.kernels import AttentionFn
 from sharding.rules import Rules, logical_to_spec, mesh_axes
 
 Array = jax.Array
-AttentionFn = Callable[[Array, Array, Array, Array, "Array | None"], Array]
 # (q_positions, k_positions, q_segment_ids, k_segment_ids) -> [batch, 1, q_len, kv_len] boolean:
 # the model's mask (model.attention.block_mask), handed in so that this package imports no model.
 MaskFn = Callable[[Array, Array, "Array | None", "Array | None"], Array]

@@ -391,8 +391,11 @@ def test_a_compile_is_named_by_preset_target_and_layout():
 
 def test_a_long_loop_says_how_far_it_got_and_a_short_one_nothing(capsys):
     """A search's checks of hundreds of layouts report on stderr while they run, past the heartbeat."""
-    quiet, loud = plan.Heartbeat("checking the layouts", every=60.0), plan.Heartbeat("checking the layouts", every=0.0)
-    quiet.tick(1, 3)
+    quiet, loud = plan.Heartbeat("checking the layouts", 3, every=60.0), plan.Heartbeat("checking the layouts", 588)
+    quiet.tick()
     assert capsys.readouterr().err == ""
-    loud.tick(2, 588)
+    loud.tick(), loud.tick()  # the first two items within the heartbeat
+    assert capsys.readouterr().err == ""
+    loud.every = 0.0  # the third starts past it
+    loud.tick()
     assert re.fullmatch(r"checking the layouts \(2 of 588\) \.\.\. \d+ s\n", capsys.readouterr().err)
