@@ -1,20 +1,19 @@
 """lm-evaluation-harness on a meshlm model: `MeshLM` is the harness's language model (its `LM`
-interface) backed by the run's own sharded forward on the run's mesh, and `run_tasks` runs
-harness tasks on it, standard ones or the local YAML tasks of a folder (configs/eval/).
+interface) backed by the run's own sharded forward on the run's mesh (trainer/tasks.py finds and
+runs the tasks on it).
 
 Scoring requests are packed into rows of `train.global_batch` (the batch the run's layout
 divides) and right-padded to a few fixed lengths (powers of two up to `model.seq_len`), so the
 scoring step compiles once per length, not once per request; a row longer than `model.seq_len`
 keeps its last tokens, as the harness's own models do. Generation is greedy decoding with the
 key/value cache of model/decode.py, one batch per prompt length.
-`lm_eval` is imported here and in eval.py only (the optional `eval` extra).
+`lm_eval` is imported here, in trainer/tasks.py and in eval.py only (the optional `eval` extra).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 from collections import defaultdict
 from typing import Any, Callable, Iterator
 
@@ -22,13 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from lm_eval import simple_evaluate
 from lm_eval.api.model import TemplateLM
-from lm_eval.tasks import TaskManager
-from lm_eval.tasks._yaml_loader import load_yaml
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from configs import ConfigError
 from data.tokenizer import Tokenizer
 from model.decode import generate
 from model.kernels import use_kernels
@@ -118,6 +113,10 @@ class MeshLM(TemplateLM):
     def tok_decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens)
 
+    def loglikelihood(self, requests: list, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """The harness's own (its context/continuation split), without a progress bar."""
+        return super().loglikelihood(requests, disable_tqdm=True)
+
     def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
         return self.score_tokens([(ctx, cont) for _, ctx, cont in requests])
 
@@ -205,76 +204,3 @@ def _pack(rows: list[tuple[list[int], list[int], int]], n: int, length: int) -> 
         weights[i, len(tgt) - k: len(tgt)] = 1.0
     return inputs, targets, weights
 
-
-def local_tasks(folder: str) -> dict[str, str]:
-    """{task name: YAML path} of the harness task YAMLs directly in `folder`."""
-    if not folder or not os.path.isdir(folder):
-        return {}
-    found = {}
-    for name in sorted(os.listdir(folder)):
-        if name.endswith((".yaml", ".yml")):
-            path = os.path.join(folder, name)
-            config = load_yaml(path, resolve_func=False)
-            if isinstance(config, dict) and isinstance(config.get("task"), str):
-                found[config["task"]] = path
-    return found
-
-
-def _local_config(path: str) -> dict:
-    """A local task's config with its `data_files` read relative to the YAML's folder; a missing
-    file is a ConfigError naming it."""
-    config = load_yaml(path, resolve_func=True)
-    kwargs = dict(config.get("dataset_kwargs") or {})
-    files = kwargs.get("data_files")
-    if files is not None:
-        here = os.path.dirname(os.path.abspath(path))
-        resolve = lambda f: f if os.path.isabs(f) else os.path.join(here, f)  # noqa: E731
-        files = ({k: resolve(v) for k, v in files.items()} if isinstance(files, dict) else
-                 [resolve(f) for f in ([files] if isinstance(files, str) else files)])
-        for f in files.values() if isinstance(files, dict) else files:
-            if not os.path.exists(f):
-                raise ConfigError(f"eval task {config['task']} ({path}): data file {f} does not exist")
-        config["dataset_kwargs"] = {**kwargs, "data_files": files}
-    return config
-
-
-@dataclasses.dataclass
-class Tasks:
-    """Checked harness tasks: the local ones as configs (their data files found), the others by
-    name, with the TaskManager that knows both."""
-
-    names: tuple[str, ...]
-    specs: list  # a config dict per local task, the name of each standard one
-    manager: Any
-
-
-def resolve_tasks(names: list[str] | tuple[str, ...], folder: str, key: str = "eval.tasks") -> Tasks:
-    """The tasks `names` from `folder`'s YAMLs or the harness's own. Raises ConfigError naming
-    `key` for an unknown task, or the file of a local task whose data file is missing."""
-    local = local_tasks(folder)
-    manager = TaskManager(verbosity="ERROR", include_path=os.path.abspath(folder) if local else None)
-    specs: list = []
-    for name in names:
-        if name in local:
-            specs.append(_local_config(local[name]))
-        elif name in manager.all_tasks:
-            specs.append(name)
-        else:
-            mine = f" (local: {', '.join(local)})" if local else ""
-            raise ConfigError(f"{key}: unknown task {name!r}: neither a YAML task in {folder}{mine} nor one of the "
-                              "harness's (`lm_eval ls tasks`)")
-    return Tasks(tuple(names), specs, manager)
-
-
-def run_tasks(lm: MeshLM, tasks: Tasks, limit: int = 0) -> dict[str, float]:
-    """Runs the tasks with the harness; returns {"task/NAME/METRIC": value} of every numeric
-    metric (standard errors left out). `limit`: the first examples of each task only (0: all)."""
-    results = simple_evaluate(model=lm, tasks=list(tasks.specs), task_manager=tasks.manager, limit=limit or None,
-                              log_samples=False, bootstrap_iters=0, verbosity="ERROR")
-    scores: dict[str, float] = {}
-    for task, metrics in (results or {}).get("results", {}).items():
-        for key, value in metrics.items():
-            metric = key.split(",")[0]
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and "stderr" not in metric:
-                scores[f"task/{task}/{metric}"] = float(value)
-    return scores
