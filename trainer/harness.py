@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections import defaultdict
 from typing import Any, Callable, Iterator
 
@@ -98,6 +99,7 @@ class MeshLM(TemplateLM):
         self._score = jax.jit(make_score_fn(ev.graphdef, ev.compute), in_shardings=(None, ev.batch_sh, ev.batch_sh,
                                                                                      ev.batch_sh))
         self.requests_done = 0
+        self.model_seconds = 0.0  # spent in score_tokens and generate_until, compiles included
 
     @property
     def eot_token_id(self) -> int:
@@ -123,6 +125,7 @@ class MeshLM(TemplateLM):
     def score_tokens(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """(context ids, continuation ids) pairs -> (log-probability of the continuation, whether
         it is the greedy one), in the order given."""
+        t0 = time.perf_counter()
         rows = [_row(ctx + cont, len(cont), self.ev.seq_len) for ctx, cont in pairs]
         by_bucket: dict[int, list[int]] = defaultdict(list)
         for i, (inputs, _, _) in enumerate(rows):
@@ -136,6 +139,7 @@ class MeshLM(TemplateLM):
                 for j, i in enumerate(chunk):
                     out[i] = (float(sums[j]), bool(greedy[j]))
         self.requests_done += len(pairs)
+        self.model_seconds += time.perf_counter() - t0
         return out
 
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
@@ -155,6 +159,7 @@ class MeshLM(TemplateLM):
 
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
         """Greedy continuations, cut at the first stop string (`until`) or end of document."""
+        t0 = time.perf_counter()
         todo = [(req.args[0], dict(req.args[1])) for req in requests]
         by_shape: dict[tuple[int, int], list[int]] = defaultdict(list)
         prompts = [self.tok_encode(ctx)[-self.ev.seq_len:] or [self.eot_token_id] for ctx, _ in todo]
@@ -170,6 +175,7 @@ class MeshLM(TemplateLM):
                 for j, i in enumerate(chunk):
                     out[i] = self.cut(tokens[j].tolist(), todo[i][1].get("until"))
         self.requests_done += len(todo)
+        self.model_seconds += time.perf_counter() - t0
         return out
 
     def cut(self, tokens: list[int], until: str | list[str] | None) -> str:
