@@ -54,6 +54,8 @@ def test_training_logs_the_task_score_above_chance_and_untrained_is_near_it(run_
     records = _task_records(run_dir)
     assert sorted(records) == [STEPS // 2, STEPS]
     trained = records[STEPS][SCORE]
+    with open(os.path.join(run_dir, "summary.json")) as f:  # the tiny preset has no held-out eval: tasks alone
+        assert json.load(f)["seconds"]["eval"] > 0
     # An untrained model of the same config, through the same harness and task: near chance (1/4).
     cfg = _config(run_dir)
     program = abstract_program(cfg, jax.devices()[:2])

@@ -6,6 +6,7 @@ own), running them on a `trainer.harness.MeshLM`, and `TaskHook`, which does so 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any
 
@@ -65,6 +66,13 @@ def _local_config(path: str) -> dict:
     return config
 
 
+# The harness's own index (some 15,000 task YAMLs, seconds to read) is built only if a name is
+# not local, and once per process.
+@functools.lru_cache(maxsize=4)
+def _manager(folder: str | None, standard: bool) -> TaskManager:
+    return TaskManager(include_path=folder, include_defaults=standard)
+
+
 @dataclasses.dataclass
 class Tasks:
     """Checked harness tasks: the local ones as configs (their data files found), the others by
@@ -80,9 +88,8 @@ def resolve_tasks(names: list[str] | tuple[str, ...], folder: str, key: str = "e
     `key` for an unknown task, or the file of a local task whose data file is missing."""
     folder = task_folder(folder)
     local = local_tasks(folder)
-    # The harness's own index (some 15,000 tasks, seconds to build) only if a name is not local.
     standard = any(name not in local for name in names)
-    manager = TaskManager(include_path=os.path.abspath(folder) if local else None, include_defaults=standard)
+    manager = _manager(os.path.abspath(folder) if local else None, standard)
     specs: list = []
     for name in names:
         if name in local:
