@@ -55,8 +55,9 @@ def _reference(params: dict, model_cfg: object, ctx: list[int], cont: list[int],
     return float(picked.sum()), bool((logits.argmax(-1)[-n:] == np.asarray(targets[-n:])).all())
 
 
-@pytest.mark.parametrize("devices,layout", [(1, []), (8, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"])],
-                         ids=["1-device", "8-devices"])
+@pytest.mark.parametrize("devices,layout", [(1, []), (8, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]),
+                                            (8, ["mesh.data=2", "mesh.pipeline=2", "mesh.context=2"])],
+                         ids=["1-device", "8-devices", "pipeline-and-context"])
 def test_loglikelihood_is_the_sum_of_token_log_probs(tmp_path, devices, layout):
     lm, params = _lm(tmp_path, devices, *layout)
     got = lm.loglikelihood(_requests("loglikelihood", PAIRS), disable_tqdm=True)
