@@ -19,8 +19,16 @@ import json
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from configs import ConfigError
+
+if TYPE_CHECKING:  # the real imports wait until the arguments are checked: importing JAX takes a while
+    import jax
+
+    from data.tokenizer import Tokenizer
+    from trainer.program import RunSpec
+    from trainer.tasks import Tasks
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -67,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     return evaluate(args, spec, devices, step, tasks, tokenizer)
 
 
-def evaluate(args: argparse.Namespace, spec: object, devices: list, step: int, tasks: object, tokenizer: object) -> int:
+def evaluate(args: argparse.Namespace, spec: RunSpec, devices: list[jax.Device], step: int, tasks: Tasks,
+             tokenizer: Tokenizer) -> int:
     """Restores the checkpoint on the run's mesh, runs the tasks, prints and writes the scores."""
     from trainer.checkpoint import restore_params
     from trainer.harness import MeshLM, evaluator_of

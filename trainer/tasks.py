@@ -16,10 +16,11 @@ from lm_eval.tasks import TaskManager
 from lm_eval.tasks._yaml_loader import load_yaml
 
 import configs
-from configs import ConfigError
+from configs import Config, ConfigError
 from data.tokenizer import load_tokenizer
 from trainer.harness import MeshLM, evaluator_of
-from trainer.metrics import log
+from trainer.goodput import Goodput
+from trainer.metrics import MetricsLogger, log
 
 # What the harness reports beside the scores: the examples counted.
 SKIPPED = ("sample_len", "samples")
@@ -129,7 +130,8 @@ class TaskHook:
     `eval.tasks_every` and the last step; the scores go to metrics.jsonl and the trackers, the time
     to goodput's eval. A task that fails is one warning line: the run goes on."""
 
-    def __init__(self, cfg: Any, program: Any, logger: Any, goodput: Any):
+    def __init__(self, cfg: Config, program: Any, logger: MetricsLogger, goodput: Goodput):
+        """`program`: the run's `trainer.program.Program` (which imports this module)."""
         self.every, self.last, self.limit = cfg.eval.tasks_every, cfg.train.steps, cfg.eval.tasks_limit
         self.program, self.tasks, self.logger, self.goodput = program, program.spec.tasks, logger, goodput
         self.lm: MeshLM | None = None
