@@ -47,8 +47,10 @@ def make_score_fn(graphdef: nnx.GraphDef, compute: Compute) -> Callable:
             inputs, targets, weights, positions = (a[:, order] for a in (inputs, targets, weights, positions))
         with use_kernels(compute.kernels):
             x, _ = model.features_and_stats(inputs, positions, None, runner=compute.runner)
+        # Reductions of the logits only (no second [batch, length, vocab] array of log-probabilities).
         logits = model.logits(x).astype(jnp.float32)
-        logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), targets[..., None], axis=-1)[..., 0]
+        hit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+        logp = hit - jax.nn.logsumexp(logits, axis=-1)
         greedy = (jnp.argmax(logits, axis=-1) == targets) | (weights == 0)
         return jnp.sum(logp * weights, axis=1), jnp.all(greedy, axis=1)
 
