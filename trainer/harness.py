@@ -6,7 +6,8 @@ Scoring requests are packed into rows of `train.global_batch` (the batch the run
 divides) and right-padded to a few fixed lengths (powers of two up to `model.seq_len`), so the
 scoring step compiles once per length, not once per request; a row longer than `model.seq_len`
 keeps its last tokens, as the harness's own models do. Generation is greedy decoding with the
-key/value cache of model/decode.py, one batch per prompt length.
+key/value cache of model/decode.py, batched by prompt length (the decode step has no padding
+mask), its length rounded up to a power of two and the tokens past the request's cut.
 `lm_eval` is imported here, in trainer/tasks.py and in eval.py only (the optional `eval` extra).
 """
 
@@ -165,8 +166,9 @@ class MeshLM(TemplateLM):
         todo = [(req.args[0], dict(req.args[1])) for req in requests]
         by_shape: dict[tuple[int, int], list[int]] = defaultdict(list)
         prompts = [self.tok_encode(ctx)[-self.ev.seq_len:] or [self.eot_token_id] for ctx, _ in todo]
-        for i, (_, kwargs) in enumerate(todo):
-            by_shape[(len(prompts[i]), int(kwargs.get("max_gen_toks", 256)))].append(i)
+        wanted = [int(kwargs.get("max_gen_toks", 256)) for _, kwargs in todo]
+        for i, new in enumerate(wanted):  # decoding lengths rounded up to a power of two: fewer programs
+            by_shape[(len(prompts[i]), max(SHORTEST, 1 << (new - 1).bit_length()))].append(i)
         out = [""] * len(todo)
         model = nnx.merge(self.ev.graphdef, self.ev.params)
         for (_, new), members in sorted(by_shape.items()):
@@ -175,7 +177,7 @@ class MeshLM(TemplateLM):
                                    np.int32)
                 tokens = np.asarray(generate(model, batch, new))
                 for j, i in enumerate(chunk):
-                    out[i] = self.cut(tokens[j].tolist(), todo[i][1].get("until"))
+                    out[i] = self.cut(tokens[j, : wanted[i]].tolist(), todo[i][1].get("until"))
         self.requests_done += len(todo)
         self.model_seconds += time.perf_counter() - t0
         return out
