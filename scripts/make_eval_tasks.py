@@ -6,6 +6,8 @@ standard library, text every machine with meshlm has: `python scripts/make_eval_
   spells words picks the true one; a few hundred steps of the tiny model on the default data do.
 - `stdlib_docstrings`: the first line of a function's docstring, then four choices for the
   function's name, the true one and three from the same module (chance 25%).
+- `stdlib_text`: whole docstrings scored as text (the harness's rolling log-likelihood): word and
+  byte perplexity, bits per byte.
 
 The output depends only on the Python version's library and the fixed seed; the files are
 committed beside the task YAMLs, so the tasks run with no internet.
@@ -87,6 +89,18 @@ def docstring_items(docs: list[tuple[str, str, str]], rng: random.Random, limit:
     return items[:limit]
 
 
+def text_items(modules: tuple[str, ...], limit: int) -> list[dict]:
+    """The perplexity task: whole function docstrings of 200-1,000 characters, cleaned of their
+    indentation."""
+    items = []
+    for name in modules:
+        for fname, fn in sorted(vars(importlib.import_module(name)).items()):
+            doc = inspect.getdoc(fn) if inspect.isfunction(fn) and not fname.startswith("_") else None
+            if doc and 200 <= len(doc) <= 1000:
+                items.append({"text": doc})
+    return items[:limit]
+
+
 def write_jsonl(path: str, rows: list[dict]) -> None:
     with open(path, "w") as f:
         for row in rows:
@@ -101,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     docs = functions(MODULES)
     write_jsonl(os.path.join(args.out, "stdlib_words.jsonl"), word_items(docs, random.Random(0), args.limit))
     write_jsonl(os.path.join(args.out, "stdlib_docstrings.jsonl"), docstring_items(docs, random.Random(1), args.limit))
+    write_jsonl(os.path.join(args.out, "stdlib_text.jsonl"), text_items(MODULES, args.limit // 4))
     print(f"wrote the tasks from {len(docs)} functions of Python {sys.version.split()[0]} into {args.out}")
     return 0
 
