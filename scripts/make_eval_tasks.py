@@ -6,6 +6,8 @@ standard library, text every machine with meshlm has: `python scripts/make_eval_
   spells words picks the true one; a few hundred steps of the tiny model on the default data do.
 - `stdlib_docstrings`: the first line of a function's docstring, then four choices for the
   function's name, the true one and three from the same module (chance 25%).
+- `stdlib_complete`: the 24 characters of a docstring line before the rest of a word, to be
+  completed by generation (the harness's generate_until, stopping at a space): exact match.
 - `stdlib_text`: whole docstrings scored as text (the harness's rolling log-likelihood): word and
   byte perplexity, bits per byte.
 
@@ -89,6 +91,19 @@ def docstring_items(docs: list[tuple[str, str, str]], rng: random.Random, limit:
     return items[:limit]
 
 
+def complete_items(docs: list[tuple[str, str, str]], rng: random.Random, limit: int) -> list[dict]:
+    """The completion task: a word of 6-12 letters cut after its first three, the 24 characters
+    up to the cut as the prompt (one length: one decoding program for a byte model)."""
+    items = []
+    for _, _, line in docs:
+        spots = [m for m in re.finditer(r"[a-z]{6,12}", line) if m.start() >= 21 and line[m.start() - 1] == " "]
+        if spots:
+            m = rng.choice(spots)
+            cut = m.start() + 3
+            items.append({"context": line[cut - 24:cut], "target": line[cut:m.end()]})
+    return items[:limit]
+
+
 def text_items(modules: tuple[str, ...], limit: int) -> list[dict]:
     """The perplexity task: whole function docstrings of 200-1,000 characters, cleaned of their
     indentation."""
@@ -116,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     write_jsonl(os.path.join(args.out, "stdlib_words.jsonl"), word_items(docs, random.Random(0), args.limit))
     write_jsonl(os.path.join(args.out, "stdlib_docstrings.jsonl"), docstring_items(docs, random.Random(1), args.limit))
     write_jsonl(os.path.join(args.out, "stdlib_text.jsonl"), text_items(MODULES, args.limit // 4))
+    write_jsonl(os.path.join(args.out, "stdlib_complete.jsonl"), complete_items(docs, random.Random(2), args.limit // 2))
     print(f"wrote the tasks from {len(docs)} functions of Python {sys.version.split()[0]} into {args.out}")
     return 0
 

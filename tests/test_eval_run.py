@@ -91,7 +91,8 @@ def test_eval_py_scores_the_checkpoint_as_training_did(run_dir, tmp_path, capsys
     """eval.py on the newest checkpoint, on this process's 8 devices (training ran on 2)."""
     last = max(_task_records(run_dir))
     out = tmp_path / "scores.json"
-    argv = ["--run-dir", run_dir, "--tasks", f"{TASK},stdlib_text", "--limit", str(LIMIT), "--output", str(out)]
+    tasks = f"{TASK},stdlib_text,stdlib_complete"  # multiple choice, rolling text, generation
+    argv = ["--run-dir", run_dir, "--tasks", tasks, "--limit", str(LIMIT), "--output", str(out)]
     assert eval_main(argv) == 0
     written = json.loads(out.read_text())
     assert written["step"] == last and written["requests"] > 4 * LIMIT
@@ -99,6 +100,7 @@ def test_eval_py_scores_the_checkpoint_as_training_did(run_dir, tmp_path, capsys
     assert f"{TASK}/acc " in capsys.readouterr().out
     # The text task (rolling log-likelihood): better than a uniform guess over the 264 ids, 8.04 bits.
     assert 1 < written["scores"]["task/stdlib_text/bits_per_byte"] < 6, written
+    assert 0 <= written["scores"]["task/stdlib_complete/exact_match"] <= 1  # too hard for this model: runs only
 
 
 def test_bad_input_is_one_line_and_exit_2(run_dir, tmp_path, capsys):
