@@ -57,13 +57,14 @@ def _local_config(path: str) -> dict:
     files = kwargs.get("data_files")
     if files is not None:
         here = os.path.dirname(os.path.abspath(path))
-        resolve = lambda f: f if os.path.isabs(f) else os.path.join(here, f)  # noqa: E731
-        files = ({k: resolve(v) for k, v in files.items()} if isinstance(files, dict) else
-                 [resolve(f) for f in ([files] if isinstance(files, str) else files)])
-        for f in files.values() if isinstance(files, dict) else files:
+        # data_files is a file, a list of them, or a split -> file or list mapping (datasets' forms).
+        as_list = lambda v: [v] if isinstance(v, str) else list(v)  # noqa: E731
+        splits = files if isinstance(files, dict) else {None: files}
+        splits = {k: [f if os.path.isabs(f) else os.path.join(here, f) for f in as_list(v)] for k, v in splits.items()}
+        for f in (f for fs in splits.values() for f in fs):
             if not os.path.exists(f):
                 raise ConfigError(f"eval task {config['task']} ({path}): data file {f} does not exist")
-        config["dataset_kwargs"] = {**kwargs, "data_files": files}
+        config["dataset_kwargs"] = {**kwargs, "data_files": splits if isinstance(files, dict) else splits[None]}
     return config
 
 
