@@ -5,9 +5,11 @@ input is one line and exit status 2."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
+import struct
 
 import jax
 import pytest
@@ -36,6 +38,22 @@ def _config(run_dir: str, *overrides: str):
     return load_config(os.path.join(ROOT, "configs", "tiny.yaml"), base + list(overrides))
 
 
+def _tensorboard(run_dir: str, tag: str) -> dict[int, float]:
+    """{step: value} of `tag` in the run's TensorBoard event files (TFRecord framing: a length, its
+    CRC, the Event, the Event's CRC)."""
+    from tensorboardX.proto import event_pb2
+
+    found = {}
+    for path in glob.glob(os.path.join(run_dir, "tb", "events.out.tfevents.*")):
+        data, i = open(path, "rb").read(), 0
+        while i < len(data):
+            n = struct.unpack("<Q", data[i:i + 8])[0]
+            event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+            i += 12 + n + 4
+            found.update({event.step: v.simple_value for v in event.summary.value if v.tag == tag})
+    return found
+
+
 def _task_records(run_dir: str) -> dict[int, dict]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
@@ -56,6 +74,9 @@ def test_training_logs_the_task_score_above_chance_and_untrained_is_near_it(run_
     trained = records[STEPS][SCORE]
     with open(os.path.join(run_dir, "summary.json")) as f:  # the tiny preset has no held-out eval: tasks alone
         assert json.load(f)["seconds"]["eval"] > 0
+    board = _tensorboard(run_dir, SCORE)
+    assert sorted(board) == sorted(records)
+    assert all(abs(board[s] - records[s][SCORE]) < 1e-6 for s in board), (board, records)
     # An untrained model of the same config, through the same harness and task: near chance (1/4).
     cfg = _config(run_dir)
     program = abstract_program(cfg, jax.devices()[:2])
