@@ -1,7 +1,7 @@
 """Harness tasks in training (eval.tasks) and from a checkpoint (eval.py), on one short real run of
 the tiny model: the local task's score rises from chance as the model learns, is logged at the
-configured steps (metrics.jsonl and TensorBoard), survives a resume, and eval.py reads the same score from the checkpoint. Bad
-input is one line and exit status 2."""
+configured steps (metrics.jsonl and TensorBoard), survives a resume, and eval.py reads the same
+score from the checkpoint. Bad input is one line and exit status 2."""
 
 from __future__ import annotations
 
