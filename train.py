@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 
 from configs import ConfigError, load_config
@@ -47,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         return sweep.main(args.sweep, args.config, args.overrides, args.emit, args.summarize)
     try:
         cfg = load_config(args.config, args.overrides)
+        if cfg.eval.tasks:  # the harness's progress bars off; tqdm reads this when it is first imported
+            os.environ.setdefault("TQDM_DISABLE", "1")
         import trainer  # after the config is known good: importing JAX takes a while
 
         trainer.set_default_flags()

@@ -272,12 +272,20 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class EvalConfig:
-    """Evals of the held-out split."""
+    """Evals of the held-out split, and downstream tasks (docs/evaluation.md)."""
 
     every: Annotated[int, Range(ge=0, hint="0: off")] = 50
     """Steps between evals."""
     batches: Annotated[int, Range(gt=0)] = 4
     """Global batches per eval (the same ones every time)."""
+    tasks: list[str] = field(default_factory=list)
+    """lm-evaluation-harness tasks to run in training: YAML tasks of eval.tasks_dir or the harness's own."""
+    tasks_every: Annotated[int, Range(ge=0, hint="0: at the last step only")] = 0
+    """Steps between runs of eval.tasks."""
+    tasks_dir: str = "configs/eval"
+    """The folder of local harness task YAMLs (their data files relative to it)."""
+    tasks_limit: Annotated[int, Range(ge=0, hint="0: all")] = 0
+    """Examples per task."""
 
 
 @dataclass(kw_only=True)

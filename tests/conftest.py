@@ -159,12 +159,12 @@ def tiny(tmp_path):
 # first, the last files are short ones and the workers end together. A file not listed goes
 # after these, in its own order; a stale weight only costs time.
 FILE_SECONDS = {
-    "test_pipeline": 125, "test_faults": 73, "test_distributed": 69, "test_moe": 48,
+    "test_pipeline": 125, "test_eval_run": 100, "test_faults": 73, "test_distributed": 69, "test_moe": 48,
     "test_bench_step": 45, "test_train": 39, "test_cli": 38, "test_context": 34, "test_plan": 32,
     "test_accumulation": 32, "test_quant": 32, "test_optimizers": 30, "test_golden": 28,
     "test_data_run": 28, "test_generate": 26, "test_hf_moe": 25, "test_hf": 23,
     "test_pipeline_train": 21, "test_observe": 17, "test_lock": 14, "test_loss": 13, "test_model": 11,
-    "test_prepare": 11, "test_sharding": 8, "test_trackers": 7, "test_sweep": 7,
+    "test_prepare": 11, "test_harness": 10, "test_sharding": 8, "test_trackers": 7, "test_sweep": 7,
     "test_extras": 6, "test_readme": 5,
 }
 

@@ -21,7 +21,7 @@ ALLOWED = {
     "trainer": {"configs", "model", "data", "sharding", "pipeline", "planner", "trainer"},
     "bench": {"configs", "model", "data", "sharding", "pipeline", "planner", "trainer", "bench"},
 }
-ENTRY_POINTS = ("train.py", "plan.py", "hf.py", "generate.py")
+ENTRY_POINTS = ("train.py", "plan.py", "hf.py", "generate.py", "eval.py")
 
 
 def _modules() -> dict[str, str]:

@@ -71,10 +71,9 @@ def saved_config(run_dir: str) -> Config | None:
     return load_config(saved)
 
 
-def restore_params(run_dir: str, step: int | None = None, device: jax.Device | None = None) -> tuple[Config, int, dict]:
-    """(the run's config, the step, its parameters on `device`) of the newest (or `step`)
-    checkpoint, whatever mesh it was saved from (Orbax reassembles the shards): nothing but the
-    parameters is read; the optimizer state and data position stay on disk."""
+def find_checkpoint(run_dir: str, step: int | None = None) -> tuple[Config, int]:
+    """(the run's config, the newest or the asked-for checkpoint step). Raises ConfigError naming
+    --run-dir or --step; reads nothing but config.yaml and the checkpoint folder's names."""
     cfg_path = os.path.join(run_dir, "config.yaml")
     if not os.path.exists(cfg_path):
         raise ConfigError(f"--run-dir: no config.yaml in {run_dir}")
@@ -86,11 +85,23 @@ def restore_params(run_dir: str, step: int | None = None, device: jax.Device | N
     step = steps[-1] if step is None else step
     if step not in steps:
         raise ConfigError(f"--step: no checkpoint for step {step} in {ckpt_dir} (steps: {', '.join(map(str, steps))})")
-    placement = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+    return cfg, step
+
+
+def restore_params(run_dir: str, step: int | None = None, device: jax.Device | None = None,
+                   shardings: dict | None = None) -> tuple[Config, int, dict]:
+    """(the run's config, the step, its parameters on `device`, or sharded as `shardings` says)
+    of the newest (or `step`) checkpoint, whatever mesh it was saved from (Orbax reassembles the
+    shards): nothing but the parameters is read; the optimizer state and data position stay on disk."""
+    cfg, step = find_checkpoint(run_dir, step)
+    ckpt_dir = os.path.abspath(checkpoint_dir(run_dir))
     shapes = param_shapes(cfg.model)
-    target = {"params": jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=placement), shapes)}
+    if shardings is None:
+        shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device or jax.devices()[0]), shapes)
+    target = {"params": jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
+                                     shardings)}
     restore_args = jax.tree.map(
-        lambda s: ocp.ArrayRestoreArgs(sharding=placement, global_shape=s.shape, dtype=s.dtype), target
+        lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype), target
     )
     with ocp.CheckpointManager(ckpt_dir, item_names=("state", "data")) as manager:
         state_args = ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)

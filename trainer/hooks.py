@@ -7,6 +7,8 @@ interval (docs/design.md, "From config to checkpoint").
 - `CheckpointHook` saves at `checkpoint.every`, at the last step and on a stop signal, never a
   state reached only through bad steps.
 - `EvalHook` runs the held-out loss at `eval.every` and the last step.
+- `trainer.tasks.TaskHook` runs the lm-evaluation-harness tasks of `eval.tasks` at
+  `eval.tasks_every` and the last step; a failing task is one warning line, never the run's end.
 - `ProfileHook` traces `profile.steps=[a, b]` with `jax.profiler` into `run.dir/profile/`
   (TensorBoard's profile plugin or XProf read it); `trainer.observe.instrument` marks each step
   for the trace viewer.
@@ -167,4 +169,8 @@ def make_hooks(cfg: Config, program: Program, ckpt: Checkpointer, iterator: Any,
     hooks.append(CheckpointHook(cfg, ckpt, iterator, book, goodput))
     if eval_rows:
         hooks.append(EvalHook(cfg, program, eval_rows, logger, goodput))
+    if program.spec.tasks is not None:
+        from trainer.tasks import TaskHook  # lm-evaluation-harness only for a run with eval.tasks
+
+        hooks.append(TaskHook(cfg, program, logger, goodput))
     return hooks

@@ -98,6 +98,13 @@ class MetricsLogger:
         log(f"eval at step {step}: loss {loss:.4f} | perplexity {record['eval_perplexity']:.2f}")
         return record
 
+    def write_tasks(self, step: int, scores: dict[str, float]) -> dict[str, Any]:
+        """Records the scores of eval.tasks ("task/NAME/METRIC")."""
+        record = {"step": step, **scores}
+        self._append(record)
+        log(f"tasks at step {step}: " + " | ".join(f"{k.removeprefix('task/')} {v:.4f}" for k, v in scores.items()))
+        return record
+
     def _append(self, record: dict[str, Any]) -> None:
         self.history.append(record)
         if self.is_main:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-from configs import Config
+from configs import Config, ConfigError
 from data import batch_fields, open_source
 from planner.hlo import COLLECTIVES, static_counts  # noqa: F401  (COLLECTIVES: re-exported)
 from sharding import (
@@ -55,6 +55,7 @@ class RunSpec:
     layout: Layout
     model: AbstractModel
     source: Any = None
+    tasks: Any = None  # eval.tasks checked (trainer.tasks.Tasks); None: none
 
 
 def prepare(cfg: Config, num_devices: int, with_data: bool = True) -> RunSpec:
@@ -68,7 +69,19 @@ def prepare(cfg: Config, num_devices: int, with_data: bool = True) -> RunSpec:
     check_trackers(cfg)
     if cfg.init.from_hf and not has_checkpoints(cfg.run.dir):  # once the run has checkpoints it resumes from them
         hf.check_compatible(cfg.model, cfg.init.from_hf)
-    return RunSpec(cfg, layout, model, open_source(cfg))
+    return RunSpec(cfg, layout, model, open_source(cfg), check_tasks(cfg))
+
+
+def check_tasks(cfg: Config) -> Any:
+    """eval.tasks found, with their data files (trainer.tasks.Tasks), or None without any.
+    Raises ConfigError; lm-evaluation-harness is imported only for a run that names tasks."""
+    if not cfg.eval.tasks:
+        return None
+    try:
+        from trainer.tasks import resolve_tasks
+    except ImportError as e:
+        raise ConfigError(f"eval.tasks: needs lm-evaluation-harness ({e}): pip install 'meshlm[eval]'") from None
+    return resolve_tasks(cfg.eval.tasks, cfg.eval.tasks_dir)
 
 
 def sharded_optimizer(spec: RunSpec, mesh: Mesh | AbstractMesh) -> tuple[optax.GradientTransformation, Callable,

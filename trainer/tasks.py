@@ -1,0 +1,161 @@
+"""lm-evaluation-harness tasks on a meshlm model: which tasks a name means (the local YAML tasks
+of a folder such as configs/eval/, whose data files are read relative to it, or the harness's
+own), running them on a `trainer.harness.MeshLM`, and `TaskHook`, which does so during training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any
+
+import datasets
+from lm_eval import simple_evaluate
+from lm_eval.tasks import TaskManager
+from lm_eval.tasks._yaml_loader import load_yaml
+
+import configs
+from configs import Config, ConfigError
+from data.tokenizer import load_tokenizer
+from trainer.harness import MeshLM, evaluator_of
+from trainer.goodput import Goodput
+from trainer.metrics import MetricsLogger, log
+
+# What the harness reports beside the scores: the examples counted.
+SKIPPED = ("sample_len", "samples")
+
+
+def task_folder(folder: str) -> str:
+    """`folder` as given, or, relative and not found from here, inside the meshlm checkout (so
+    the default configs/eval is found from any working directory)."""
+    if not folder or os.path.isabs(folder) or os.path.isdir(folder):
+        return folder
+    beside = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(configs.__file__))), folder)
+    return beside if os.path.isdir(beside) else folder
+
+
+def local_tasks(folder: str) -> dict[str, str]:
+    """{task name: YAML path} of the harness task YAMLs directly in `folder`."""
+    if not folder or not os.path.isdir(folder):
+        return {}
+    found = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith((".yaml", ".yml")):
+            path = os.path.join(folder, name)
+            config = load_yaml(path, resolve_func=False)
+            if isinstance(config, dict) and isinstance(config.get("task"), str):
+                found[config["task"]] = path
+    return found
+
+
+def _local_config(path: str) -> dict:
+    """A local task's config with its `data_files` read relative to the YAML's folder; a missing
+    file is a ConfigError naming it."""
+    config = load_yaml(path, resolve_func=True)
+    kwargs = dict(config.get("dataset_kwargs") or {})
+    files = kwargs.get("data_files")
+    if files is not None:
+        here = os.path.dirname(os.path.abspath(path))
+        # data_files is a file, a list of them, or a split -> file or list mapping (datasets' forms).
+        as_list = lambda v: [v] if isinstance(v, str) else list(v)  # noqa: E731
+        splits = files if isinstance(files, dict) else {None: files}
+        splits = {k: [f if os.path.isabs(f) else os.path.join(here, f) for f in as_list(v)] for k, v in splits.items()}
+        for f in (f for fs in splits.values() for f in fs):
+            if not os.path.exists(f):
+                raise ConfigError(f"eval task {config['task']} ({path}): data file {f} does not exist")
+        config["dataset_kwargs"] = {**kwargs, "data_files": splits if isinstance(files, dict) else splits[None]}
+    return config
+
+
+# The harness's own index (some 15,000 task YAMLs, seconds to read) is built only if a name is
+# not local, and once per process.
+@functools.lru_cache(maxsize=4)
+def _manager(folder: str | None, standard: bool) -> TaskManager:
+    return TaskManager(include_path=folder, include_defaults=standard)
+
+
+@dataclasses.dataclass
+class Tasks:
+    """Checked harness tasks: the local ones as configs (their data files found), the others by
+    name, with the TaskManager that knows both."""
+
+    names: tuple[str, ...]
+    specs: list  # a config dict per local task, the name of each standard one
+    manager: Any
+
+
+def resolve_tasks(names: list[str] | tuple[str, ...], folder: str, key: str = "eval.tasks") -> Tasks:
+    """The tasks `names` from `folder`'s YAMLs or the harness's own. Raises ConfigError naming
+    `key` for an unknown task, or the file of a local task whose data file is missing."""
+    folder = task_folder(folder)
+    local = local_tasks(folder)
+    standard = any(name not in local for name in names)
+    manager = _manager(os.path.abspath(folder) if local else None, standard)
+    specs: list = []
+    for name in names:
+        if name in local:
+            specs.append(_local_config(local[name]))
+        elif name in manager.all_tasks:
+            specs.append(name)
+        else:
+            mine = f" (local: {', '.join(local)})" if local else ""
+            raise ConfigError(f"{key}: unknown task {name!r}: neither a YAML task in {folder}{mine} nor one of the "
+                              "harness's (`lm_eval ls tasks`)")
+    return Tasks(tuple(names), specs, manager)
+
+
+def run_tasks(lm: MeshLM, tasks: Tasks, limit: int = 0) -> dict[str, float]:
+    """Runs the tasks with the harness; returns {"task/NAME/METRIC": value} of every numeric
+    metric (standard errors left out). `limit`: the first examples of each task only (0: all)."""
+    datasets.disable_progress_bars()  # a bar per split read would fill the run's log
+    results = simple_evaluate(model=lm, tasks=list(tasks.specs), task_manager=tasks.manager, limit=limit or None,
+                              log_samples=False, bootstrap_iters=0, verbosity="ERROR")
+    scores: dict[str, float] = {}
+    for task, metrics in (results or {}).get("results", {}).items():
+        for key, value in metrics.items():
+            metric = key.split(",")[0]
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and metric not in SKIPPED \
+                    and "stderr" not in metric:
+                scores[f"task/{task}/{metric}"] = float(value)
+    return scores
+
+
+def each_task(tasks: Tasks) -> list[Tasks]:
+    """The tasks one by one, so that one failing costs only its own scores."""
+    return [Tasks((name,), [spec], tasks.manager) for name, spec in zip(tasks.names, tasks.specs)]
+
+
+class TaskHook:
+    """A `trainer.hooks.Hook`: runs eval.tasks on the training state, on the training mesh, at
+    `eval.tasks_every` and the last step; the scores go to metrics.jsonl and the trackers, the time
+    to goodput's eval. A task that fails is one warning line: the run goes on."""
+
+    def __init__(self, cfg: Config, program: Any, logger: MetricsLogger, goodput: Goodput):
+        """`program`: the run's `trainer.program.Program` (which imports this module)."""
+        self.every, self.last, self.limit = cfg.eval.tasks_every, cfg.train.steps, cfg.eval.tasks_limit
+        self.program, self.tasks, self.logger, self.goodput = program, program.spec.tasks, logger, goodput
+        self.lm: MeshLM | None = None
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+
+    def begin(self, start: int) -> None:
+        """Nothing before the first step."""
+
+    def due(self, step: int, stopping: bool) -> bool:
+        return not stopping and ((self.every > 0 and step % self.every == 0) or step == self.last)
+
+    def run(self, step: int, state: Any, stopping: bool) -> None:
+        scores: dict[str, float] = {}
+        with self.goodput.phase("eval"):
+            if self.lm is None:  # one model for the run: its compiled scoring steps are kept
+                self.lm = MeshLM(evaluator_of(self.program, state.params), self.tokenizer, self.program.spec.cfg.model)
+            self.lm.ev.params = state.params
+            for one in each_task(self.tasks):
+                try:
+                    scores.update(run_tasks(self.lm, one, self.limit))
+                except Exception as e:  # noqa: BLE001  (a task's failure must not end the training run)
+                    first = (str(e).strip().splitlines() or [""])[0]
+                    log(f"warning: eval task {one.names[0]} failed at step {step}, training goes on: "
+                        f"{type(e).__name__}: {first}")
+        if scores:
+            self.logger.write_tasks(step, scores)
