@@ -62,7 +62,12 @@ class ChatTemplate:
             raise ConfigError(f"--chat-template: {path}: chat_template is not a template string")
         self.path, self.source = path, source
         self.tokens = {k: _token_text(config.get(k)) for k in SPECIAL}
-        self._template = _environment().from_string(source)
+        import jinja2
+
+        try:
+            self._template = _environment().from_string(source)
+        except jinja2.TemplateError as e:
+            raise ConfigError(f"--chat-template: {path}: the chat_template does not compile ({e})") from None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.tokens)
@@ -87,7 +92,19 @@ def _environment() -> Any:
                sort_keys: bool = False) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    class Generation(jinja2.ext.Extension):
+        """`{% generation %}...{% endgeneration %}` (templates that mark assistant text for
+        transformers' mask) renders its body; the trained text is found by rendering instead."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body, lineno=lineno)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols, Generation])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
