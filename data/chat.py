@@ -62,7 +62,10 @@ class ChatTemplate:
             raise ConfigError(f"--chat-template: {path}: chat_template is not a template string")
         self.path, self.source = path, source
         self.tokens = {k: _token_text(config.get(k)) for k in SPECIAL}
-        import jinja2
+        try:
+            import jinja2
+        except ImportError:
+            raise ConfigError("--objective: chat templates need the `jinja2` package (pip install 'meshlm[data]')") from None
 
         try:
             self._template = _environment().from_string(source)

@@ -111,3 +111,10 @@ def test_dpo_refuses_a_schedule_with_its_own_lm_gradients(corpora, tmp_path):
                                           "train.objective=dpo pipelines with pipeline.schedule=gpipe$"):
         trainer.run(cfg)
     assert not os.path.exists(tmp_path / "run")
+
+
+def test_dpo_under_a_gpipe_pipeline_gives_the_one_device_run(corpora, tmp_path, dpo_runs):
+    history = trainer.run(config("dpo", corpora, tmp_path / "run", "optim.lr=1e-2", "mesh.pipeline=2", "mesh.data=4"))
+    for key in DPO_KEYS:
+        np.testing.assert_allclose(column(history, key), column(dpo_runs["one"], key), rtol=2e-5, atol=1e-6,
+                                   err_msg=key)
