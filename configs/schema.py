@@ -75,7 +75,7 @@ class TrainConfig:
     preempt_exit_code: Annotated[int, Range(ge=0, lt=256)] = 143
     """Exit status after SIGTERM/SIGINT once the checkpoint is committed (0: "done")."""
     objective: Literal["lm", "sft", "dpo"] = "lm"
-    """lm: next-token loss on every token; sft: on assistant/completion tokens only; dpo: preference pairs (docs/post-training.md)."""
+    """lm: loss on every token; sft: on assistant/completion tokens; dpo: preference pairs (docs/post-training.md)."""
 
 
 @dataclass(kw_only=True)

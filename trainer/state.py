@@ -67,7 +67,8 @@ def state_shardings(tx: optax.GradientTransformation, shapes: dict, param_sh: di
 
 def abstract_state(tx: optax.GradientTransformation, shapes: dict, shardings: TrainState) -> TrainState:
     """ShapeDtypeStructs with concrete shardings: the target for restoring a checkpoint."""
-    abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=shapes, opt_state=jax.eval_shape(tx.init, shapes),
+    abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=shapes,
+                          opt_state=jax.eval_shape(tx.init, shapes),
                           ref_params=None if shardings.ref_params is None else shapes)
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
@@ -78,19 +79,24 @@ def _step_zero(params: dict, tx: optax.GradientTransformation, reference: bool) 
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), ref_params=ref)
 
 
+def _holds_reference(shardings: TrainState | None) -> bool:
+    """Whether the state has DPO's frozen reference (None shardings: let jit place a plain state)."""
+    return shardings is not None and shardings.ref_params is not None
+
+
 def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, shardings: TrainState) -> TrainState:
     """Step 0 with random parameters (`seed`), each shard created on its device."""
 
     def init() -> TrainState:
         params = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed))))
-        return _step_zero(params, tx, shardings.ref_params is not None)
+        return _step_zero(params, tx, _holds_reference(shardings))
 
     return jax.jit(init, out_shardings=shardings)()
 
 
 def state_from_params(params: dict, tx: optax.GradientTransformation, shardings: TrainState) -> TrainState:
     """Step 0 with the given (already sharded) parameters, e.g. imported ones, and a new optimizer state."""
-    return jax.jit(lambda p: _step_zero(p, tx, shardings.ref_params is not None), out_shardings=shardings)(params)
+    return jax.jit(lambda p: _step_zero(p, tx, _holds_reference(shardings)), out_shardings=shardings)(params)
 
 
 def param_count(shapes: dict) -> int:
