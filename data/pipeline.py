@@ -181,6 +181,9 @@ def global_batches(
 def describe(sources: DataSources, cfg: Config) -> str:
     """One log line about the data."""
     rows = sum(len(r) for r, _ in sources.train)
+    if cfg.train.objective == "dpo":
+        held = f", {len(sources.eval)} held-out pairs" if sources.eval is not None else ""
+        return f"data: {rows} preference pairs of 2 rows of {cfg.model.seq_len + 1} tokens{held} (train.objective=dpo)"
     fill = [r.fill() for r, _ in sources.train if isinstance(r, DocumentRows)]
     held = f", {len(sources.eval)} held-out rows" if sources.eval is not None else ""
     packing = f", packing {cfg.data.packing}" + (f" ({100 * min(fill):.1f}% filled)" if fill else "")
