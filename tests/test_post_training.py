@@ -62,13 +62,34 @@ def test_sft_trains_the_assistant_tokens_the_batches_hold(corpora, tmp_path, sft
     assert 0 < max(counts) < cfg.train.global_batch * cfg.model.seq_len / 2  # most tokens are not trained
 
 
-@pytest.mark.parametrize("layout", [["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=4"],
-                                    ["mesh.pipeline=2", "mesh.data=4", "pipeline.schedule=1f1b"]])
-def test_sft_on_8_devices_gives_the_one_device_losses(corpora, tmp_path, sft_one, layout):
-    history = trainer.run(config("sft", corpora, tmp_path / "run", "eval.every=0", *layout))
+SFT_LAYOUTS = {"fsdp=2,tensor=4": ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=4"],
+               "pipeline=2 (1f1b),data=4": ["mesh.pipeline=2", "mesh.data=4", "pipeline.schedule=1f1b"]}
+
+
+@pytest.fixture(scope="module")
+def sft_fsdp_tensor(corpora, tmp_path_factory) -> list[dict]:
+    cfg = config("sft", corpora, tmp_path_factory.mktemp("sft") / "run", "eval.every=0", *SFT_LAYOUTS["fsdp=2,tensor=4"])
+    return trainer.run(cfg)
+
+
+@pytest.mark.parametrize("layout", list(SFT_LAYOUTS))
+def test_sft_on_8_devices_gives_the_one_device_losses(corpora, tmp_path, sft_one, sft_fsdp_tensor, layout):
+    if layout == "fsdp=2,tensor=4":
+        history = sft_fsdp_tensor
+    else:
+        history = trainer.run(config("sft", corpora, tmp_path / "run", "eval.every=0", *SFT_LAYOUTS[layout]))
     assert np.ptp(column(sft_one, "loss")) > 0.01  # the runs train
     np.testing.assert_allclose(column(history, "loss"), column(sft_one, "loss"), rtol=2e-5)
     np.testing.assert_array_equal(column(history, "trained_tokens"), column(sft_one, "trained_tokens"))
+
+
+def test_sft_resume_is_bitwise_exact(corpora, tmp_path, capsys, sft_fsdp_tensor):
+    common = ["eval.every=0", f"optim.decay_steps={STEPS}", "checkpoint.every=2", *SFT_LAYOUTS["fsdp=2,tensor=4"]]
+    first = trainer.run(config("sft", corpora, tmp_path / "run", *common, "train.steps=2"))
+    second = trainer.run(config("sft", corpora, tmp_path / "run", *common))
+    assert "resumed from step 2" in capsys.readouterr().out
+    for key in ("loss", "trained_tokens", "grad_norm"):
+        np.testing.assert_array_equal(column(first + second, key), column(sft_fsdp_tensor, key), err_msg=key)
 
 
 DPO_LAYOUT = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]

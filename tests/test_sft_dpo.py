@@ -183,3 +183,35 @@ def test_the_dpo_step_loss_and_metrics_match_numpy_from_the_models_log_probs(tmp
     np.testing.assert_allclose(float(total) / 8, losses.mean(), rtol=1e-4)
     expect = [0.5 * ratios[:, 0].mean(), 0.5 * ratios[:, 1].mean(), 0.5 * margin.mean(), (margin > 0).mean()]
     np.testing.assert_allclose(np.asarray(stats) / 8, expect, rtol=1e-4, atol=1e-5)
+
+
+def test_a_hugging_face_tokenizer_brings_its_own_chat_template(tmp_path):
+    """The tokenizer_config.json beside a tokenizer.json gives the template; its special tokens
+    stay single tokens and the trained ones are the assistant's turns, end-of-turn included."""
+    from test_prepare import _hf_tokenizer
+
+    from data.chat import decode_sequence
+    from data.tokenizer import load_tokenizer
+
+    path = _hf_tokenizer(tmp_path, "chatml", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    (tmp_path / "chatml" / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "bos_token": ""}))
+    manifest = prepare([write_jsonl(tmp_path / "c.jsonl", [{"messages": CHAT}])], str(tmp_path / "out"),
+                       progress=False, objective="sft", tokenizer=path)
+    assert manifest["chat_template"]["path"] == str(tmp_path / "chatml" / "tokenizer_config.json")
+    tok = load_tokenizer(path)
+    shards = read_manifest(str(tmp_path / "out"))["splits"]["train"]["shards"]
+    import grain
+
+    record = np.frombuffer(grain.sources.ArrayRecordDataSource([str(tmp_path / "out" / shards[0])])[0], "<u4")
+    tokens, mask = decode_sequence(record, tok.eod_id)
+    im_end = tok.encode("<|im_end|>")
+    assert len(im_end) == 1 and (tokens == im_end[0]).sum() == 5
+    trained = [tok.decode(tokens[i : j + 1]) for i, j in _runs(mask[:-1])]
+    # (this small vocabulary has no newline: it reads back as [UNK], the same on both sides)
+    assert trained == [tok.decode(tok.encode(t)) for t in ("hello there<|im_end|>\n", "ciao<|im_end|>\n")]
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """(first, last) index of each run of ones."""
+    edges = np.diff(np.concatenate([[0], mask, [0]]))
+    return list(zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1) - 1))
