@@ -139,3 +139,11 @@ def test_dpo_under_a_gpipe_pipeline_gives_the_one_device_run(corpora, tmp_path, 
     for key in DPO_KEYS:
         np.testing.assert_allclose(column(history, key), column(dpo_runs["one"], key), rtol=2e-5, atol=1e-6,
                                    err_msg=key)
+
+
+def test_dpo_accumulation_equals_one_big_batch(corpora, tmp_path, dpo_runs):
+    """8 pairs in 2 micro-batches of 4 (the reference's log-probs computed per micro-batch too)."""
+    history = trainer.run(config("dpo", corpora, tmp_path / "run", "optim.lr=1e-2", "train.grad_accum=2", *DPO_LAYOUT))
+    for key in (*DPO_KEYS, "grad_norm"):
+        np.testing.assert_allclose(column(history, key), column(dpo_runs["eight"], key), rtol=2e-5, atol=1e-6,
+                                   err_msg=key)
