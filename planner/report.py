@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 from collections import defaultdict
 from typing import Any, Callable
 
 from configs import Config
 from configs.schema import MESH_AXES
-from data import batch_shape
 from model import flops_per_token
 from planner.hardware import Hardware, predict
 from sharding.mesh import resolve_mesh_shape
@@ -52,7 +50,7 @@ def traffic(collectives: list[dict], least: dict[str, float]) -> dict[str, Any]:
 def entry(cfg: Config, n: int, hw: Hardware, measured: dict, state: dict[str, int]) -> dict[str, Any]:
     """One plan: memory, FLOPs, collectives against their minimum, and the predicted time."""
     # DPO trains two sequences a pair; the frozen reference's forward is not counted as model FLOPs.
-    tokens = math.prod(batch_shape(cfg)[:-1]) * cfg.model.seq_len
+    tokens = cfg.train.global_batch * (2 if cfg.train.objective == "dpo" else 1) * cfg.model.seq_len
     model_flops = flops_per_token(cfg.model) * tokens / n
     total = measured["total_bytes"]
     memory = {
