@@ -31,18 +31,21 @@ DPO_METRICS = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accu
 def _logps(graphdef: nnx.GraphDef, compute: Compute, params: dict, batch: dict[str, Array], mean: bool) -> Array:
     """log-probs [pairs, 2] of each response's trained tokens (sums, or per-token means)."""
     model = nnx.merge(graphdef, params if compute.cast is None else compute.cast(params))
-    out = []
-    for k in range(2):  # chosen, rejected: each a [pairs, length] batch sharded as the pairs are
-        tokens, mask = batch["tokens"][:, k], batch["loss_mask"][:, k]
-        inputs, targets, weights = tokens[:, :-1], tokens[:, 1:], mask[:, 1:].astype(jnp.float32)
-        positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
-        if compute.order is not None:  # a sum over tokens: the sequence split's order changes nothing
-            inputs, targets, weights, positions = (a[:, compute.order] for a in (inputs, targets, weights, positions))
-        with use_kernels(compute.kernels):
-            x, _ = model.features_and_stats(inputs, positions, None, runner=compute.runner)
-        logps = sequence_logps(model, x, targets, weights)
-        out.append(logps / jnp.maximum(jnp.sum(weights, axis=-1), 1.0) if mean else logps)
-    return jnp.stack(out, axis=1)
+    # [pairs, 2, length] -> [2 * pairs, length], a pair's rows side by side: a device's block of
+    # pairs becomes its block of rows (no data moves), and one forward pass (one weight gather
+    # under FSDP) serves both responses.
+    tokens = batch["tokens"].reshape(-1, batch["tokens"].shape[-1])
+    mask = batch["loss_mask"].reshape(tokens.shape)
+    inputs, targets, weights = tokens[:, :-1], tokens[:, 1:], mask[:, 1:].astype(jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
+    if compute.order is not None:  # a sum over tokens: the sequence split's order changes nothing
+        inputs, targets, weights, positions = (a[:, compute.order] for a in (inputs, targets, weights, positions))
+    with use_kernels(compute.kernels):
+        x, _ = model.features_and_stats(inputs, positions, None, runner=compute.runner)
+    logps = sequence_logps(model, x, targets, weights)
+    if mean:
+        logps = logps / jnp.maximum(jnp.sum(weights, axis=-1), 1.0)
+    return logps.reshape(-1, 2)
 
 
 def make_reference_fn(graphdef: nnx.GraphDef, compute: Compute, dpo: DPOConfig) -> Callable[[dict, dict], Array]:
