@@ -48,7 +48,7 @@ def template_file(tokenizer: str, chat_template: str | None) -> str:
 class ChatTemplate:
     """A tokenizer's chat template, compiled once, with the special tokens it refers to."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str) -> None:
         try:
             with open(path) as f:
                 config = json.load(f)

@@ -21,7 +21,7 @@ from data.chat import decode_pair
 class PairRows:
     """One split of a DPO corpus (`data.prepare --objective dpo`) as pairs of padded rows."""
 
-    def __init__(self, directory: str, shards: list[str], eod_id: int, seq_len: int):
+    def __init__(self, directory: str, shards: list[str], eod_id: int, seq_len: int) -> None:
         self.source = grain.sources.ArrayRecordDataSource([os.path.join(directory, s) for s in shards])
         self.eod_id, self.capacity = eod_id, seq_len + 1
 
