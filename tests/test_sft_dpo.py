@@ -215,3 +215,19 @@ def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
     """(first, last) index of each run of ones."""
     edges = np.diff(np.concatenate([[0], mask, [0]]))
     return list(zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1) - 1))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.objective=sft"], "train.objective: sft reads a corpus that `python -m data.prepare --objective sft` "
+                              "wrote; set data.source=prepared and data.path"),
+    (["train.objective=sft", "data.source=prepared", "data.path=/a"],
+     "data.packing: train.objective=sft needs document packing, which keeps conversations apart"),
+    (["train.objective=dpo", "data.source=prepared", "data.path=/a", "eval.every=10"],
+     "eval.every: train.objective=dpo has no held-out eval yet; set 0 (the step logs the rewards and their accuracy)"),
+    (["train.objective=dpo", "data.source=prepared", "data.path=/a", "eval.every=0", "model.loss_chunk=16"],
+     "model.loss_chunk: train.objective=dpo computes whole-row log-probs; set 0"),
+])
+def test_objective_rules_are_one_line_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", overrides)
+    assert str(err.value) == message
