@@ -140,8 +140,9 @@ def check(config: str | None, overrides: list[str], n: int) -> Config:
 
 
 def state_bytes(cfg: Config, n: int) -> dict[str, int]:
-    """Per-device bytes of parameters and optimizer state (the step counter included), from the
-    shardings the rules give on an abstract mesh of n devices: exact, nothing compiled."""
+    """Per-device bytes of parameters (DPO's frozen reference with them) and optimizer state (the
+    step counter included), from the shardings the rules give on an abstract mesh of n devices:
+    exact, nothing compiled."""
     spec = prepare(cfg, n, with_data=False)
     mesh = AbstractMesh(tuple(spec.layout.sizes[a] for a in MESH_AXES), MESH_AXES)
     tx, _, sh = sharded_optimizer(spec, mesh)
@@ -151,7 +152,7 @@ def state_bytes(cfg: Config, n: int) -> dict[str, int]:
         return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
     return {
-        "params": per_device(state.params),
+        "params": per_device(state.params) + per_device(state.ref_params),  # DPO's frozen reference too
         "optimizer": per_device(state.opt_state) + per_device(state.step),
         "minimum": minimum(cfg, spec.layout.sizes, spec.model.shapes, spec.model.axes),
     }

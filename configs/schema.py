@@ -18,6 +18,7 @@ from typing import Annotated, Any, Iterable, Literal
 from annotated_types import MinLen
 
 from configs.fields import Range, choices
+from configs.post import DPOConfig
 
 # The logical dim names the model gives its parameters and activations (model/layers.py,
 # model/transformer.py, the pipeline runner): the only keys a rules table may have, since a rule
@@ -73,6 +74,8 @@ class TrainConfig:
     """Non-finite loss or grad-norm steps in a row before the run stops (exit 3)."""
     preempt_exit_code: Annotated[int, Range(ge=0, lt=256)] = 143
     """Exit status after SIGTERM/SIGINT once the checkpoint is committed (0: "done")."""
+    objective: Literal["lm", "sft", "dpo"] = "lm"
+    """lm: loss on every token; sft: on assistant/completion tokens; dpo: preference pairs (docs/post-training.md)."""
 
 
 @dataclass(kw_only=True)
@@ -412,6 +415,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     init: InitConfig = field(default_factory=InitConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)

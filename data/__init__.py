@@ -3,6 +3,7 @@
 from data.pipeline import (
     DataSources,
     batch_fields,
+    batch_shape,
     describe,
     eval_batches,
     global_batches,
@@ -17,6 +18,7 @@ __all__ = [
     "ByteTokenizer",
     "DataSources",
     "batch_fields",
+    "batch_shape",
     "describe",
     "eval_batches",
     "global_batches",

@@ -23,7 +23,7 @@ import gzip
 import json
 import lzma
 import os
-from typing import BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterator
 
 from configs.schema import ConfigError
 
@@ -301,6 +301,23 @@ def read_task(task: Task, field: str) -> Documents:
             continue
         docs.add(text, data, path, line)
     return docs
+
+
+def json_rows(task: Task, stats: FileStats) -> Iterator[tuple[int, bytes, Any]]:
+    """(line, raw bytes, the parsed JSON value) of each line of a jsonl task; blank lines and
+    lines that are not JSON are skipped and counted in `stats`."""
+    lines = task.payload.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    for i, raw in enumerate(lines):
+        line = task.first + i
+        if not raw.strip():
+            stats.skip("blank", line)
+            continue
+        try:
+            yield line, raw, json.loads(_decode(raw, stats, line))
+        except ValueError:
+            stats.skip("not_json", line)
 
 
 def _jsonl_value(raw: bytes, stats: FileStats, line: int, field: str) -> str | _Skip:

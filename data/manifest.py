@@ -5,7 +5,10 @@ A prepared directory holds:
   eval fraction is 0): ArrayRecord files (group_size 1, for random access), one record per
   document, its token ids as little-endian uint32 without an end-of-document token;
 - `train.lengths.npy`, `eval.lengths.npy`: int64, the token count of every record in order;
-- `manifest.json`: tokenizer, format, inputs with their bad-data counts, splits, content hash.
+- `manifest.json`: tokenizer, format, inputs with their bad-data counts, splits, content hash,
+  and the `objective` it was prepared for (absent: `lm`). An `sft` corpus's records carry the
+  loss mask in bit 31 of each id, a `dpo` corpus's record is one preference pair; `chat_template`
+  names the template they were rendered with (data/chat.py).
 """
 
 from __future__ import annotations

@@ -144,10 +144,18 @@ class DocumentRows:
         tokens = np.zeros(self.capacity, np.int32)
         segments = np.zeros(self.capacity, np.int32)
         positions = np.zeros(self.capacity, np.int32)
+        masked = getattr(self.docs, "masked", False)  # an SFT corpus: its trained tokens too
+        loss_mask = np.zeros(self.capacity, np.int32)
         at = 0
         for seg, (doc, start, size) in enumerate(self.pieces[self.row_starts[index] : self.row_starts[index + 1]], 1):
-            tokens[at : at + size] = self.docs.doc(int(doc))[start : start + size]
+            if masked:
+                doc_tokens, doc_mask = self.docs.doc_and_mask(int(doc))
+                loss_mask[at : at + size] = doc_mask[start : start + size]
+            else:
+                doc_tokens = self.docs.doc(int(doc))
+            tokens[at : at + size] = doc_tokens[start : start + size]
             segments[at : at + size] = seg
             positions[at : at + size] = np.arange(size)
             at += size
-        return {"tokens": tokens, "segment_ids": segments, "positions": positions}
+        row = {"tokens": tokens, "segment_ids": segments, "positions": positions}
+        return {**row, "loss_mask": loss_mask} if masked else row

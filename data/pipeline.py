@@ -20,7 +20,8 @@ from jax.sharding import NamedSharding
 
 from configs.schema import Config, ConfigError
 from data.packing import ConcatRows, Documents, DocumentRows
-from data.prepared import open_corpus
+from data.pairs import PairRows
+from data.prepared import open_corpus, open_manifest
 from data.sources import SyntheticRows, stdlib_files, text_documents, text_files
 from data.tokenizer import load_tokenizer
 
@@ -52,8 +53,16 @@ def parse_mixture(text: str) -> list[tuple[str, float]]:
 
 
 def batch_fields(cfg: Config) -> tuple[str, ...]:
-    """The int32 [global_batch, seq_len + 1] arrays a batch holds."""
-    return ("tokens", "segment_ids", "positions") if cfg.data.packing == "document" else ("tokens",)
+    """The int32 arrays of `batch_shape` a batch holds: tokens, plus segments and positions for
+    document packing, plus the loss mask of train.objective=sft|dpo."""
+    fields = ("tokens", "segment_ids", "positions") if cfg.data.packing == "document" else ("tokens",)
+    return fields + ("loss_mask",) if cfg.train.objective != "lm" else fields
+
+
+def batch_shape(cfg: Config) -> tuple[int, ...]:
+    """[global_batch, seq_len + 1]; for DPO [pairs, 2 (chosen, rejected), seq_len + 1]."""
+    rows = (cfg.train.global_batch, 2) if cfg.train.objective == "dpo" else (cfg.train.global_batch,)
+    return rows + (cfg.model.seq_len + 1,)
 
 
 def _rows(docs: Documents, cfg: Config) -> Rows:
@@ -74,6 +83,8 @@ def open_source(cfg: Config) -> DataSources:
             f"model.vocab_size={cfg.model.vocab_size} does not match the {d.tokenizer!r} tokenizer's "
             f"{tokenizer.vocab_size} tokens (it may be padded by at most 127 for sharding)"
         )
+    if cfg.train.objective == "dpo":
+        return _pair_source(cfg, tokenizer.fingerprint(), tokenizer.eod_id)
     if d.source == "text":
         files = text_files(d.path) if d.path else stdlib_files()
         train_docs, eval_docs = text_documents(files, tokenizer, d.eval_fraction)
@@ -82,7 +93,8 @@ def open_source(cfg: Config) -> DataSources:
         key = "data.mixture" if d.mixture else "data.path"
         named = parse_mixture(d.mixture) if d.mixture else [(d.path, 1.0)]
         corpora = [
-            (path, *open_corpus(path, tokenizer.fingerprint(), tokenizer.eod_id, key), weight) for path, weight in named
+            (path, *open_corpus(path, tokenizer.fingerprint(), tokenizer.eod_id, key, cfg.train.objective), weight)
+            for path, weight in named
         ]
     train = []
     for where, docs, _, weight in corpora:
@@ -96,6 +108,18 @@ def open_source(cfg: Config) -> DataSources:
     # Eval reads the first corpus's held-out split: one fixed yardstick, whatever the mixture.
     held = corpora[0][2]
     return DataSources(train, _rows(held, cfg) if held is not None else None, fields)
+
+
+def _pair_source(cfg: Config, fingerprint: str, eod_id: int) -> DataSources:
+    """The preference pairs of a DPO corpus: one element is one pair (data/pairs.py)."""
+    manifest = open_manifest(cfg.data.path, fingerprint, "dpo")
+    shards = {split: manifest["splits"][split]["shards"] for split in ("train", "eval")}
+    train = PairRows(cfg.data.path, shards["train"], eod_id, cfg.model.seq_len)
+    if len(train) < cfg.train.global_batch:
+        raise ConfigError(f"data.path: {cfg.data.path} holds {len(train)} pairs, fewer than one global batch of "
+                          f"{cfg.train.global_batch} (train.global_batch counts pairs under train.objective=dpo)")
+    held = PairRows(cfg.data.path, shards["eval"], eod_id, cfg.model.seq_len) if shards["eval"] else None
+    return DataSources([(train, 1.0)], held, batch_fields(cfg))
 
 
 def _stack(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -157,6 +181,9 @@ def global_batches(
 def describe(sources: DataSources, cfg: Config) -> str:
     """One log line about the data."""
     rows = sum(len(r) for r, _ in sources.train)
+    if cfg.train.objective == "dpo":
+        held = f", {len(sources.eval)} held-out pairs" if sources.eval is not None else ""
+        return f"data: {rows} preference pairs of 2 rows of {cfg.model.seq_len + 1} tokens{held} (train.objective=dpo)"
     fill = [r.fill() for r, _ in sources.train if isinstance(r, DocumentRows)]
     held = f", {len(sources.eval)} held-out rows" if sources.eval is not None else ""
     packing = f", packing {cfg.data.packing}" + (f" ({100 * min(fill):.1f}% filled)" if fill else "")

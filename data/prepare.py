@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import array
 import dataclasses
+import hashlib
 import json
 import multiprocessing
 import os
@@ -29,7 +30,9 @@ import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 
 from configs.schema import ConfigError
-from data.formats import FORMATS, Documents, FileStats, Task, detect_format, expand_inputs, plan_tasks, read_task
+from data.chat import OBJECTIVES, ChatTemplate, Skip, example_record, template_file
+from data.formats import (FORMATS, Documents, FileStats, Task, detect_format, expand_inputs, json_rows, plan_tasks,
+                          read_task)
 from data.manifest import FORMAT_VERSION, MANIFEST, SPLITS, content_hash, is_prepared_file, lengths_name, shard_name
 from data.sources import held_out
 from data.tokenizer import Tokenizer, load_tokenizer
@@ -50,21 +53,26 @@ class Chunk:
     task: Task  # without its payload: size and last flag, for progress and per-file checks
 
 
-_worker: tuple[Tokenizer, str, float] | None = None  # (tokenizer, field, eval fraction) of this process
+# (tokenizer, options, chat template for sft/dpo) of this process
+_worker: tuple[Tokenizer, Options, ChatTemplate | None] | None = None
 
 
-def _init_worker(spec: str, field: str, eval_fraction: float, pooled: bool) -> None:
+def _init_worker(opts: Options, pooled: bool) -> None:
     """Loads the tokenizer once per process (a tokenizer does not pickle cheaply, a spec does)."""
     global _worker
     if pooled:  # one thread per worker: the pool is the parallelism, not the tokenizer's own threads
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker = (load_tokenizer(spec, "--tokenizer"), field, eval_fraction)
+    template = None if opts.objective == "lm" else ChatTemplate(template_file(opts.tokenizer, opts.chat_template))
+    _worker = (load_tokenizer(opts.tokenizer, "--tokenizer"), opts, template)
 
 
 def tokenize_task(task: Task) -> Chunk:
     """Reads, tokenizes and splits one task's documents (in a worker, or inline for one worker)."""
     assert _worker is not None, "_init_worker runs first"
-    tokenizer, field, fraction = _worker
+    tokenizer, opts, template = _worker
+    if template is not None:
+        return _tokenize_examples(task, tokenizer, opts, template)
+    field, fraction = opts.field, opts.eval_fraction
     docs: Documents = read_task(task, field)
     ids: list[np.ndarray] = []
     start = chars = 0
@@ -88,17 +96,38 @@ def tokenize_task(task: Task) -> Chunk:
     return Chunk(tokens, np.array([len(d) for d in kept], np.int64), np.array(held, bool), docs.stats, meta)
 
 
-def run_tasks(tasks: Iterator[Task], spec: str, field: str, fraction: float, workers: int) -> Iterator[Chunk]:
+def _tokenize_examples(task: Task, tokenizer: Tokenizer, opts: Options, template: ChatTemplate) -> Chunk:
+    """A task of SFT or DPO rows -> their records (data.chat); rows that are no example are
+    counted under their reason."""
+    path = task.paths[0]
+    stats = FileStats(path)
+    kept, held = [], []
+    for line, raw, obj in json_rows(task, stats):
+        try:
+            record = example_record(obj, template, opts.objective, tokenizer.encode_batch)
+        except Skip as why:
+            stats.skip(str(why), line)
+            continue
+        stats.documents += 1
+        stats.tokens += len(record)
+        kept.append(record)
+        held.append(held_out(raw, opts.eval_fraction))
+    tokens = np.concatenate(kept).astype("<u4") if kept else np.zeros(0, "<u4")
+    lengths = np.array([len(r) for r in kept], np.int64)
+    return Chunk(tokens, lengths, np.array(held, bool), {path: stats}, dataclasses.replace(task, payload=None))
+
+
+def run_tasks(tasks: Iterator[Task], opts: Options, workers: int) -> Iterator[Chunk]:
     """Task results in task order. With several workers, at most 2 per worker are in flight, so
     memory stays bounded however large the corpus (Pool.imap would read every input ahead)."""
     if workers == 1:
-        _init_worker(spec, field, fraction, pooled=False)
+        _init_worker(opts, pooled=False)
         yield from map(tokenize_task, tasks)
         return
     # forkserver, not fork: a caller that has loaded JAX (or a tokenizer's thread pool) is
     # multithreaded, and a forked copy of it can deadlock on a lock held by another thread.
     context = multiprocessing.get_context("forkserver")
-    with context.Pool(workers, _init_worker, (spec, field, fraction, True)) as pool:
+    with context.Pool(workers, _init_worker, (opts, True)) as pool:
         pending: deque = deque()
         for task in tasks:
             pending.append(pool.apply_async(tokenize_task, (task,)))
@@ -211,6 +240,8 @@ class Options:
     eval_fraction: float = 0.0
     shard_docs: int = 100_000
     overwrite: bool = False
+    objective: str = "lm"  # sft/dpo: JSONL examples with their trained tokens (data.chat)
+    chat_template: str | None = None  # None: the tokenizer's own (data.chat.template_file)
 
     def validate(self) -> None:
         if not 0 <= self.eval_fraction < 1:
@@ -221,6 +252,10 @@ class Options:
             raise ConfigError(f"--workers: must be at least 1, got {self.workers}")
         if self.fmt is not None and self.fmt not in FORMATS:
             raise ConfigError(f"--format: expected one of {', '.join(FORMATS)}, got {self.fmt!r}")
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"--objective: expected one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        if self.objective != "lm" and self.fmt not in (None, "jsonl"):
+            raise ConfigError(f"--objective {self.objective}: reads JSONL rows, not --format {self.fmt}")
 
 
 def prepare(inputs: list[str], output: str, progress: bool = True, **options: object) -> dict:
@@ -230,7 +265,9 @@ def prepare(inputs: list[str], output: str, progress: bool = True, **options: ob
     opts.validate()
     files, by_pattern = expand_inputs(inputs)
     opts = dataclasses.replace(opts, fmt=detect_format(files, opts.fmt))
+    opts.validate()
     tok = load_tokenizer(opts.tokenizer, "--tokenizer")
+    template = None if opts.objective == "lm" else ChatTemplate(template_file(opts.tokenizer, opts.chat_template))
     output = os.path.abspath(output)
     check_output(output, files, opts.overwrite)
     parent, base = os.path.split(output)
@@ -240,7 +277,7 @@ def prepare(inputs: list[str], output: str, progress: bool = True, **options: ob
     shutil.rmtree(tmp, ignore_errors=True)
     os.mkdir(tmp)
     try:
-        manifest = _write(tmp, files, by_pattern, tok, opts, progress)
+        manifest = _write(tmp, files, by_pattern, tok, opts, progress, template)
         _swap_in(tmp, output)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -248,20 +285,21 @@ def prepare(inputs: list[str], output: str, progress: bool = True, **options: ob
 
 
 def _write(
-    tmp: str, files: list[str], by_pattern: dict[str, list[str]], tok: Tokenizer, opts: Options, progress: bool
+    tmp: str, files: list[str], by_pattern: dict[str, list[str]], tok: Tokenizer, opts: Options, progress: bool,
+    template: ChatTemplate | None = None,
 ) -> dict:
     writers = {split: SplitWriter(tmp, split, opts.shard_docs) for split in SPLITS}
     stats = {path: FileStats(path) for path in files}
     bar = Progress(sum(os.path.getsize(f) for f in files)) if progress else None
     tasks = plan_tasks(files, opts.fmt, opts.field)
-    for chunk in run_tasks(tasks, opts.tokenizer, opts.field, opts.eval_fraction, opts.workers):
+    for chunk in run_tasks(tasks, opts, opts.workers):
         offsets = np.concatenate([[0], np.cumsum(chunk.lengths)])
         for start, stop, held in zip(offsets[:-1], offsets[1:], chunk.held):
             writers["eval" if held else "train"].write(chunk.tokens[start:stop])
         for path, part in chunk.stats.items():
             stats[path].merge(part)
         if chunk.task.last and opts.fmt != "text":
-            _check_file(stats[chunk.task.paths[0]], opts.fmt, opts.field)
+            _check_file(stats[chunk.task.paths[0]], opts)
         if bar:
             bar.update(chunk.task.size, len(chunk.lengths), len(chunk.tokens))
     if bar:
@@ -274,7 +312,9 @@ def _write(
         "format_version": FORMAT_VERSION,
         "tokenizer": tok.describe(),
         "format": opts.fmt,
-        "field": None if opts.fmt == "text" else opts.field,
+        "field": None if opts.fmt == "text" or opts.objective != "lm" else opts.field,
+        "objective": opts.objective,
+        "chat_template": None if template is None else {"path": template.path, "sha256": _sha(template.source)},
         "eval_fraction": opts.eval_fraction,
         "shard_docs": opts.shard_docs,
         "inputs": [stats[f].to_manifest() for f in files],
@@ -287,14 +327,18 @@ def _write(
     return manifest
 
 
-def _check_file(stats: FileStats, fmt: str, field: str) -> None:
-    """A jsonl/parquet file with lines or rows but no document is almost surely a wrong --field."""
+def _check_file(stats: FileStats, opts: Options) -> None:
+    """A jsonl/parquet file with lines or rows but no document is almost surely a wrong --field
+    (or, for SFT/DPO rows, a wrong --objective)."""
     if stats.documents == 0 and stats.skipped:
         reasons = ", ".join(f"{n} {r}" for r, n in sorted(stats.reasons.items()))
-        items = "lines" if fmt == "jsonl" else "rows"
-        raise ConfigError(
-            f"{stats.path}: no document in {stats.skipped} {items} ({reasons}); check --field {field!r} and --format"
-        )
+        items = "lines" if opts.fmt == "jsonl" else "rows"
+        check = f"--field {opts.field!r} and --format" if opts.objective == "lm" else f"--objective {opts.objective}"
+        raise ConfigError(f"{stats.path}: no document in {stats.skipped} {items} ({reasons}); check {check}")
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def _remove_stale(parent: str, base: str, say: bool) -> None:
@@ -362,12 +406,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-fraction", type=float, default=0.0, help="share of documents held out, by content hash")
     p.add_argument("--shard-docs", type=int, default=100_000, help="documents per shard at most")
     p.add_argument("--overwrite", action="store_true", help="replace a previous prepared corpus of other inputs")
+    p.add_argument("--objective", choices=OBJECTIVES, default="lm",
+                   help="sft: JSONL messages or prompt/completion; dpo: JSONL prompt/chosen/rejected (default: lm)")
+    p.add_argument("--chat-template", help="a tokenizer_config.json with the chat_template (default: the tokenizer's)")
     args = p.parse_args(argv)
     try:
         manifest = prepare(
             args.input, args.output, fmt=args.format, field=args.field, tokenizer=args.tokenizer,
             workers=args.workers, eval_fraction=args.eval_fraction, shard_docs=args.shard_docs,
-            overwrite=args.overwrite,
+            overwrite=args.overwrite, objective=args.objective, chat_template=args.chat_template,
         )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

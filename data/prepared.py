@@ -14,15 +14,17 @@ import grain
 import numpy as np
 
 from configs.schema import ConfigError
+from data.chat import decode_sequence
 from data.manifest import lengths_name, read_manifest
 from data.packing import span_from_docs
 
 
 class ArrayRecordDocuments:
-    """One split of a prepared directory as random-access documents (eod appended on read)."""
+    """One split of a prepared directory as random-access documents (eod appended on read).
+    `masked`: records of an SFT corpus, whose trained tokens `doc_and_mask` also gives."""
 
-    def __init__(self, directory: str, split: str, shards: list[str], eod_id: int):
-        self.eod_id = eod_id
+    def __init__(self, directory: str, split: str, shards: list[str], eod_id: int, masked: bool = False):
+        self.eod_id, self.masked = eod_id, masked
         paths = [os.path.join(directory, s) for s in shards]
         self.source = grain.sources.ArrayRecordDataSource(paths)
         lengths_path = os.path.join(directory, lengths_name(split))
@@ -38,23 +40,41 @@ class ArrayRecordDocuments:
         return len(self.lengths)
 
     def doc(self, index: int) -> np.ndarray:
-        tokens = np.frombuffer(self.source[index], dtype="<u4")
-        return np.concatenate([tokens, np.array([self.eod_id], np.uint32)])
+        return self.doc_and_mask(index)[0]
+
+    def doc_and_mask(self, index: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """(tokens, which are trained as 0/1, or None for a corpus without a loss mask)."""
+        record = np.frombuffer(self.source[index], dtype="<u4")
+        if self.masked:
+            return decode_sequence(record, self.eod_id)
+        return np.concatenate([record, np.array([self.eod_id], np.uint32)]), None
 
     def span(self, start: int, stop: int) -> np.ndarray:
         return span_from_docs(self, self.offsets, start, stop)
 
 
-def open_corpus(
-    directory: str, fingerprint: str, eod_id: int, key: str = "data.path"
-) -> tuple[ArrayRecordDocuments | None, ArrayRecordDocuments | None]:
-    """(train, eval) documents of a prepared directory (None for an empty split). Raises
-    ConfigError if the directory is damaged or was prepared with another tokenizer."""
+def open_manifest(directory: str, fingerprint: str, objective: str, key: str = "data.path") -> dict:
+    """The manifest of a prepared directory after checking it was prepared with this tokenizer
+    and for this `train.objective`. Raises ConfigError naming the key."""
     manifest = read_manifest(directory, key)
     theirs = manifest["tokenizer"]["fingerprint"]
     if theirs != fingerprint:
         raise ConfigError(
             f"data.tokenizer: {directory!r} was prepared with tokenizer {theirs!r}, the config uses {fingerprint!r}"
         )
+    prepared_for = manifest.get("objective", "lm")
+    if prepared_for != objective:
+        raise ConfigError(f"{key}: {directory!r} was prepared with --objective {prepared_for}, the config has "
+                          f"train.objective={objective}")
+    return manifest
+
+
+def open_corpus(
+    directory: str, fingerprint: str, eod_id: int, key: str = "data.path", objective: str = "lm"
+) -> tuple[ArrayRecordDocuments | None, ArrayRecordDocuments | None]:
+    """(train, eval) documents of a prepared directory (None for an empty split). Raises
+    ConfigError if the directory is damaged or was prepared with another tokenizer or objective."""
+    manifest = open_manifest(directory, fingerprint, objective, key)
     shards = {split: manifest["splits"][split]["shards"] for split in ("train", "eval")}
-    return tuple(ArrayRecordDocuments(directory, s, shards[s], eod_id) if shards[s] else None for s in shards)
+    return tuple(ArrayRecordDocuments(directory, s, shards[s], eod_id, objective == "sft") if shards[s] else None
+                 for s in shards)

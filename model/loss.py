@@ -69,7 +69,8 @@ def chunked_cross_entropy_sum(model: nnx.Module, x: Array, targets: Array, weigh
 
 def model_inputs(batch: dict[str, Array]) -> dict[str, Array]:
     """A batch of token rows -> {"inputs", "targets", "weights"} (+ "positions", "segment_ids"
-    for document packing: padding (segment 0) and targets across a document boundary weigh 0)."""
+    for document packing: padding (segment 0) and targets across a document boundary weigh 0).
+    A "loss_mask" (supervised fine-tuning) also gives weight 0 to every target it does not mark."""
     tokens, segments = batch["tokens"], batch.get("segment_ids")
     out = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     if segments is None:
@@ -77,6 +78,8 @@ def model_inputs(batch: dict[str, Array]) -> dict[str, Array]:
     else:
         out["weights"] = ((segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] != 0)).astype(jnp.float32)
         out.update(positions=batch["positions"][:, :-1], segment_ids=segments[:, :-1])
+    if "loss_mask" in batch:
+        out["weights"] = out["weights"] * (batch["loss_mask"][:, 1:] != 0)
     return out
 
 

@@ -101,9 +101,10 @@ def test_missing_config_file():
 def test_an_unknown_preset_gets_the_nearest_one_and_the_list():
     with pytest.raises(ConfigError) as err:
         load_config("tiny-moee")
-    assert str(err.value) == ("config file not found: tiny-moee (did you mean tiny-moe?); presets: llama3-1b, "
-                              "llama3-3b, llama3-70b, llama3-8b, llama3-8b-128k, mixtral-8x7b, tiny, tiny-moe")
-    with pytest.raises(ConfigError, match=r"^config file not found: nope.yaml; presets: llama3-1b, .*, tiny-moe$"):
+    assert str(err.value) == ("config file not found: tiny-moee (did you mean tiny-moe?); presets: dpo-tiny, "
+                              "llama3-1b, llama3-3b, llama3-70b, llama3-8b, llama3-8b-128k, llama3-8b-dpo, "
+                              "llama3-8b-sft, mixtral-8x7b, sft-tiny, tiny, tiny-moe")
+    with pytest.raises(ConfigError, match=r"^config file not found: nope.yaml; presets: dpo-tiny, llama3-1b, .*, tiny-moe$"):
         load_config("nope.yaml")  # nothing near it: the list alone
 
 
@@ -125,6 +126,8 @@ def test_yaml_with_a_wrong_type_names_the_file_key(tmp_path):
 # between keys): the value to set, and the other overrides it needs.
 EXPLICIT: dict[str, tuple[Any, list[str]]] = {
     "train.preempt_exit_code": (0, []),
+    "train.objective": ("sft", ["data.source=prepared", "data.path=/a", "data.packing=document"]),
+    "dpo.loss": ("ipo", []),
     "mesh.data": (2, []),
     "mesh.nodes": (2, ["mesh.data=2"]),
     "mesh.expert": (2, ["model.moe.num_experts=4"]),

@@ -22,6 +22,7 @@ from flax import nnx
 
 import pipeline
 from configs import Config
+from configs.post import DPOConfig
 from configs.schema import MoEConfig
 from model import LayerRunner, scan_layers
 from model.attention import block_mask, splash_attention
@@ -47,6 +48,8 @@ class Compute:
     kernels: Kernels = Kernels()  # bound into the model while it traces (model/kernels.py)
     order: np.ndarray | None = None  # the load-balanced order of a sequence split's positions
     moe: MoEConfig | None = None  # an MoE model's router losses join the training loss
+    objective: str = "lm"  # train.objective: lm, sft (masked targets) or dpo (preference pairs)
+    dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)  # the DPO loss (train.objective=dpo)
 
 
 def build_compute(cfg: Config, layout: Layout, graphdef: nnx.GraphDef, platform: str,
@@ -65,6 +68,8 @@ def build_compute(cfg: Config, layout: Layout, graphdef: nnx.GraphDef, platform:
         order=balanced_order(m.seq_len, layout.sizes["context"]) if layout.sizes["context"] > 1
         and cfg.context.load_balance else None,
         moe=m.moe if m.moe.enabled else None,
+        objective=cfg.train.objective,
+        dpo=cfg.dpo,
     )
 
 

@@ -121,6 +121,11 @@ class MetricsLogger:
         if "moe_aux_loss" in r:  # an MoE model: its router's health (trainer.step MOE_METRICS)
             parts.append(f"lm_loss {r['lm_loss']:.4f} aux {r['moe_aux_loss']:.3f} z {r['moe_z_loss']:.3f} "
                          f"imbalance {r['moe_imbalance']:.2f} dropped {100 * r['moe_dropped']:.1f}%")
+        if "trained_tokens" in r:  # train.objective=sft: the assistant tokens the loss covered
+            parts.append(f"trained {r['trained_tokens']:,.0f} tok")
+        if "reward_accuracy" in r:  # train.objective=dpo (trainer/preference.py)
+            parts.append(f"margin {r['reward_margin']:.3f} chosen {r['reward_chosen']:.3f} "
+                         f"rejected {r['reward_rejected']:.3f} accuracy {r['reward_accuracy']:.2f}")
         if "tokens_per_s" in r:
             eta = (self.total_steps - r["step"]) * r["step_s"]
             parts += [f"{r['tokens_per_s']:,.0f} tok/s", f"{r['step_s']:.3f} s/step", f"data wait {r['data_wait_s']:.3f} s"]

@@ -21,7 +21,7 @@ import optax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from configs import Config, ConfigError
-from data import batch_fields, open_source
+from data import batch_fields, batch_shape, open_source
 from planner.hlo import COLLECTIVES, static_counts  # noqa: F401  (COLLECTIVES: re-exported)
 from sharding import (
     activation_rules,
@@ -90,7 +90,8 @@ def sharded_optimizer(spec: RunSpec, mesh: Mesh | AbstractMesh) -> tuple[optax.G
     or an abstract one for counting bytes without devices)."""
     tx, schedule = make_optimizer(spec.cfg.optim, spec.cfg.train.steps, spec.model.axes)
     params = shardings(spec.model.axes, spec.layout.param_rules, mesh)
-    return tx, schedule, state_shardings(tx, spec.model.shapes, params, mesh)
+    reference = spec.cfg.train.objective == "dpo"
+    return tx, schedule, state_shardings(tx, spec.model.shapes, params, mesh, reference)
 
 
 @dataclasses.dataclass
@@ -111,7 +112,7 @@ class Program:
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         cfg = self.spec.cfg
-        shape = (cfg.train.global_batch, cfg.model.seq_len + 1)
+        shape = batch_shape(cfg)
         return {f: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sh) for f in batch_fields(cfg)}
 
     @contextlib.contextmanager
@@ -139,7 +140,7 @@ def make_program(spec: RunSpec, devices: list) -> Program:
     cfg, layout, model = spec.cfg, spec.layout, spec.model
     mesh = make_mesh(layout.sizes, devices, cfg.mesh.nodes, cfg.mesh.across)
     tx, schedule, state_sh = sharded_optimizer(spec, mesh)
-    batch_sh = batch_sharding(mesh, layout.act_rules)
+    batch_sh = batch_sharding(mesh, layout.act_rules, len(batch_shape(cfg)))
     cast = functools.partial(cast_for_compute, axes=model.axes, dtype=cfg.model.dtype, shardings=state_sh.params)
     compute = build_compute(cfg, layout, model.graphdef, devices[0].platform, cast)
     step = jax.jit(make_train_step(model.graphdef, tx, schedule, compute=compute),

@@ -25,6 +25,7 @@ class TrainState(struct.PyTreeNode):
     step: jax.Array  # int32 scalar: the number of updates applied
     params: dict
     opt_state: optax.OptState
+    ref_params: dict | None = None  # train.objective=dpo: the frozen starting weights, sharded like params
 
 
 class AbstractModel(NamedTuple):
@@ -40,9 +41,11 @@ def abstract_model(cfg: ModelConfig) -> AbstractModel:
     return AbstractModel(graphdef, nnx.to_pure_dict(state), logical_axes(state))
 
 
-def state_shardings(tx: optax.GradientTransformation, shapes: dict, param_sh: dict, mesh: Mesh) -> TrainState:
+def state_shardings(tx: optax.GradientTransformation, shapes: dict, param_sh: dict, mesh: Mesh,
+                    reference: bool = False) -> TrainState:
     """Optimizer moments shard like their parameters; counters, and statistics not shaped like
-    their parameter (adafactor's row and column second moments), are replicated. A moment is
+    their parameter (adafactor's row and column second moments), are replicated; a `reference`
+    (DPO's frozen weights) shards as the parameters. A moment is
     found by its key path: optax keeps each moment tree shaped like the parameters' dict, so the
     path's trailing dict keys name the parameter (optax.tree_map_params cannot be used: Muon's
     parameter labels need the real tree)."""
@@ -59,31 +62,41 @@ def state_shardings(tx: optax.GradientTransformation, shapes: dict, param_sh: di
         return replicated
 
     opt_sh = jax.tree_util.tree_map_with_path(sharding, jax.eval_shape(tx.init, shapes))
-    return TrainState(step=replicated, params=param_sh, opt_state=opt_sh)
+    return TrainState(step=replicated, params=param_sh, opt_state=opt_sh, ref_params=param_sh if reference else None)
 
 
 def abstract_state(tx: optax.GradientTransformation, shapes: dict, shardings: TrainState) -> TrainState:
     """ShapeDtypeStructs with concrete shardings: the target for restoring a checkpoint."""
-    abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=shapes, opt_state=jax.eval_shape(tx.init, shapes))
+    abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=shapes,
+                          opt_state=jax.eval_shape(tx.init, shapes),
+                          ref_params=None if shardings.ref_params is None else shapes)
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
 
-def _step_zero(params: dict, tx: optax.GradientTransformation) -> TrainState:
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+def _step_zero(params: dict, tx: optax.GradientTransformation, reference: bool) -> TrainState:
+    # The reference is a copy: the step donates the parameters' buffers and keeps the reference's.
+    ref = jax.tree.map(lambda p: p + jnp.zeros((), p.dtype), params) if reference else None
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), ref_params=ref)
+
+
+def _holds_reference(shardings: TrainState | None) -> bool:
+    """Whether the state has DPO's frozen reference (None shardings: let jit place a plain state)."""
+    return shardings is not None and shardings.ref_params is not None
 
 
 def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, shardings: TrainState) -> TrainState:
     """Step 0 with random parameters (`seed`), each shard created on its device."""
 
     def init() -> TrainState:
-        return _step_zero(nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))), tx)
+        params = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed))))
+        return _step_zero(params, tx, _holds_reference(shardings))
 
     return jax.jit(init, out_shardings=shardings)()
 
 
 def state_from_params(params: dict, tx: optax.GradientTransformation, shardings: TrainState) -> TrainState:
     """Step 0 with the given (already sharded) parameters, e.g. imported ones, and a new optimizer state."""
-    return jax.jit(lambda p: _step_zero(p, tx), out_shardings=shardings)(params)
+    return jax.jit(lambda p: _step_zero(p, tx, _holds_reference(shardings)), out_shardings=shardings)(params)
 
 
 def param_count(shapes: dict) -> int:

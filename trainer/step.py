@@ -15,6 +15,7 @@ from model.moe import STATS
 from pipeline.stages import to_microbatches
 from trainer.compute import Compute
 from trainer.optimizer import schedule_count
+from trainer.preference import DPO_METRICS, make_dpo_loss_fn, make_reference_fn
 from trainer.state import TrainState
 
 Array = jax.Array
@@ -105,14 +106,33 @@ def accumulate_stats(
     return total / count, jax.tree.map(lambda g: g / count, grads), aux
 
 
+def objective_metrics(compute: Compute, aux: Any) -> dict[str, Array]:
+    """The metrics of the step's objective from its summed aux: the MoE router's per-token means;
+    the trained (assistant) tokens of SFT; DPO's per-pair means of the rewards, margin, accuracy."""
+    if compute.objective == "dpo":
+        pairs = jnp.maximum(aux[0], 1.0)
+        return {name: value / pairs for name, value in zip(DPO_METRICS, aux[1])}
+    out = {"trained_tokens": jax.tree.leaves(aux)[0]} if compute.objective == "sft" else {}
+    if isinstance(aux, tuple):  # MoE: the router's per-token means
+        count = jnp.maximum(aux[0], 1.0)
+        out.update({name: value / count for name, value in zip(MOE_METRICS, aux[1])})
+    return out
+
+
 def make_train_step(
     graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr_schedule: optax.Schedule, *, compute: Compute
 ) -> Callable[[TrainState, dict[str, Array]], tuple[TrainState, dict[str, Array]]]:
     """The pure train step: the loss and gradients `compute` says how to take (accumulated over
-    its micro-batches), the optimizer update, and the step's metrics."""
-    loss_fn = make_loss_fn(graphdef, compute, router_losses=True)
+    its micro-batches), the optimizer update, and the step's metrics. Under DPO the frozen
+    reference's log-probs (of `state.ref_params`) join the batch first (trainer/preference.py)."""
+    dpo = compute.objective == "dpo"
+    loss_fn = make_dpo_loss_fn(graphdef, compute, compute.dpo) if dpo else make_loss_fn(graphdef, compute,
+                                                                                        router_losses=True)
+    reference = make_reference_fn(graphdef, compute, compute.dpo) if dpo else None
 
     def train_step(state: TrainState, batch: dict[str, Array]) -> tuple[TrainState, dict[str, Array]]:
+        if reference is not None:
+            batch = {**batch, "ref_logps": reference(state.ref_params, batch)}
         loss, grads, aux = accumulate_stats(loss_fn, state.params, batch, compute.grad_accum, compute.grad_fn)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -124,10 +144,7 @@ def make_train_step(
         # The rate this update used: optax indexes the schedule by its own count, which a skipped
         # step does not advance, so after one it lags `state.step`.
         lr = lr_schedule(schedule_count(state.opt_state))
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "finite": finite}
-        if isinstance(aux, tuple):  # MoE: the router's per-token means
-            count = jnp.maximum(aux[0], 1.0)
-            metrics.update({name: value / count for name, value in zip(MOE_METRICS, aux[1])})
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "finite": finite, **objective_metrics(compute, aux)}
         new = state.replace(
             step=state.step + 1, params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state)
         )

@@ -1,0 +1,78 @@
+"""The DPO objective's pieces of the train step: the frozen reference's log-probs of a batch and
+the policy's preference loss (model/preference.py), built like `make_loss_fn` from a `Compute`.
+
+A DPO batch is {"tokens", "loss_mask"} int32 [pairs, 2, seq_len + 1] (data/pairs.py). The
+reference is the run's starting weights, held sharded like the policy in `TrainState.ref_params`;
+its log-probs are computed at the start of each step, micro-batch by micro-batch, and travel
+with the batch as "ref_logps" [pairs, 2], so micro-batching and the gradient code see one batch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from configs.post import DPOConfig
+from model.kernels import use_kernels
+from model.loss import LossFn
+from model.preference import preference_loss, sequence_logps
+from pipeline.stages import from_microbatches, to_microbatches
+from trainer.compute import Compute
+
+Array = jax.Array
+
+# The summed statistics of a DPO step's aux, after the pair count; each a per-pair mean once divided.
+DPO_METRICS = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy")
+
+
+def _logps(graphdef: nnx.GraphDef, compute: Compute, params: dict, batch: dict[str, Array], mean: bool) -> Array:
+    """log-probs [pairs, 2] of each response's trained tokens (sums, or per-token means)."""
+    model = nnx.merge(graphdef, params if compute.cast is None else compute.cast(params))
+    # [pairs, 2, length] -> [2 * pairs, length], a pair's rows side by side: a device's block of
+    # pairs becomes its block of rows (no data moves), and one forward pass (one weight gather
+    # under FSDP) serves both responses.
+    tokens = batch["tokens"].reshape(-1, batch["tokens"].shape[-1])
+    mask = batch["loss_mask"].reshape(tokens.shape)
+    inputs, targets, weights = tokens[:, :-1], tokens[:, 1:], mask[:, 1:].astype(jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
+    if compute.order is not None:  # a sum over tokens: the sequence split's order changes nothing
+        inputs, targets, weights, positions = (a[:, compute.order] for a in (inputs, targets, weights, positions))
+    with use_kernels(compute.kernels):
+        x, _ = model.features_and_stats(inputs, positions, None, runner=compute.runner)
+    logps = sequence_logps(model, x, targets, weights)
+    if mean:
+        logps = logps / jnp.maximum(jnp.sum(weights, axis=-1), 1.0)
+    return logps.reshape(-1, 2)
+
+
+def make_reference_fn(graphdef: nnx.GraphDef, compute: Compute, dpo: DPOConfig) -> Callable[[dict, dict], Array]:
+    """ref_logps(ref_params, batch) -> [pairs, 2], without gradients, one micro-batch at a time
+    (so the reference never holds more activations than the policy's step does)."""
+    mean = dpo.loss == "ipo"
+
+    def ref_logps(ref_params: dict, batch: dict[str, Array]) -> Array:
+        ref_params = jax.lax.stop_gradient(ref_params)
+        if compute.grad_accum == 1:
+            return _logps(graphdef, compute, ref_params, batch, mean)
+        micro = jax.tree.map(lambda a: to_microbatches(a, compute.grad_accum), batch)
+        return from_microbatches(jax.lax.map(lambda mb: _logps(graphdef, compute, ref_params, mb, mean), micro))
+
+    return ref_logps
+
+
+def make_dpo_loss_fn(graphdef: nnx.GraphDef, compute: Compute, dpo: DPOConfig) -> LossFn:
+    """loss(params, batch with "ref_logps") -> (sum of the pairs' losses, (pairs, [the sums of
+    DPO_METRICS])): divided by the pair count, the means over all pairs of the step."""
+    mean = dpo.loss == "ipo"
+
+    def loss_fn(params: dict, batch: dict[str, Array]) -> tuple[Array, tuple[Array, Array]]:
+        policy = _logps(graphdef, compute, params, batch, mean)
+        losses, chosen, rejected = preference_loss(policy, batch["ref_logps"], dpo.beta, dpo.loss)
+        stats = jnp.stack([jnp.sum(chosen), jnp.sum(rejected), jnp.sum(chosen - rejected),
+                           jnp.sum((chosen > rejected).astype(jnp.float32))])
+        return jnp.sum(losses), (jnp.asarray(losses.shape[0], jnp.float32), stats)
+
+    return loss_fn
