@@ -324,6 +324,12 @@ class CheckpointConfig:
     """Write checkpoints in the background."""
     fresh_if_unreadable: bool = False
     """No readable checkpoint: start over instead of exit 2."""
+    local_dir: str = ""
+    """A node-local directory for the frequent local tier ("": one tier); see docs/checkpoints-and-faults.md."""
+    local_every: Annotated[int, Range(ge=0, hint="0: no local tier")] = 0
+    """Steps between local-tier checkpoints (below checkpoint.every)."""
+    local_keep: Annotated[int, Range(gt=0)] = 2
+    """Local-tier checkpoints kept per process."""
 
 
 @dataclass(kw_only=True)

@@ -92,6 +92,15 @@ def _check_dist(cfg: Config) -> None:
     )
 
 
+def _check_checkpoint(cfg: Config) -> None:
+    c = cfg.checkpoint
+    _require(bool(c.local_dir) == (c.local_every > 0), "checkpoint.local_every" if c.local_dir else "checkpoint.local_dir",
+             "checkpoint.local_dir and checkpoint.local_every turn the local tier on together; set both or neither")
+    _require(c.local_every < c.every or not c.local_dir, "checkpoint.local_every",
+             f"{c.local_every} is not below checkpoint.every={c.every}: the local tier would save no more often "
+             "than the persistent one")
+
+
 def _check_logical_name(key: str, logical: str) -> None:
     if logical in LOGICAL_AXES:
         return
@@ -122,6 +131,7 @@ def validate_static(cfg: Config) -> None:
     trackers = cfg.run.trackers
     _require(len(set(trackers)) == len(trackers), "run.trackers", f"names a tracker twice: {trackers}")
     _check_dist(cfg)
+    _check_checkpoint(cfg)
     nan_steps(cfg)
     _check_profile(cfg)
     _check_sharding(cfg)

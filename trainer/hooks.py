@@ -4,8 +4,9 @@ interval (docs/design.md, "From config to checkpoint").
 - `StepLog` reads each step's `finite` flag one step late (so the device never waits on the
   host), counts non-finite steps and stops after `train.max_bad_steps` in a row, and writes the
   metrics of the steps due (`train.log_every`, the first and last, and any step another hook acts on).
-- `CheckpointHook` saves at `checkpoint.every`, at the last step and on a stop signal, never a
-  state reached only through bad steps.
+- `CheckpointHook` saves at `checkpoint.every`, at the last step and on a stop signal, and into
+  the local tier at `checkpoint.local_every` (trainer.tiers), never a state reached only through
+  bad steps.
 - `EvalHook` runs the held-out loss at `eval.every` and the last step.
 - `ProfileHook` traces `profile.steps=[a, b]` with `jax.profiler` into `run.dir/profile/`
   (TensorBoard's profile plugin or XProf read it); `trainer.observe.instrument` marks each step
@@ -85,13 +86,20 @@ class CheckpointHook(Hook):
         self.last, self.ckpt, self.iterator, self.book, self.goodput = cfg.train.steps, ckpt, iterator, book, goodput
 
     def due(self, step: int, stopping: bool) -> bool:
+        return self._persistent(step, stopping) or (self.ckpt.local is not None and self.ckpt.local.due(step))
+
+    def _persistent(self, step: int, stopping: bool) -> bool:
         return stopping or step == self.last or self.ckpt.due(step)
 
     def run(self, step: int, state: TrainState, stopping: bool) -> None:
         if self.book.streak and not stopping:  # never save a state reached only through bad steps
             return
+        # A step the persistent tier saves is not saved locally too: one copy off the devices per step.
         with self.goodput.phase("checkpoint"):
-            self.ckpt.save(step, state, self.iterator)
+            if self._persistent(step, stopping):
+                self.ckpt.save(step, state, self.iterator)
+            else:
+                self.ckpt.local.save(step, state, self.iterator)
         self.book.saved = step
 
 

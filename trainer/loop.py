@@ -38,6 +38,7 @@ from trainer.metrics import MetricsLogger, log
 from trainer.observe import instrument
 from trainer.program import Program, RunSpec, make_program, prepare
 from trainer.state import TrainState, init_state, param_count, state_from_params
+from trainer.tiers import LocalTier
 from trainer.xla_env import set_cpu_device_count, use_compile_cache
 
 
@@ -105,6 +106,11 @@ def make_session(spec: RunSpec, devices: list, schedule_note: str = "") -> Sessi
     from_hf = bool(cfg.init.from_hf) and not has_checkpoints(cfg.run.dir)  # checked by `prepare`
     program = make_program(spec, devices)
     ckpt = Checkpointer(checkpoint_dir(cfg.run.dir), cfg.checkpoint)
+    if cfg.checkpoint.local_dir:
+        ckpt.attach_local(LocalTier(cfg, program.mesh, program.abstract_state()))
+        if jax.process_count() > 1 and not ckpt.local.peers:
+            log("warning: no other process holds a copy of this process's shards (mesh.data does not span "
+                "processes): a lost host's local checkpoints are lost, the persistent tier remains")
     iterator = make_iterator(cfg, source)
     log(describe(source, cfg))
     eval_rows: list = []
@@ -134,6 +140,8 @@ def make_session(spec: RunSpec, devices: list, schedule_note: str = "") -> Sessi
             start, state = 0, init_state(cfg.model, program.tx, cfg.run.seed, program.state_sh)
         else:
             start, state = restored
+            if ckpt.local is not None and ckpt.restored_tier == "persistent":
+                log(f"restoring from the persistent tier: step {start}")
             log(f"resumed from step {start}")
             if schedule_note and start < cfg.train.steps:
                 log(schedule_note)
