@@ -94,8 +94,10 @@ def _check_dist(cfg: Config) -> None:
 
 def _check_checkpoint(cfg: Config) -> None:
     c = cfg.checkpoint
-    _require(bool(c.local_dir) == (c.local_every > 0), "checkpoint.local_every" if c.local_dir else "checkpoint.local_dir",
-             "checkpoint.local_dir and checkpoint.local_every turn the local tier on together; set both or neither")
+    _require(bool(c.local_dir) or c.local_every == 0, "checkpoint.local_dir",
+             f"empty, but checkpoint.local_every={c.local_every} asks for a local tier: set a node-local directory")
+    _require(not c.local_dir or c.local_every > 0, "checkpoint.local_every",
+             f"0, but checkpoint.local_dir={c.local_dir} asks for a local tier: set the steps between its checkpoints")
     _require(c.local_every < c.every or not c.local_dir, "checkpoint.local_every",
              f"{c.local_every} is not below checkpoint.every={c.every}: the local tier would save no more often "
              "than the persistent one")

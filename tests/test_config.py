@@ -149,6 +149,8 @@ EXPLICIT: dict[str, tuple[Any, list[str]]] = {
     "optim.name": ("muon", []),
     "run.trackers": (["tensorboard", "mlflow"], []),
     "dist.coordinator": ("10.0.0.1:1234", []),
+    "checkpoint.local_dir": ("/local/ckpt", ["checkpoint.local_every=10"]),
+    "checkpoint.local_every": (10, ["checkpoint.local_dir=/local/ckpt"]),
     "debug.nan_steps": ("3,7", []),
     "profile.steps": ([1, 2], []),
     "sharding.params": ({"embed": None, "heads": "tensor"}, []),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import logging
 import os
 import shutil
 from typing import Callable
@@ -90,6 +91,7 @@ class LocalTier:
             local=p2p_options.LocalCheckpointOptions(save_interval_steps=self.every, max_to_keep=cfg.checkpoint.local_keep),
             replica_axis_index=MESH_AXES.index(REPLICA_AXIS),
         )
+        logging.getLogger("absl").addFilter(_not_routine)
         self.manager = p2p.CheckpointManager(mesh, abstract, self.directory, None, options=options)
         self.peers = _peers_hold_copies(mesh)
         self._closed = False
@@ -139,7 +141,18 @@ class LocalTier:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self.manager.close()
+            try:
+                self.manager.close()
+            finally:
+                logging.getLogger("absl").removeFilter(_not_routine)
+
+
+# Warnings the P2P manager logs on every save or start that say nothing is wrong.
+ROUTINE = ("Global object size logging disabled", "Local scan: No steps found", "Local scan: Directory not found")
+
+
+def _not_routine(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(ROUTINE)
 
 
 def _peers_hold_copies(mesh: Mesh) -> bool:
