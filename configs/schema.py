@@ -18,6 +18,7 @@ from typing import Annotated, Any, Iterable, Literal
 from annotated_types import MinLen
 
 from configs.fields import Range, choices
+from configs.straggler import StragglerConfig
 
 # The logical dim names the model gives its parameters and activations (model/layers.py,
 # model/transformer.py, the pipeline runner): the only keys a rules table may have, since a rule
@@ -412,6 +413,7 @@ class Config:
     init: InitConfig = field(default_factory=InitConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 

@@ -98,6 +98,8 @@ def _check_checkpoint(cfg: Config) -> None:
              f"empty, but checkpoint.local_every={c.local_every} asks for a local tier: set a node-local directory")
     _require(not c.local_dir or c.local_every > 0, "checkpoint.local_every",
              f"0, but checkpoint.local_dir={c.local_dir} asks for a local tier: set the steps between its checkpoints")
+    f = cfg.straggler.factor
+    _require(f == 0 or f > 1, "straggler.factor", f"must be 0 (off) or above 1, got {f}")
     _require(c.local_every < c.every or not c.local_dir, "checkpoint.local_every",
              f"{c.local_every} is not below checkpoint.every={c.every}: the local tier would save no more often "
              "than the persistent one")

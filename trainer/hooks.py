@@ -16,7 +16,7 @@ interval (docs/design.md, "From config to checkpoint").
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 import grain
 import jax
@@ -55,6 +55,7 @@ class StepLog:
         self.cfg, self.start, self.logger, self.goodput = cfg, start, logger, goodput
         self.streak = self.skipped = 0
         self.saved = saved  # the newest checkpointed step; None: there is none
+        self.process_times: Callable[[], dict[str, float]] | None = None  # several processes: own_s/p<i>
 
     def settle(self, step: int, metrics: dict, force_log: bool = False) -> None:
         cfg = self.cfg
@@ -67,7 +68,8 @@ class StepLog:
                 f"({self.streak} in a row)")
         stopping = self.streak >= cfg.train.max_bad_steps
         if stopping or force_log or step % cfg.train.log_every == 0 or step in (self.start + 1, cfg.train.steps):
-            self.logger.write(step, {**metrics, "skipped_steps": self.skipped})
+            times = self.process_times() if self.process_times is not None else {}
+            self.logger.write(step, {**metrics, "skipped_steps": self.skipped, **times})
         if stopping:
             # The step after this one has been dispatched, but the run ends here: the summary
             # counts up to this step, as the error does.
