@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 
@@ -111,6 +112,11 @@ def test_without_any_local_copy_the_run_resumes_from_the_persistent_tier(tmp_pat
             "newest is step 4") in out, out
     assert "resumed from step 6" in out
     assert {r["step"]: r["loss"] for r in history} == {s: reference[s] for s in (7, 8, 9)}
+    summary = json.loads((copy_run / "summary.json").read_text())
+    assert summary["invocations"][-1]["restored_from"] == "local"
+    local = summary["restarts_by_tier"]["local"]
+    assert local["restarts"] == 1 and local["recomputed_steps"] == 3 and local["restart_s"] > 0, summary
+    assert re.search(r"restarts: from the local tier 1x, [\d.]+ s lost \(3 steps recomputed\)$", out, re.M), out
     # Every local copy gone (and a half-written one left): the persistent tier.
     shutil.rmtree(copy_run)
     shutil.copytree(run_dir, copy_run)
@@ -124,6 +130,8 @@ def test_without_any_local_copy_the_run_resumes_from_the_persistent_tier(tmp_pat
     assert out.count("half-written") == 1 and f"warning: skipped a half-written local checkpoint {half}" in out, out
     assert "restoring from the persistent tier: step 4" in out and "resumed from step 4" in out, out
     assert {r["step"]: r["loss"] for r in history} == {s: reference[s] for s in range(5, 10)}
+    tiers = json.loads((copy_run / "summary.json").read_text())["restarts_by_tier"]
+    assert list(tiers) == ["persistent"] and tiers["persistent"]["recomputed_steps"] == 5, tiers
 
 
 @pytest.mark.parametrize("extra, message", [

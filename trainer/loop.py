@@ -196,6 +196,7 @@ def run(cfg: Config, devices: list | None = None) -> list[dict[str, Any]]:
 
 def _run_holding_the_lock(spec: RunSpec, devices: list, goodput: Goodput, schedule_note: str) -> list[dict[str, Any]]:
     session = make_session(spec, devices, schedule_note)
+    goodput.tier = session.ckpt.restored_tier if session.start > 0 else ""
     try:
         return _train(spec.cfg, session, devices, goodput)
     finally:
