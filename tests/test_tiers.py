@@ -16,6 +16,7 @@ import trainer
 from bench.procs import TINY, processes
 from configs import ConfigError, load_config
 from conftest import stdlib_glob
+from trainer.stragglers import SLOW_ENV
 from trainer.tiers import local_root, process_dir
 
 DATA = f"data.path={stdlib_glob('json')}"
@@ -42,18 +43,19 @@ def wait_for_dirs(paths: list[str], timeout: float = 60) -> None:
 def test_a_replaced_host_resumes_from_the_peers_local_step(tmp_path, n):
     """Persistent every 4 steps, local every 3: killed after step 10, the job restarts from the
     local step 9 (one host's copy gone, fetched from a peer), not the persistent step 8, and
-    computes step 10 again bit for bit."""
+    computes step 10 again bit for bit. With 4 processes, process 2 of the first job is slowed
+    (trainer.stragglers) and named within K=3 steps; nothing else is ever named."""
     run_dir, local_dir = tmp_path / "run", tmp_path / "local"
-    cmd = args(run_dir, local_dir, "train.steps=12")
+    cmd = args(run_dir, local_dir, "train.steps=12", "straggler.steps=3")
     cfg = load_config(TINY, cmd[2:])
-    job = processes(n, *cmd, heartbeat=5)
+    job = processes(n, *cmd, heartbeat=5, env={2: {SLOW_ENV: "0.3"}} if n == 4 else None)
     job[0].wait_for(r"^step +10/12", timeout=240)
     wait_for_dirs([os.path.join(process_dir(cfg, i), "9") for i in range(n)])
     job[1].kill()  # the host is gone, its disk with it
     shutil.rmtree(process_dir(cfg, 1))
     for p in job:  # the scheduler restarts the whole job
         p.kill()
-    before = {r["step"]: r["loss"] for r in records(run_dir)}
+    before = {r["step"]: r for r in records(run_dir)}
     persistent = sorted(int(d) for d in os.listdir(run_dir / "checkpoints") if d.isdigit())
     assert 10 in before and max(persistent) == 8, (sorted(before), persistent)
     again = processes(n, *cmd, heartbeat=5)
@@ -65,9 +67,20 @@ def test_a_replaced_host_resumes_from_the_peers_local_step(tmp_path, n):
     assert "resumed from step 9" in out
     after = records(run_dir)
     redone = [r["loss"] for r in after if r["step"] == 10]
-    assert len(redone) == 2 and redone[0] == redone[1] == before[10], "step 10 again, bit for bit"
+    assert len(redone) == 2 and redone[0] == redone[1] == before[10]["loss"], "step 10 again, bit for bit"
     assert sorted({r["step"] for r in after}) == list(range(1, 13))
-    assert all("straggler" not in p.output for p in [*job, *again]), "with no slow process nothing is named"
+    named = [(i, line) for i, line in enumerate(job[0].lines) if line.startswith("straggler:")]
+    assert all("straggler" not in p.output for p in [*job[1:], *again]), "with no slow process nothing is named"
+    if n == 2:
+        assert named == [], named
+        return
+    (i, line), = named
+    assert re.match(r"straggler: process 2 \(host [^)]+\) spent 0\.[34]\d\d s per step on its own over the last 3 "
+                    r"steps, [\d.]+x the others' median 0\.\d+ s; every process waits for it", line), line
+    # Within K steps of the first timed one, plus the watchdog's 1 s poll (about three steps here).
+    logged = [int(m.group(1)) for row in job[0].lines[:i] if (m := re.match(r"^step +(\d+)/", row))]
+    assert max(logged) <= 2 + 3 + 3, logged
+    assert all(before[s]["own_s/p2"] > 0.25 > max(before[s][f"own_s/p{p}"] for p in (0, 1, 3)) for s in (7, 8, 9))
 
 
 @pytest.fixture(scope="module")
