@@ -65,6 +65,7 @@ def test_a_replaced_host_resumes_from_the_peers_local_step(tmp_path, n):
     assert ("restoring from the local tier: step 9 (process(es) [1] fetched their shards from peers); "
             "the persistent tier's newest is step 8") in out, out
     assert "resumed from step 9" in out
+    assert "no other process holds a copy" not in out, "mesh.data=8 spans the processes: each has a peer"
     after = records(run_dir)
     redone = [r["loss"] for r in after if r["step"] == 10]
     assert len(redone) == 2 and redone[0] == redone[1] == before[10]["loss"], "step 10 again, bit for bit"
