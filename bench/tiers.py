@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from bench.procs import TINY, Train, processes
 from configs import load_config
-from trainer.tiers import process_dir
+from trainer.tiers import layout_tag, process_dir
 
 DATA = "data.path=" + os.path.join(sysconfig.get_paths()["stdlib"], "json", "**", "*.py")
 N, KILL_AFTER = 4, 17
@@ -53,7 +53,7 @@ def job(root: str, name: str, *extra: str) -> Row:
     first[0].wait_for(rf"^step +{KILL_AFTER}/", timeout=300)
     first[1].kill()
     if extra:
-        shutil.rmtree(process_dir(load_config(TINY, cmd[2:]), 1))
+        shutil.rmtree(process_dir(load_config(TINY, cmd[2:]), layout_tag({"data": 8}, N), 1))
     for p in first:
         p.kill()
     step_s = (stamp(first[0], 15) - stamp(first[0], 5)) / 10

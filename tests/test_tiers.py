@@ -17,7 +17,7 @@ from bench.procs import TINY, processes
 from configs import ConfigError, load_config
 from conftest import stdlib_glob
 from trainer.stragglers import SLOW_ENV
-from trainer.tiers import local_root, process_dir
+from trainer.tiers import layout_tag, local_root, process_dir
 
 DATA = f"data.path={stdlib_glob('json')}"
 
@@ -50,9 +50,10 @@ def test_a_replaced_host_resumes_from_the_peers_local_step(tmp_path, n):
     cfg = load_config(TINY, cmd[2:])
     job = processes(n, *cmd, heartbeat=5, env={2: {SLOW_ENV: "0.3"}} if n == 4 else None)
     job[0].wait_for(r"^step +10/12", timeout=240)
-    wait_for_dirs([os.path.join(process_dir(cfg, i), "9") for i in range(n)])
+    layout = layout_tag({"data": 8}, n)
+    wait_for_dirs([os.path.join(process_dir(cfg, layout, i), "9") for i in range(n)])
     job[1].kill()  # the host is gone, its disk with it
-    shutil.rmtree(process_dir(cfg, 1))
+    shutil.rmtree(process_dir(cfg, layout, 1))
     for p in job:  # the scheduler restarts the whole job
         p.kill()
     before = {r["step"]: r for r in records(run_dir)}
@@ -137,7 +138,7 @@ def test_without_any_local_copy_the_run_resumes_from_the_persistent_tier(tmp_pat
     for step in ("8", "9"):
         shutil.rmtree(copy_run / "checkpoints" / step)
     shutil.rmtree(local_root(cfg))
-    half = os.path.join(process_dir(cfg, 0), "7.orbax-checkpoint-tmp-123")
+    half = os.path.join(process_dir(cfg, layout_tag({"data": 8}, 1), 0), "7.orbax-checkpoint-tmp-123")
     os.makedirs(os.path.join(half, "state"))
     history = trainer.run(cfg)
     out = capsys.readouterr().out

@@ -9,8 +9,9 @@ as complete when every shard is held by some process. The persistent tier stays 
 `Checkpointer` (run.dir/checkpoints); `Checkpointer.restore_latest` asks this tier first and takes
 its step when it is newer than the persistent tier's newest.
 
-Each process has its own folder, `checkpoint.local_dir/<run>/process<i>` (several processes may
-share a host's disk), where <run> names run.dir so that another run's local steps are never read.
+Each process has its own folder, `checkpoint.local_dir/<run>/<layout>/process<i>` (several
+processes may share a host's disk), where <run> names run.dir so that another run's local steps
+are never read, and <layout> the mesh and process count (`layout_tag`).
 """
 
 from __future__ import annotations
@@ -49,9 +50,17 @@ def local_root(cfg: Config) -> str:
     return os.path.join(os.path.abspath(cfg.checkpoint.local_dir), f"{os.path.basename(run_dir)}-{digest}")
 
 
-def process_dir(cfg: Config, index: int) -> str:
-    """The folder of process `index` in the run's local tier."""
-    return os.path.join(local_root(cfg), f"process{index}")
+def layout_tag(sizes: dict[str, int], processes: int) -> str:
+    """'data8-2p': the mesh's axes above 1 and the process count. A local step holds one layout's
+    shards, each process only its own: another layout would find chunks missing, which a read may
+    fill with zeros, so each layout has its own folder and another layout resumes from the
+    persistent tier."""
+    return "-".join([f"{a}{n}" for a, n in sizes.items() if n > 1] or ["one"]) + f"-{processes}p"
+
+
+def process_dir(cfg: Config, layout: str, index: int) -> str:
+    """The folder of process `index` of a `layout` (layout_tag) in the run's local tier."""
+    return os.path.join(local_root(cfg), layout, f"process{index}")
 
 
 def check_local_dir(cfg: Config) -> None:
@@ -84,7 +93,7 @@ class LocalTier:
 
     def __init__(self, cfg: Config, mesh: Mesh, abstract: TrainState):
         self.every = cfg.checkpoint.local_every
-        self.directory = process_dir(cfg, jax.process_index())
+        self.directory = process_dir(cfg, layout_tag(dict(mesh.shape), jax.process_count()), jax.process_index())
         _drop_half_written(self.directory)
         os.makedirs(self.directory, exist_ok=True)
         options = p2p_options.CheckpointManagerOptions(
