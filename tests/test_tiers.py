@@ -10,6 +10,7 @@ import re
 import shutil
 import time
 
+import jax
 import pytest
 
 import trainer
@@ -71,6 +72,8 @@ def test_a_replaced_host_resumes_from_the_peers_local_step(tmp_path, n):
     redone = [r["loss"] for r in after if r["step"] == 10]
     assert len(redone) == 2 and redone[0] == redone[1] == before[10]["loss"], "step 10 again, bit for bit"
     assert sorted({r["step"] for r in after}) == list(range(1, 13))
+    tiers = json.loads((run_dir / "summary.json").read_text())["restarts_by_tier"]
+    assert list(tiers) == ["local"] and tiers["local"]["recomputed_steps"] == 1, tiers
     named = [(i, line) for i, line in enumerate(job[0].lines) if line.startswith("straggler:")]
     assert all("straggler" not in p.output for p in [*job[1:], *again]), "with no slow process nothing is named"
     if n == 2:
@@ -109,6 +112,23 @@ def test_a_newer_persistent_step_wins_over_an_older_local_one(tmp_path, ran_9, c
     assert "restoring from the local tier" not in out, "the persistent step 8 is newer than the local step 6"
     assert "restoring from the persistent tier: step 8" in out and "resumed from step 8" in out, out
     assert {r["step"]: r["loss"] for r in history} == {9: reference[9]}
+
+
+def test_another_layout_never_reads_the_local_tier(tmp_path, ran_9, capsys):
+    """A local step holds one layout's shards: 4 devices instead of 8 take the persistent tier,
+    even though the local step 6 is newer than the persistent step 4 left."""
+    run_dir, local_dir, reference = ran_9
+    copy_run, copy_local = tmp_path / "run", tmp_path / "local"
+    shutil.copytree(run_dir, copy_run)
+    for step in ("8", "9"):
+        shutil.rmtree(copy_run / "checkpoints" / step)
+    cfg = load_config(TINY, args(copy_run, copy_local, "train.steps=9", "mesh.data=4")[2:])
+    shutil.copytree(local_root(load_config(TINY, args(run_dir, local_dir)[2:])), local_root(cfg))
+    capsys.readouterr()
+    trainer.run(cfg, jax.devices()[:4])
+    out = capsys.readouterr().out
+    assert "restoring from the persistent tier: step 4" in out and "resumed from step 4" in out, out
+    assert sorted(os.listdir(local_root(cfg))) == ["data4-1p", "data8-1p"]
 
 
 def test_without_any_local_copy_the_run_resumes_from_the_persistent_tier(tmp_path, ran_9, capsys):
