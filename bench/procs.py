@@ -39,8 +39,8 @@ def cpu_env(devices: int) -> dict[str, str]:
 class Train:
     """`python train.py ARGS` with `devices` fake CPU devices; output collected line by line."""
 
-    def __init__(self, *args: str, devices: int = 8):
-        env = cpu_env(devices)
+    def __init__(self, *args: str, devices: int = 8, env: dict[str, str] | None = None):
+        env = {**cpu_env(devices), **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, os.path.join(ROOT, "train.py"), *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
@@ -100,10 +100,19 @@ class Train:
 def two_processes(*args: str, per_process: tuple[list[str], list[str]] = ([], []), heartbeat: int = 20) -> list[Train]:
     """`train.py ARGS` as processes 0 and 1 of one job on 127.0.0.1, 4 fake CPU devices each;
     `per_process` adds each one's own overrides (to make them disagree)."""
+    return processes(2, *args, per_process=per_process, heartbeat=heartbeat)
+
+
+def processes(n: int, *args: str, per_process: tuple[list[str], ...] | None = None, heartbeat: int = 20,
+              env: dict[int, dict[str, str]] | None = None) -> list[Train]:
+    """`train.py ARGS` as processes 0..n-1 of one job on 127.0.0.1, 8/n fake CPU devices each;
+    `per_process` adds each one's own overrides, `env` each one's own environment variables."""
     port = free_port()
-    common = [*args, f"dist.coordinator=127.0.0.1:{port}", "dist.num_processes=2",
+    common = [*args, f"dist.coordinator=127.0.0.1:{port}", f"dist.num_processes={n}",
               f"dist.heartbeat_timeout_s={heartbeat}", "dist.init_timeout_s=60"]
-    return [Train(*common, f"dist.process_id={i}", *per_process[i], devices=4) for i in range(2)]
+    extra = per_process or tuple([] for _ in range(n))
+    return [Train(*common, f"dist.process_id={i}", *extra[i], devices=8 // n, env=(env or {}).get(i, {}))
+            for i in range(n)]
 
 
 def run(*args: str, devices: int = 8, timeout: float = 120) -> tuple[int, str]:

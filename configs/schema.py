@@ -19,6 +19,7 @@ from annotated_types import MinLen
 
 from configs.fields import Range, choices
 from configs.post import DPOConfig
+from configs.straggler import StragglerConfig
 
 # The logical dim names the model gives its parameters and activations (model/layers.py,
 # model/transformer.py, the pipeline runner): the only keys a rules table may have, since a rule
@@ -335,6 +336,12 @@ class CheckpointConfig:
     """Write checkpoints in the background."""
     fresh_if_unreadable: bool = False
     """No readable checkpoint: start over instead of exit 2."""
+    local_dir: str = ""
+    """A node-local directory for the frequent local tier ("": one tier); see docs/checkpoints-and-faults.md."""
+    local_every: Annotated[int, Range(ge=0, hint="0: no local tier")] = 0
+    """Steps between local-tier checkpoints (below checkpoint.every)."""
+    local_keep: Annotated[int, Range(gt=0)] = 2
+    """Local-tier checkpoints kept per process."""
 
 
 @dataclass(kw_only=True)
@@ -418,6 +425,7 @@ class Config:
     dpo: DPOConfig = field(default_factory=DPOConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 

@@ -112,6 +112,19 @@ def _check_dist(cfg: Config) -> None:
     )
 
 
+def _check_checkpoint(cfg: Config) -> None:
+    c = cfg.checkpoint
+    _require(bool(c.local_dir) or c.local_every == 0, "checkpoint.local_dir",
+             f"empty, but checkpoint.local_every={c.local_every} asks for a local tier: set a node-local directory")
+    _require(not c.local_dir or c.local_every > 0, "checkpoint.local_every",
+             f"0, but checkpoint.local_dir={c.local_dir} asks for a local tier: set the steps between its checkpoints")
+    f = cfg.straggler.factor
+    _require(f == 0 or f > 1, "straggler.factor", f"must be 0 (off) or above 1, got {f}")
+    _require(c.local_every < c.every or not c.local_dir, "checkpoint.local_every",
+             f"{c.local_every} is not below checkpoint.every={c.every}: the local tier would save no more often "
+             "than the persistent one")
+
+
 def _check_logical_name(key: str, logical: str) -> None:
     if logical in LOGICAL_AXES:
         return
@@ -143,6 +156,7 @@ def validate_static(cfg: Config) -> None:
     trackers = cfg.run.trackers
     _require(len(set(trackers)) == len(trackers), "run.trackers", f"names a tracker twice: {trackers}")
     _check_dist(cfg)
+    _check_checkpoint(cfg)
     nan_steps(cfg)
     _check_profile(cfg)
     _check_sharding(cfg)

@@ -153,6 +153,8 @@ EXPLICIT: dict[str, tuple[Any, list[str]]] = {
     "run.trackers": (["tensorboard", "mlflow"], []),
     "eval.tasks": (["stdlib_words", "hellaswag"], []),
     "dist.coordinator": ("10.0.0.1:1234", []),
+    "checkpoint.local_dir": ("/local/ckpt", ["checkpoint.local_every=10"]),
+    "checkpoint.local_every": (10, ["checkpoint.local_dir=/local/ckpt"]),
     "debug.nan_steps": ("3,7", []),
     "profile.steps": ([1, 2], []),
     "sharding.params": ({"embed": None, "heads": "tensor"}, []),

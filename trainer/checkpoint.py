@@ -34,6 +34,7 @@ from configs import Config, ConfigError, load_config
 from configs.schema import CheckpointConfig
 from model.transformer import param_shapes
 from trainer.state import TrainState
+from trainer.tiers import LocalTier
 
 # Keys a resumed run must share with the run that wrote the checkpoints: they fix the shapes
 # of the state, or which example comes at which step (exact data continuation).
@@ -263,7 +264,12 @@ class Checkpointer:
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
         self.library_log = LibraryLog(library_log_path(os.path.dirname(self.directory)))
+        self.local: LocalTier | None = None  # the local tier, when checkpoint.local_dir is set (attach_local)
+        self.restored_tier = ""  # "local" or "persistent" once restore_latest has found a step
         self._closed = False
+
+    def attach_local(self, local: LocalTier) -> None:
+        self.local = local
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -296,6 +302,12 @@ class Checkpointer:
         None when there are none, or none readable and `checkpoint.fresh_if_unreadable`; otherwise
         NoReadableCheckpoint."""
         steps = sorted(self.manager.all_steps(), reverse=True)
+        if self.local is not None:
+            found = self.local.restore_newer_than(steps[0] if steps else None, target, iterator, warn)
+            if found is not None:
+                self.restored_tier = "local"
+                return found
+        self.restored_tier = "persistent"
         damaged: dict[int, str] = {}  # step -> why it cannot be read
         for step in steps:
             state, reason = None, ""
@@ -358,6 +370,8 @@ class Checkpointer:
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
+        if self.local is not None:
+            self.local.wait()
 
     def close(self) -> None:
         """Waits for saves in flight and stops the library log; a second call does nothing."""
@@ -365,6 +379,8 @@ class Checkpointer:
             return
         self._closed = True
         try:
+            if self.local is not None:
+                self.local.close()
             self.manager.close()
         finally:
             self.library_log.stop()

@@ -14,8 +14,10 @@ import dataclasses
 import faulthandler
 import hashlib
 import itertools
+import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -25,6 +27,8 @@ import jax
 
 from configs import Config
 from sharding.distributed import FINISHED, peer_beats, publish_beat
+from trainer.metrics import log
+from trainer.stragglers import StepClock, find_stragglers, own_means
 
 EXIT_BAD_STEPS = 3
 EXIT_HUNG = 4
@@ -128,13 +132,19 @@ class Watchdog:
     it has beaten in this run: processes start their watchdogs after compiling, some later than
     others (one that dies before is the coordination service's to detect)."""
 
-    def __init__(self, step_timeout_s: float, peer_timeout_s: float = 20.0, poll_s: float = 1.0):
+    def __init__(self, step_timeout_s: float, peer_timeout_s: float = 20.0, poll_s: float = 1.0,
+                 clock: StepClock | None = None, straggler_factor: float = 0.0, straggler_steps: int = 5):
         self.timeout = step_timeout_s
         self.peer_timeout = peer_timeout_s
         self.poll = poll_s
         self.run = next(_RUNS)
+        self.clock, self.factor, self.k = clock, straggler_factor, straggler_steps
+        self.peers: dict[int, dict] = {}  # what each process published last: host, arrived step, own times
+        self._named: set[int] = set()  # stragglers named and not yet caught up
+        self._host = socket.gethostname()
         self._last = time.monotonic()
         self._step = 0
+        self._arrived = 0  # the last step this process dispatched
         self._armed = False
         self._beats = 0
         self._seen: dict[int, tuple[str, float]] = {}  # peer -> (its last heartbeat, when it changed here)
@@ -144,6 +154,10 @@ class Watchdog:
 
     def beat(self, step: int) -> None:
         self._step, self._last, self._armed = step, time.monotonic(), True
+
+    def arrive(self, step: int) -> None:
+        """This process dispatches `step`: a hung step names the processes that have not."""
+        self._arrived = step
 
     def pause(self) -> None:
         self._armed = False
@@ -161,9 +175,12 @@ class Watchdog:
     def dead_peers(self) -> list[int]:
         """Publishes this process's heartbeat; returns the peers whose heartbeat stood still too long."""
         self._beats += 1
-        publish_beat(self.run, str(self._beats))
+        samples = list(self.clock.samples) if self.clock is not None else []
+        publish_beat(self.run, json.dumps({"n": self._beats, "host": self._host, "arrived": self._arrived, "own": samples}))
         now, dead = time.monotonic(), []
         for peer, value in peer_beats(self.run).items():
+            if value != FINISHED:
+                self.peers[peer] = json.loads(value)
             last, since = self._seen.get(peer, ("", now))
             if value != last:
                 self._seen[peer] = (value, now)
@@ -191,11 +208,39 @@ class Watchdog:
                     EXIT_PEER_LOST,
                     False,
                 )
+            self._name_stragglers()
             waited = time.monotonic() - self._last
             if self._armed and self.timeout and waited > self.timeout:
                 _fatal(
-                    f"step {self._step + 1} has run {waited:.0f} s, more than train.step_timeout_s={self.timeout:g}; "
-                    "stacks of every thread follow",
+                    f"step {self._step + 1} has run {waited:.0f} s, more than train.step_timeout_s={self.timeout:g}"
+                    f"{self._not_arrived()}; stacks of every thread follow",
                     EXIT_HUNG,
                     True,
                 )
+
+    def own_times(self) -> dict[str, float]:
+        """Each process's mean own seconds per step, as last published (metrics: `own_s/p<i>`)."""
+        return own_means({p: [tuple(r) for r in v.get("own", [])][-self.k:] for p, v in self.peers.items()})
+
+    def _name_stragglers(self) -> None:
+        """Process 0 names each process slow for the last `straggler.steps` steps, once until it
+        catches up."""
+        if jax.process_index() != 0 or self.clock is None or len(self.peers) < 2:
+            return
+        samples = {p: [tuple(r) for r in v.get("own", [])] for p, v in self.peers.items()}
+        slow = find_stragglers(samples, self.factor, self.k)
+        for p, own, median in slow:
+            if p not in self._named:
+                log(f"straggler: process {p} (host {self.peers[p].get('host', '?')}) spent {own:.3f} s per step on its "
+                    f"own over the last {self.k} steps, {own / max(median, 1e-9):.1f}x the others' "
+                    f"median {median:.3f} s; every process waits for it (straggler.factor={self.factor:g})")
+        self._named = {p for p, _, _ in slow}
+
+    def _not_arrived(self) -> str:
+        """', process(es) [1] (host h) had not dispatched it' from the coordination service's view,
+        or '' when every process has (or there is one)."""
+        late = [p for p, v in sorted(self.peers.items()) if v.get("arrived", self._arrived) < self._arrived]
+        if not late:
+            return ""
+        hosts = ", ".join(sorted({str(self.peers[p].get("host", "?")) for p in late}))
+        return f"; process(es) {late} (host {hosts}) had not dispatched it (the coordination service's view)"

@@ -35,6 +35,8 @@ from trainer.observe import last_value, read_metrics
 
 SUMMARY = "summary.json"
 BUCKETS = ("init", "compile", "first_execution", "checkpoint", "eval", "data_wait", "profile", "recompute")
+RESTART = ("init", "compile", "first_execution", "recompute")
+TIERS = ("local", "persistent")
 
 
 def invocation_outcome(error: BaseException | None) -> str:
@@ -57,6 +59,7 @@ class Goodput:
         self.high_water = 0  # the highest step logged before this invocation
         self.first_step_s: float | None = None  # the invocation's first step, dispatch to completion (the loop)
         self.cleanup: list[Callable[[], None]] = []  # run by `finish` first (e.g. stop an open trace)
+        self.tier = ""  # the checkpoint tier this invocation resumed from ("local", "persistent"; "": none)
 
     def lap(self, name: str) -> None:
         now = time.perf_counter()
@@ -129,6 +132,10 @@ class Goodput:
             "start_step": self.start,
             "end_step": end,
             "recomputed_steps": again,
+            "restored_from": self.tier or None,
+            # What resuming cost this invocation: start-up and restore, compile, the first run of the
+            # program, and the steps run again since the restored step.
+            "restart_s": sum(seconds[k] for k in RESTART) if self.tier else 0.0,
             "devices": logger.num_devices,
             "wall_s": wall,
             "seconds": seconds,
@@ -184,6 +191,7 @@ def _update(cfg: Config, invocation: dict[str, Any]) -> dict[str, Any]:
         "wall_s": wall,
         "seconds": dict(seconds),
         "recomputed_steps": sum(inv["recomputed_steps"] for inv in invocations),
+        "restarts_by_tier": _restarts_by_tier(invocations),
         "invocations": invocations,
     }
     path = os.path.join(cfg.run.dir, SUMMARY)
@@ -191,6 +199,20 @@ def _update(cfg: Config, invocation: dict[str, Any]) -> dict[str, Any]:
         json.dump(summary, f, indent=1)
     os.replace(path + ".tmp", path)  # a reader never sees half a file
     return summary
+
+
+def _restarts_by_tier(invocations: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per checkpoint tier resumed from: how many restarts, the seconds they cost and the steps
+    they ran again (invocations written before tiers existed count as none)."""
+    out: dict[str, dict[str, float]] = {}
+    for inv in invocations:
+        tier = inv.get("restored_from")
+        if tier:
+            row = out.setdefault(tier, {"restarts": 0, "restart_s": 0.0, "recomputed_steps": 0})
+            row["restarts"] += 1
+            row["restart_s"] += inv.get("restart_s", 0.0)
+            row["recomputed_steps"] += inv["recomputed_steps"]
+    return out
 
 
 def _pct(x: float | None) -> str:
@@ -223,4 +245,9 @@ def describe(summary: dict[str, Any]) -> list[str]:
             f"over {n} invocations of this run.dir: goodput {_pct(summary['goodput'])} of "
             f"{summary['wall_s']:.1f} s wall, {summary['recomputed_steps']} steps recomputed"
         )
+    tiers = summary.get("restarts_by_tier") or {}
+    if tiers:
+        lines.append("restarts: " + "; ".join(
+            f"from the {t} tier {r['restarts']}x, {r['restart_s']:.1f} s lost ({r['recomputed_steps']} steps recomputed)"
+            for t in TIERS if (r := tiers.get(t))))
     return lines

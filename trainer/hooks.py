@@ -4,8 +4,9 @@ interval (docs/design.md, "From config to checkpoint").
 - `StepLog` reads each step's `finite` flag one step late (so the device never waits on the
   host), counts non-finite steps and stops after `train.max_bad_steps` in a row, and writes the
   metrics of the steps due (`train.log_every`, the first and last, and any step another hook acts on).
-- `CheckpointHook` saves at `checkpoint.every`, at the last step and on a stop signal, never a
-  state reached only through bad steps.
+- `CheckpointHook` saves at `checkpoint.every`, at the last step and on a stop signal, and into
+  the local tier at `checkpoint.local_every` (trainer.tiers), never a state reached only through
+  bad steps.
 - `EvalHook` runs the held-out loss at `eval.every` and the last step.
 - `trainer.tasks.TaskHook` runs the lm-evaluation-harness tasks of `eval.tasks` at
   `eval.tasks_every` and the last step; a failing task is one warning line, never the run's end.
@@ -17,7 +18,7 @@ interval (docs/design.md, "From config to checkpoint").
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 import grain
 import jax
@@ -56,6 +57,7 @@ class StepLog:
         self.cfg, self.start, self.logger, self.goodput = cfg, start, logger, goodput
         self.streak = self.skipped = 0
         self.saved = saved  # the newest checkpointed step; None: there is none
+        self.process_times: Callable[[], dict[str, float]] | None = None  # several processes: own_s/p<i>
 
     def settle(self, step: int, metrics: dict, force_log: bool = False) -> None:
         cfg = self.cfg
@@ -68,7 +70,8 @@ class StepLog:
                 f"({self.streak} in a row)")
         stopping = self.streak >= cfg.train.max_bad_steps
         if stopping or force_log or step % cfg.train.log_every == 0 or step in (self.start + 1, cfg.train.steps):
-            self.logger.write(step, {**metrics, "skipped_steps": self.skipped})
+            times = self.process_times() if self.process_times is not None else {}
+            self.logger.write(step, {**metrics, "skipped_steps": self.skipped, **times})
         if stopping:
             # The step after this one has been dispatched, but the run ends here: the summary
             # counts up to this step, as the error does.
@@ -87,13 +90,20 @@ class CheckpointHook(Hook):
         self.last, self.ckpt, self.iterator, self.book, self.goodput = cfg.train.steps, ckpt, iterator, book, goodput
 
     def due(self, step: int, stopping: bool) -> bool:
+        return self._persistent(step, stopping) or (self.ckpt.local is not None and self.ckpt.local.due(step))
+
+    def _persistent(self, step: int, stopping: bool) -> bool:
         return stopping or step == self.last or self.ckpt.due(step)
 
     def run(self, step: int, state: TrainState, stopping: bool) -> None:
         if self.book.streak and not stopping:  # never save a state reached only through bad steps
             return
+        # A step the persistent tier saves is not saved locally too: one copy off the devices per step.
         with self.goodput.phase("checkpoint"):
-            self.ckpt.save(step, state, self.iterator)
+            if self._persistent(step, stopping):
+                self.ckpt.save(step, state, self.iterator)
+            else:
+                self.ckpt.local.save(step, state, self.iterator)
         self.book.saved = step
 
 

@@ -39,6 +39,8 @@ from trainer.metrics import MetricsLogger, log
 from trainer.observe import instrument
 from trainer.program import Program, RunSpec, make_program, prepare
 from trainer.state import TrainState, init_state, param_count, state_from_params
+from trainer.stragglers import StepClock, injected_sleep
+from trainer.tiers import LocalTier
 from trainer.xla_env import set_cpu_device_count, use_compile_cache
 
 
@@ -106,6 +108,11 @@ def make_session(spec: RunSpec, devices: list, schedule_note: str = "") -> Sessi
     from_hf = bool(cfg.init.from_hf) and not has_checkpoints(cfg.run.dir)  # checked by `prepare`
     program = make_program(spec, devices)
     ckpt = Checkpointer(checkpoint_dir(cfg.run.dir), cfg.checkpoint)
+    if cfg.checkpoint.local_dir:
+        ckpt.attach_local(LocalTier(cfg, program.mesh, program.abstract_state()))
+        if jax.process_count() > 1 and not ckpt.local.peers:
+            log("warning: no other process holds a copy of this process's shards (mesh.data does not span "
+                "processes): a lost host's local checkpoints are lost, the persistent tier remains")
     iterator = make_iterator(cfg, source)
     log(describe(source, cfg))
     eval_rows: list = []
@@ -135,6 +142,8 @@ def make_session(spec: RunSpec, devices: list, schedule_note: str = "") -> Sessi
             start, state = 0, init_state(cfg.model, program.tx, cfg.run.seed, program.state_sh)
         else:
             start, state = restored
+            if ckpt.local is not None and ckpt.restored_tier == "persistent":
+                log(f"restoring from the persistent tier: step {start}")
             log(f"resumed from step {start}")
             if schedule_note and start < cfg.train.steps:
                 log(schedule_note)
@@ -188,6 +197,7 @@ def run(cfg: Config, devices: list | None = None) -> list[dict[str, Any]]:
 
 def _run_holding_the_lock(spec: RunSpec, devices: list, goodput: Goodput, schedule_note: str) -> list[dict[str, Any]]:
     session = make_session(spec, devices, schedule_note)
+    goodput.tier = session.ckpt.restored_tier if session.start > 0 else ""
     try:
         return _train(spec.cfg, session, devices, goodput)
     finally:
@@ -210,9 +220,15 @@ def _train(cfg: Config, session: Session, devices: list, goodput: Goodput) -> li
     hooks = make_hooks(cfg, session.program, session.ckpt, session.iterator, session.eval_rows, book, logger, goodput)
     goodput.lap("compile")
     step_fn = instrument(step_fn, session.start, goodput)
-    stop, watchdog = StopSignal(), Watchdog(cfg.train.step_timeout_s, cfg.dist.heartbeat_timeout_s)
+    # More steps than compared: processes publish them at different moments (trainer.stragglers).
+    clock = StepClock(2 * cfg.straggler.steps + 8)
+    stop = StopSignal()
+    watchdog = Watchdog(cfg.train.step_timeout_s, cfg.dist.heartbeat_timeout_s, clock=clock,
+                        straggler_factor=cfg.straggler.factor, straggler_steps=cfg.straggler.steps)
+    if jax.process_count() > 1:
+        book.process_times = watchdog.own_times
     try:
-        _loop(cfg, session, step_fn, book, hooks, logger, stop, watchdog, goodput)
+        _loop(cfg, session, step_fn, book, hooks, logger, stop, watchdog, goodput, clock)
     finally:
         watchdog.close()
         stop.restore()
@@ -234,9 +250,10 @@ def _timed(batches: Iterator, logger: MetricsLogger) -> Iterator:
 
 
 def _loop(cfg: Config, session: Session, step_fn: Any, book: StepLog, hooks: list[Hook], logger: MetricsLogger,
-          stop: StopSignal, watchdog: Watchdog, goodput: Goodput) -> None:
+          stop: StopSignal, watchdog: Watchdog, goodput: Goodput, clock: StepClock) -> None:
     """Runs the steps; after each, the previous step's metrics are settled (one step late) and
-    the hooks that are due act, in order, on the step just dispatched."""
+    the hooks that are due act, in order, on the step just dispatched. `clock` times this
+    process's own part of each step (trainer.stragglers)."""
     state, last, ckpt = session.state, cfg.train.steps, session.ckpt
     local = session.iterator
     if cfg.debug.nan_steps:
@@ -247,27 +264,37 @@ def _loop(cfg: Config, session: Session, step_fn: Any, book: StepLog, hooks: lis
     previous: tuple[int, dict] | None = None  # the step before, whose flag we read one step late
     for hook in hooks:
         hook.begin(session.start)
+    sleep_s = injected_sleep()
+    clock.restart()
     for done in range(session.start + 1, last + 1):
         batch = next(batches)
-        if done == session.start + 1:  # run to its end: its one-time set-up is counted apart (goodput)
-            t0 = time.perf_counter()
-            state, metrics = jax.block_until_ready(step_fn(state, batch))
-            goodput.first_step_s = time.perf_counter() - t0
-        else:
-            state, metrics = step_fn(state, batch)
+        if sleep_s:
+            time.sleep(sleep_s)
+        watchdog.arrive(done)
+        with clock.waiting():
+            if done == session.start + 1:  # run to its end: its one-time set-up is counted apart (goodput)
+                t0 = time.perf_counter()
+                state, metrics = jax.block_until_ready(step_fn(state, batch))
+                goodput.first_step_s = time.perf_counter() - t0
+            else:
+                state, metrics = step_fn(state, batch)
+            if previous is not None:
+                book.settle(*previous)
         if previous is not None:
-            book.settle(*previous)
             watchdog.beat(previous[0])
         previous = (done, metrics)
         stopping = stop.requested(done)
         due = [hook for hook in hooks if hook.due(done, stopping)]
+        clock.lap(done)
         if due:
-            book.settle(done, metrics, force_log=stopping)  # a hook acts on a settled step
+            with clock.waiting():
+                book.settle(done, metrics, force_log=stopping)  # a hook acts on a settled step
             previous = None
             for hook in due:
                 hook.run(done, state, stopping)
             logger.start(done)  # the save's blocking part and eval are not step time
             watchdog.beat(done)
+            clock.restart()
         if stopping:
             watchdog.pause()
             with goodput.phase("checkpoint"):

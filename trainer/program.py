@@ -42,6 +42,7 @@ from trainer.layout import Layout, plan_layout
 from trainer.optimizer import make_optimizer
 from trainer.state import AbstractModel, TrainState, abstract_model, abstract_state, state_shardings
 from trainer.step import make_loss_fn, make_train_step
+from trainer.tiers import check_local_dir
 from trainer.trackers import check_trackers
 
 
@@ -66,6 +67,7 @@ def prepare(cfg: Config, num_devices: int, with_data: bool = True) -> RunSpec:
     if not with_data:
         return RunSpec(cfg, layout, model)
     check_resumable(cfg)
+    check_local_dir(cfg)
     check_trackers(cfg)
     if cfg.init.from_hf and not has_checkpoints(cfg.run.dir):  # once the run has checkpoints it resumes from them
         hf.check_compatible(cfg.model, cfg.init.from_hf)

@@ -1,0 +1,184 @@
+"""The local checkpoint tier: frequent checkpoints on each host's own disk, held by a peer too.
+
+Orbax's emergency peer-to-peer manager (`orbax.checkpoint.experimental.emergency.p2p`) does the
+work: every process writes its own shards of the state and the Grain iterator's position into its
+node-local directory every `checkpoint.local_every` steps, and on restore a process that lacks a
+step (a replaced host starts with an empty disk) fetches its shards over TCP from the process
+holding the same shards in another data-parallel replica (the mesh's `data` axis). A step counts
+as complete when every shard is held by some process. The persistent tier stays the run's
+`Checkpointer` (run.dir/checkpoints); `Checkpointer.restore_latest` asks this tier first and takes
+its step when it is newer than the persistent tier's newest.
+
+Each process has its own folder, `checkpoint.local_dir/<run>/<layout>/process<i>` (several
+processes may share a host's disk), where <run> names run.dir so that another run's local steps
+are never read, and <layout> the mesh and process count (`layout_tag`).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import logging
+import os
+import shutil
+from typing import Callable
+
+import grain
+import grain.python as pygrain
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+from orbax.checkpoint._src.multihost import multislice
+from orbax.checkpoint.experimental.emergency.p2p import args as p2p_args
+from orbax.checkpoint.experimental.emergency.p2p import checkpoint_manager as p2p
+from orbax.checkpoint.experimental.emergency.p2p import options as p2p_options
+
+from configs import Config, ConfigError
+from configs.schema import MESH_AXES
+from trainer.state import TrainState
+
+# Parameters and optimizer state are replicated over `data`: its replicas hold the same shards.
+REPLICA_AXIS = "data"
+
+
+def local_root(cfg: Config) -> str:
+    """checkpoint.local_dir/<run.dir's name>-<a hash of its absolute path>: the run's local tier."""
+    run_dir = os.path.abspath(cfg.run.dir)
+    digest = hashlib.sha256(run_dir.encode()).hexdigest()[:10]
+    return os.path.join(os.path.abspath(cfg.checkpoint.local_dir), f"{os.path.basename(run_dir)}-{digest}")
+
+
+def layout_tag(sizes: dict[str, int], processes: int) -> str:
+    """'data8-2p': the mesh's axes above 1 and the process count. A local step holds one layout's
+    shards, each process only its own: another layout would find chunks missing, which a read may
+    fill with zeros, so each layout has its own folder and another layout resumes from the
+    persistent tier."""
+    return "-".join([f"{a}{n}" for a, n in sizes.items() if n > 1] or ["one"]) + f"-{processes}p"
+
+
+def process_dir(cfg: Config, layout: str, index: int) -> str:
+    """The folder of process `index` of a `layout` (layout_tag) in the run's local tier."""
+    return os.path.join(local_root(cfg), layout, f"process{index}")
+
+
+def check_local_dir(cfg: Config) -> None:
+    """checkpoint.local_dir must be a directory this process can write, or creatable (its nearest
+    existing ancestor writable). Raises ConfigError; writes nothing."""
+    if not cfg.checkpoint.local_dir:
+        return
+    path = os.path.abspath(cfg.checkpoint.local_dir)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"checkpoint.local_dir={cfg.checkpoint.local_dir}: {path} is not a writable directory")
+
+
+def _everywhere(ok: bool) -> bool:
+    if jax.process_count() == 1:
+        return ok
+    return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
+
+
+def _gathered(value: int) -> list[int]:
+    """`value` of every process, by process index."""
+    if jax.process_count() == 1:
+        return [value]
+    return [int(v) for v in multihost_utils.process_allgather(np.array(value))]
+
+
+class LocalTier:
+    """The run's local checkpoints, through Orbax's P2P emergency checkpoint manager."""
+
+    def __init__(self, cfg: Config, mesh: Mesh, abstract: TrainState):
+        self.every = cfg.checkpoint.local_every
+        self.directory = process_dir(cfg, layout_tag(dict(mesh.shape), jax.process_count()), jax.process_index())
+        _drop_half_written(self.directory)
+        os.makedirs(self.directory, exist_ok=True)
+        options = p2p_options.CheckpointManagerOptions(
+            local=p2p_options.LocalCheckpointOptions(save_interval_steps=self.every, max_to_keep=cfg.checkpoint.local_keep),
+            replica_axis_index=MESH_AXES.index(REPLICA_AXIS),
+        )
+        logging.getLogger("absl").addFilter(_not_routine)
+        self.manager = p2p.CheckpointManager(mesh, abstract, self.directory, None, options=options)
+        self.peers = _peers_hold_copies(mesh)
+        self._closed = False
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def save(self, step: int, state: TrainState, iterator: grain.DatasetIterator) -> None:
+        """Starts an asynchronous save of this process's shards and data position."""
+        args = p2p_args.Composite(state=ocp.args.PyTreeSave(state), data_iter=pygrain.PyGrainCheckpointSave(iterator))
+        self.manager.save(step, args=args, force=True)
+
+    def latest_step(self) -> int | None:
+        """The newest step whose every shard some process holds (the same on every process)."""
+        return self.manager.latest_step()
+
+    def restore_newer_than(
+        self, persistent: int | None, target: TrainState, iterator: grain.DatasetIterator, log: Callable[[str], None]
+    ) -> tuple[int, TrainState] | None:
+        """The newest complete local step if it is newer than `persistent` (the persistent tier's
+        newest step) and every process restores it (from its own disk or a peer's); else None,
+        with one warning line when a newer local step could not be restored."""
+        step = self.latest_step()
+        if step is None or (persistent is not None and step <= persistent):
+            return None
+        had = _gathered(int(os.path.isdir(os.path.join(self.directory, str(step)))))
+        state, reason = None, ""
+        try:
+            restored = self.manager.restore(step, args=p2p_args.Composite(
+                state=ocp.args.PyTreeRestore(target), data_iter=pygrain.PyGrainCheckpointRestore(iterator)))
+            state = restored.state
+        except Exception as e:  # a peer gone, a fetch cut short, unreadable files: the persistent tier remains
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if not _everywhere(state is not None):
+            log(f"warning: local checkpoint step {step} cannot be restored on every process ({reason or 'on another process'}); "
+                f"using the persistent tier")
+            return None
+        fetched = [i for i, h in enumerate(had) if not h]
+        source = f"process(es) {fetched} fetched their shards from peers" if fetched else "every process from its own disk"
+        older = "none" if persistent is None else f"step {persistent}"
+        log(f"restoring from the local tier: step {step} ({source}); the persistent tier's newest is {older}")
+        return step, state
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            try:
+                self.manager.close()
+            finally:
+                logging.getLogger("absl").removeFilter(_not_routine)
+
+
+# Warnings the P2P manager logs on every save or start that say nothing is wrong.
+ROUTINE = ("Global object size logging disabled", "Local scan: No steps found", "Local scan: Directory not found")
+
+
+def _not_routine(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(ROUTINE)
+
+
+def _peers_hold_copies(mesh: Mesh) -> bool:
+    """Whether every process's shards are also held by another process (a replica of `data` on
+    other processes): only then does a lost host lose no local step."""
+    axis = MESH_AXES.index(REPLICA_AXIS)
+    owners: dict[int, set[int]] = {}  # process -> the processes of the other replicas, by position
+    for r in range(multislice.replica_count(mesh, replica_axis_index=axis)):
+        devices = multislice.replica_devices(mesh, replica_axis_index=axis, replica_id=r).flatten()
+        for position, d in enumerate(devices):
+            owners.setdefault(position, set()).add(d.process_index)
+    return all(len(procs) > 1 for procs in owners.values())
+
+
+def _drop_half_written(directory: str) -> None:
+    """A save cut short leaves Orbax's temporary folder, never a step: it is removed, one line each
+    (from the process whose disk held it)."""
+    for path in sorted(glob.glob(os.path.join(directory, "*.orbax-checkpoint-tmp*"))):
+        print(f"warning: skipped a half-written local checkpoint {path} (removed)", flush=True)
+        shutil.rmtree(path, ignore_errors=True)
