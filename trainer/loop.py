@@ -128,7 +128,7 @@ def make_session(spec: RunSpec, devices: list, schedule_note: str = "") -> Sessi
         restored = ckpt.restore_latest(program.abstract_state(), iterator, warn=log)
         if restored is None and from_hf:
             params = hf.load_params(cfg.init.from_hf, cfg.model, program.state_sh.params)
-            start, state = 0, state_from_params(params, program.tx, program.state_sh)
+            start, state = 0, state_from_params(params, program.tx, program.state_sh, cfg.model, cfg.run.seed)
             log(f"initialized the parameters from {cfg.init.from_hf} (init.from_hf)")
         elif restored is None:
             start, state = 0, init_state(cfg.model, program.tx, cfg.run.seed, program.state_sh)

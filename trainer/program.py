@@ -35,6 +35,7 @@ from sharding import (
 )
 from sharding.cast import cast_for_compute
 from model import hf
+from model.lora import trainable
 from trainer.checkpoint import check_resumable, has_checkpoints
 from trainer.checks import check_divisible
 from trainer.compute import Compute, build_compute
@@ -75,7 +76,7 @@ def sharded_optimizer(spec: RunSpec, mesh: Mesh | AbstractMesh) -> tuple[optax.G
                                                                            TrainState]:
     """The optimizer, its learning-rate schedule, and the state's shardings on `mesh` (a real one,
     or an abstract one for counting bytes without devices)."""
-    tx, schedule = make_optimizer(spec.cfg.optim, spec.cfg.train.steps, spec.model.axes)
+    tx, schedule = make_optimizer(spec.cfg.optim, spec.cfg.train.steps, trainable(spec.model.axes))
     params = shardings(spec.model.axes, spec.layout.param_rules, mesh)
     return tx, schedule, state_shardings(tx, spec.model.shapes, params, mesh)
 
