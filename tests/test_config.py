@@ -148,6 +148,7 @@ EXPLICIT: dict[str, tuple[Any, list[str]]] = {
     "optim.schedule": ("linear", []),
     "optim.name": ("muon", []),
     "run.trackers": (["tensorboard", "mlflow"], []),
+    "model.lora.targets": (["q", "v", "down"], ["model.lora.rank=4"]),
     "dist.coordinator": ("10.0.0.1:1234", []),
     "debug.nan_steps": ("3,7", []),
     "profile.steps": ([1, 2], []),
