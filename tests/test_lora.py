@@ -169,11 +169,27 @@ def test_the_optimizer_holds_state_for_the_adapters_only(runs):
     assert sum(x.size for x in moments) == 2 * adapter_bytes  # AdamW: mu and nu of each adapter, nothing else
 
 
-def test_eight_devices_agree_with_one_step_by_step(runs):
+@pytest.mark.parametrize("name, layout, devices", [
+    ("layout", LAYOUT, 8),
+    ("pipeline", ["mesh.data=1", "mesh.pipeline=2", "pipeline.microbatches=4"], 2),
+])
+def test_other_layouts_agree_with_one_device_step_by_step(runs, name, layout, devices):
     one = losses(runs("one", "mesh.data=1", devices=1)[1])
-    eight = losses(runs("layout", *LAYOUT)[1])
+    other = losses(runs(name, *layout, devices=devices)[1])
     assert one[-1] < one[0] - 0.1, "a comparison of flat curves proves nothing"
-    np.testing.assert_allclose(eight, one, rtol=2e-5)
+    np.testing.assert_allclose(other, one, rtol=2e-5)
+
+
+def test_adapters_shard_with_their_weights(hf_dir, tmp_path):
+    from trainer.program import abstract_program
+
+    cfg = lora_config(hf_dir, str(tmp_path / "run"), "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+    sh = abstract_program(cfg).state_sh.params["layers"]
+    for module, name in (("attn", "q"), ("attn", "o"), ("mlp", "down")):
+        n_in = lora.TARGETS[name][1]
+        w, a, b = (sh[module][name + s].spec for s in ("", *lora.SUFFIXES))
+        assert tuple(a) == tuple(w[: 1 + n_in]) + (None,) and tuple(b) == (w[0], None) + tuple(w[1 + n_in:])
+        assert any(w[1:]), (name, w)  # the weight itself is split over the mesh
 
 
 def test_resume_is_bitwise_exact(runs, hf_dir, tmp_path, capsys):

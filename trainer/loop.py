@@ -25,6 +25,7 @@ from configs import Config, dump_config
 from configs.schema import nan_steps
 from data import describe, eval_batches, global_batches, make_iterator
 from model import flops_per_token, hf
+from model.lora import trainable
 from planner.hardware import peak_flops_of_kind
 from sharding import distributed
 from trainer import rundir_lock
@@ -117,6 +118,8 @@ def make_session(spec: RunSpec, devices: list, schedule_note: str = "") -> Sessi
         f"mesh {' x '.join(f'{a}={s}' for a, s in layout.sizes.items())} on {len(devices)} "
         f"{devices[0].platform} devices, {jax.process_count()} process(es); "
         f"{param_count(spec.model.shapes) / 1e6:.2f}M parameters"
+        + (f", {param_count(trainable(spec.model.shapes)) / 1e6:.3f}M of them trained (LoRA adapters; the rest frozen)"
+           if cfg.model.lora.enabled else "")
     )
     for note in attention_notes(cfg):
         log(note)
