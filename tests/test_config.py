@@ -13,7 +13,7 @@ import pytest
 from configs import Config, ConfigError, all_keys, dump_config, load_config
 from conftest import ROOT
 
-PRESETS = ["tiny", "llama3-1b", "llama3-3b", "llama3-8b", "llama3-70b"]
+PRESETS = ["tiny", "lora-tiny", "llama3-1b", "llama3-3b", "llama3-8b", "llama3-70b"]
 
 
 @pytest.mark.parametrize("name", PRESETS)
