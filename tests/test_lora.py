@@ -129,6 +129,20 @@ def test_adapters_carry_their_weights_logical_axes():
     assert mlp["down_lora_a"] == ("layers", "mlp", "lora_rank") and mlp["gate_lora_b"] == ("layers", "lora_rank", "mlp")
 
 
+def test_model_flops_count_no_weight_gradient_for_the_base():
+    """A LoRA step's model FLOPs: 4 per frozen matmul parameter (forward and input gradient), 6 per
+    adapter parameter, counted here from the model's own adapter arrays."""
+    from model.flops import flops_per_token, matmul_params
+
+    base = load_config(os.path.join(ROOT, "configs", "tiny.yaml")).model
+    cfg = dataclasses.replace(base, lora=LoraConfig(rank=4, targets=list(LORA_TARGETS)))
+    shapes = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))))
+    adapters = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(lora.split(shapes)[0]))
+    attention = 6.0 * base.num_layers * base.seq_len * base.d_model
+    assert flops_per_token(base) == 6.0 * matmul_params(base) + attention
+    assert flops_per_token(cfg) == 4.0 * matmul_params(base) + 6.0 * adapters + attention
+
+
 @pytest.mark.parametrize("targets, message", [
     ("[]", "model.lora.targets: names no projection"),
     ("[q,qkv]", "model.lora.targets: 'qkv' is not one of q, k, v, o, gate, up, down"),
