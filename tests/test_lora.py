@@ -40,8 +40,9 @@ STEPS = 4
 TOKENS = np.random.RandomState(0).randint(0, 264, (2, 12))
 CPU0 = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", f"model.lora.targets=[{','.join(LORA_TARGETS)}]"]
-COMMON = ["train.log_every=1", f"train.steps={STEPS}", f"optim.decay_steps={STEPS}", "optim.warmup_steps=1", "optim.lr=1e-2",
-          "checkpoint.every=2", *LORA]
+TRAIN = ["train.log_every=1", f"train.steps={STEPS}", f"optim.decay_steps={STEPS}", "optim.warmup_steps=1", "optim.lr=1e-2",
+         "checkpoint.every=2"]
+COMMON = [*TRAIN, *LORA]
 LAYOUT = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
 
 
@@ -185,13 +186,29 @@ def test_the_optimizer_holds_state_for_the_adapters_only(runs):
 
 @pytest.mark.parametrize("name, layout, devices", [
     ("layout", LAYOUT, 8),
-    ("pipeline", ["mesh.data=1", "mesh.pipeline=2", "pipeline.microbatches=4"], 2),
+    ("context", ["mesh.data=2", "mesh.context=2", "mesh.tensor=2"], 8),
+    ("gpipe", ["mesh.data=1", "mesh.pipeline=2", "pipeline.microbatches=4"], 2),
+    # A schedule that computes every gradient itself; the step keeps the adapters'.
+    ("1f1b", ["mesh.data=1", "mesh.pipeline=2", "pipeline.microbatches=4", "pipeline.schedule=1f1b"], 2),
 ])
 def test_other_layouts_agree_with_one_device_step_by_step(runs, name, layout, devices):
     one = losses(runs("one", "mesh.data=1", devices=1)[1])
     other = losses(runs(name, *layout, devices=devices)[1])
     assert one[-1] < one[0] - 0.1, "a comparison of flat curves proves nothing"
     np.testing.assert_allclose(other, one, rtol=2e-5)
+
+
+def test_an_expert_parallel_moe_agrees_with_one_device(tmp_path):
+    """Adapters on the attention of a mixture of experts, its experts split over `mesh.expert`."""
+    def run(name: str, devices: int, *layout: str) -> np.ndarray:
+        cfg = load_config(os.path.join(ROOT, "configs", "tiny-moe.yaml"), [
+            f"run.dir={tmp_path / name}", f"data.path={stdlib_glob('json')}", "model.num_layers=2", "model.seq_len=32",
+            *TRAIN, "model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[q,k,v,o]", *layout])
+        return losses(trainer.run(cfg, devices=jax.devices()[:devices]))
+
+    one = run("one", 1, "mesh.data=1")
+    assert np.ptp(one) > 0.05, one
+    np.testing.assert_allclose(run("ep", 8, "mesh.data=1", "mesh.expert=4", "mesh.fsdp=2"), one, rtol=2e-5)
 
 
 def test_adapters_shard_with_their_weights(hf_dir, tmp_path):
