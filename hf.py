@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--dtype", default="float32", help="float32 (exact), bfloat16 or float16 (half the size)")
     exp.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
     exp.add_argument("--format", default="merged", choices=EXPORT_FORMATS,
-                     help="merged: the whole model (LoRA adapters folded in); peft: a LoRA run's adapters as a PEFT adapter")
+                     help="merged: the whole model (LoRA adapters folded in); "
+                     "peft: a LoRA run's adapters as a PEFT adapter")
     args = parser.parse_args(argv)
     set_default_flags()
     try:

@@ -23,7 +23,8 @@ class LoraConfig:
     """The adapters' rank r; > 0 freezes every base weight and trains the adapters only."""
     alpha: Annotated[float, Range(gt=0)] = 16.0
     """The adapters' output is scaled by alpha / rank (as PEFT's lora_alpha)."""
-    targets: list[Literal["q", "k", "v", "o", "gate", "up", "down"]] = field(default_factory=lambda: ["q", "k", "v", "o"])
+    targets: list[Literal["q", "k", "v", "o", "gate", "up", "down"]] = field(
+        default_factory=lambda: ["q", "k", "v", "o"])
     """The projections that get an adapter (gate, up, down: dense SwiGLU layers only)."""
 
     @property

@@ -39,7 +39,8 @@ def adapter_params(cfg: ModelConfig) -> int:
     d, f, q, kv = cfg.d_model, cfg.d_ff, cfg.num_heads * cfg.resolved_head_dim, cfg.num_kv_heads * cfg.resolved_head_dim
     sizes = {"q": d + q, "k": d + kv, "v": d + kv, "o": q + d, "gate": d + f, "up": d + f, "down": f + d}
     dense_layers = cfg.num_layers - moe_layer_count(cfg)
-    return sum(lo.rank * sizes[t] * (dense_layers if t in ("gate", "up", "down") else cfg.num_layers) for t in lo.targets)
+    layers = {t: dense_layers if t in ("gate", "up", "down") else cfg.num_layers for t in lo.targets}
+    return sum(lo.rank * sizes[t] * layers[t] for t in lo.targets)
 
 
 def flops_per_token(cfg: ModelConfig) -> float:

@@ -26,10 +26,9 @@ from configs.schema import ModelConfig
 
 Array = jax.Array
 SUFFIXES = ("_lora_a", "_lora_b")
-# Each target's module and the number of leading input dims of its weight (q [embed, heads,
-# head_dim] reads one, o [heads, head_dim, embed] two).
-TARGETS = {"q": ("attn", 1), "k": ("attn", 1), "v": ("attn", 1), "o": ("attn", 2),
-           "gate": ("mlp", 1), "up": ("mlp", 1), "down": ("mlp", 1)}
+# How many leading dims of each target's weight its input fills (q [embed, heads, head_dim]: one;
+# o [heads, head_dim, embed]: two).
+INPUT_DIMS = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
 
 
 def scale(cfg: ModelConfig) -> float:
@@ -43,13 +42,14 @@ def add_adapters(module: nnx.Module, names: Sequence[str], cfg: ModelConfig, rng
         if name not in cfg.lora.targets:
             continue
         w = getattr(module, name)
-        n_in = TARGETS[name][1]
+        n_in = INPUT_DIMS[name]
         shape, axes = w.shape, w.get_metadata()["out_sharding"]
         bound = 1.0 / math.sqrt(math.prod(shape[:n_in]))
         a = jax.random.uniform(rngs.params(), (*shape[:n_in], cfg.lora.rank), jnp.float32, -bound, bound)
         b = jnp.zeros((cfg.lora.rank, *shape[n_in:]), jnp.float32)
-        setattr(module, name + SUFFIXES[0], nnx.Param(a, eager_sharding=False, out_sharding=(*axes[:n_in], "lora_rank")))
-        setattr(module, name + SUFFIXES[1], nnx.Param(b, eager_sharding=False, out_sharding=("lora_rank", *axes[n_in:])))
+        a_axes, b_axes = (*axes[:n_in], "lora_rank"), ("lora_rank", *axes[n_in:])
+        setattr(module, name + SUFFIXES[0], nnx.Param(a, eager_sharding=False, out_sharding=a_axes))
+        setattr(module, name + SUFFIXES[1], nnx.Param(b, eager_sharding=False, out_sharding=b_axes))
 
 
 def adapter_specs(spec: str) -> tuple[str, str]:
@@ -95,10 +95,6 @@ def split(params: dict) -> tuple[dict, dict]:
     """(the adapters, the rest) of a pure parameter dict (or any tree shaped like one), each
     keeping the nesting of its leaves; ({}, params) without adapters."""
     return _select(params, True), _select(params, False)
-
-
-def has_adapters(params: dict) -> bool:
-    return bool(split(params)[0])
 
 
 def trainable(params: dict) -> dict:
@@ -150,5 +146,5 @@ def merged(params: dict, cfg: ModelConfig) -> dict:
     for path, name in adapter_pairs(adapters):
         held, module = _get(adapters, path), _get(out, path)
         a, b = (np.asarray(jax.device_get(held[name + s])) for s in SUFFIXES)
-        module[name] = (module[name] + delta(a, b, TARGETS[name][1], cfg)).astype(np.float32)
+        module[name] = (module[name] + delta(a, b, INPUT_DIMS[name], cfg)).astype(np.float32)
     return out

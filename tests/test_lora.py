@@ -217,7 +217,7 @@ def test_adapters_shard_with_their_weights(hf_dir, tmp_path):
     cfg = lora_config(hf_dir, str(tmp_path / "run"), "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
     sh = abstract_program(cfg).state_sh.params["layers"]
     for module, name in (("attn", "q"), ("attn", "o"), ("mlp", "down")):
-        n_in = lora.TARGETS[name][1]
+        n_in = lora.INPUT_DIMS[name]
         w, a, b = (sh[module][name + s].spec for s in ("", *lora.SUFFIXES))
         assert tuple(a) == tuple(w[: 1 + n_in]) + (None,) and tuple(b) == (w[0], None) + tuple(w[1 + n_in:])
         assert any(w[1:]), (name, w)  # the weight itself is split over the mesh
