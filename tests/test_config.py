@@ -102,7 +102,7 @@ def test_an_unknown_preset_gets_the_nearest_one_and_the_list():
     with pytest.raises(ConfigError) as err:
         load_config("tiny-moee")
     assert str(err.value) == ("config file not found: tiny-moee (did you mean tiny-moe?); presets: llama3-1b, "
-                              "llama3-3b, llama3-70b, llama3-8b, llama3-8b-128k, mixtral-8x7b, tiny, tiny-moe")
+                              "llama3-3b, llama3-70b, llama3-8b, llama3-8b-128k, lora-tiny, mixtral-8x7b, tiny, tiny-moe")
     with pytest.raises(ConfigError, match=r"^config file not found: nope.yaml; presets: llama3-1b, .*, tiny-moe$"):
         load_config("nope.yaml")  # nothing near it: the list alone
 
