@@ -137,7 +137,7 @@ def make_train_step(
         loss, grads, aux = accumulate_stats(over, train, batch, compute.grad_accum, grad_fn)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, train)
-        params = join(optax.apply_updates(train, updates), frozen)
+        params = optax.apply_updates(train, updates)
         # A non-finite loss or gradient skips the update: parameters and optimizer state stay
         # as they were (the step counter and the data still advance).
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -149,8 +149,8 @@ def make_train_step(
         if isinstance(aux, tuple):  # MoE: the router's per-token means
             count = jnp.maximum(aux[0], 1.0)
             metrics.update({name: value / count for name, value in zip(MOE_METRICS, aux[1])})
-        new = state.replace(
-            step=state.step + 1, params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state)
+        new = state.replace(  # the frozen weights pass through untouched
+            step=state.step + 1, params=join(keep(params, train), frozen), opt_state=keep(opt_state, state.opt_state)
         )
         return new, metrics
 
