@@ -163,15 +163,52 @@ def test_bad_targets_exit_2_before_anything_is_written(tmp_path, capsys):
     assert "model.lora.targets" in capsys.readouterr().err and not run_dir.exists()
 
 
-def test_training_moves_the_adapters_only(runs, hf_dir):
+def test_training_moves_the_adapters_only(runs):
     cfg, history = runs("one", "mesh.data=1", devices=1)
     assert losses(history)[-1] < losses(history)[0] - 0.1
     _, _, params = restore_params(cfg.run.dir, device=jax.devices()[0])
-    adapters, base = lora.split(params)
-    # The base weights, bit for bit those of the Hugging Face checkpoint after STEPS updates.
-    jax.tree.map(np.testing.assert_array_equal, base, hf.load_params(hf_dir, cfg.model, CPU0))
+    adapters = lora.split(params)[0]
     assert all(np.abs(np.asarray(b)).max() > 0 for p, b in jax.tree_util.tree_leaves_with_path(adapters)
                if str(p[-1].key).endswith("_lora_b"))
+
+
+def test_the_base_weights_leave_the_step_bitwise_as_loaded(hf_dir, tmp_path):
+    """Two steps of the 8-device program itself, then the base weights against the Hugging Face
+    checkpoint's, bit for bit."""
+    from trainer.program import abstract_program
+    from trainer.state import state_from_params
+
+    cfg = lora_config(hf_dir, str(tmp_path / "run"), *LAYOUT)
+    program = abstract_program(cfg)
+    state = state_from_params(hf.load_params(hf_dir, cfg.model, program.state_sh.params), program.tx,
+                              program.state_sh, cfg.model, cfg.run.seed)
+    rng = np.random.RandomState(0)
+    with program.tracing():
+        for _ in range(2):
+            batch = {k: jax.device_put(rng.randint(0, 264, a.shape).astype(np.int32), a.sharding)
+                     for k, a in program.abstract_batch().items()}
+            state, metrics = program.step(state, batch)
+    assert bool(metrics["finite"])
+    adapters, base = lora.split(jax.device_get(state.params))
+    assert np.abs(adapters["layers"]["attn"]["q_lora_b"]).max() > 0
+    jax.tree.map(np.testing.assert_array_equal, base, jax.device_get(hf.load_params(hf_dir, cfg.model, CPU0)))
+
+
+def test_checkpoints_hold_the_adapters_alone_and_keep_their_base(runs, hf_dir, tmp_path):
+    import orbax.checkpoint as ocp
+
+    cfg, _ = runs("one", "mesh.data=1", devices=1)
+    saved = ocp.StandardCheckpointer().restore(os.path.join(cfg.run.dir, "checkpoints", str(STEPS), "state"))
+    assert jax.tree.leaves(saved["params"]) and not lora.split(saved["params"])[1]
+    # Resuming onto another base would train these adapters on weights they were not trained on.
+    other = str(tmp_path / "other")
+    import shutil
+
+    shutil.copytree(hf_dir, other)
+    moved = dataclasses.replace(cfg, init=dataclasses.replace(cfg.init, from_hf=other),
+                                train=dataclasses.replace(cfg.train, steps=STEPS + 2))
+    with pytest.raises(ConfigError, match="init.from_hf=.* differs from .*, the frozen base of the LoRA checkpoints"):
+        trainer.run(moved, devices=jax.devices()[:1])
 
 
 def test_the_optimizer_holds_state_for_the_adapters_only(runs):
@@ -230,6 +267,17 @@ def test_resume_is_bitwise_exact(runs, hf_dir, tmp_path, capsys):
     capsys.readouterr()
     second = trainer.run(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=STEPS)))
     assert "resumed from step 2" in capsys.readouterr().out
+    np.testing.assert_array_equal(losses(first + second), straight)
+
+
+def test_a_random_base_is_drawn_again_on_resume(tiny, tmp_path, capsys):
+    """Without init.from_hf the frozen base is the seed's: a resumed run draws it again, bitwise."""
+    common = [*TRAIN, *LORA, "mesh.data=1"]
+    straight = losses(trainer.run(tiny(*common, f"run.dir={tmp_path / 'straight'}"), devices=jax.devices()[:1]))
+    first = trainer.run(tiny(*common, "train.steps=2", f"run.dir={tmp_path / 'resumed'}"), devices=jax.devices()[:1])
+    second = trainer.run(tiny(*common, f"run.dir={tmp_path / 'resumed'}"), devices=jax.devices()[:1])
+    assert "resumed from step 2" in capsys.readouterr().out
+    assert straight[-1] < straight[0] - 0.1
     np.testing.assert_array_equal(losses(first + second), straight)
 
 

@@ -25,7 +25,7 @@ from configs import Config, dump_config
 from configs.schema import nan_steps
 from data import describe, eval_batches, global_batches, make_iterator
 from model import flops_per_token, hf
-from model.lora import trainable
+from model.lora import join, trainable
 from planner.hardware import peak_flops_of_kind
 from sharding import distributed
 from trainer import rundir_lock
@@ -38,7 +38,7 @@ from trainer.compute import attention_notes
 from trainer.metrics import MetricsLogger, log
 from trainer.observe import instrument
 from trainer.program import Program, RunSpec, make_program, prepare
-from trainer.state import TrainState, init_state, param_count, state_from_params
+from trainer.state import TrainState, frozen_base, init_state, param_count, state_from_params
 from trainer.xla_env import set_cpu_device_count, use_compile_cache
 
 
@@ -137,6 +137,9 @@ def make_session(spec: RunSpec, devices: list, schedule_note: str = "") -> Sessi
             start, state = 0, init_state(cfg.model, program.tx, cfg.run.seed, program.state_sh)
         else:
             start, state = restored
+            if cfg.model.lora.enabled:  # the checkpoint holds the adapters alone
+                base = frozen_base(cfg.model, cfg.init.from_hf, cfg.run.seed, program.state_sh.params)
+                state = state.replace(params=join(state.params, base))
             log(f"resumed from step {start}")
             if schedule_note and start < cfg.train.steps:
                 log(schedule_note)

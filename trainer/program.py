@@ -67,7 +67,8 @@ def prepare(cfg: Config, num_devices: int, with_data: bool = True) -> RunSpec:
         return RunSpec(cfg, layout, model)
     check_resumable(cfg)
     check_trackers(cfg)
-    if cfg.init.from_hf and not has_checkpoints(cfg.run.dir):  # once the run has checkpoints it resumes from them
+    # Once the run has checkpoints it resumes from them; a LoRA run's hold no base, read from init.from_hf again.
+    if cfg.init.from_hf and (not has_checkpoints(cfg.run.dir) or cfg.model.lora.enabled):
         hf.check_compatible(cfg.model, cfg.init.from_hf)
     return RunSpec(cfg, layout, model, open_source(cfg))
 

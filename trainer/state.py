@@ -4,7 +4,8 @@ eval_shape gives every parameter's shape and logical axes; the rules turn those 
 NamedShardings; `jit(init, out_shardings=...)` then materializes each shard on its device, so
 no host ever holds the whole model. Parameters are a pure nested dict of arrays: the one
 canonical form that checkpoints store and every layout restores. With LoRA adapters
-(model/lora.py) the optimizer state covers the adapters only: the base weights are frozen.
+(model/lora.py) the optimizer state covers the adapters only, and checkpoints hold the adapters
+alone: the frozen base is read again from where the run started (`frozen_base`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from configs.schema import ModelConfig
-from model import Transformer, abstract_transformer
+from model import Transformer, abstract_transformer, hf
 from model.lora import join, split, trainable
 from sharding import logical_axes
 
@@ -93,6 +94,16 @@ def state_from_params(params: dict, tx: optax.GradientTransformation, shardings:
         new = lambda: split(nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))))[0]  # noqa: E731
         params = join(jax.jit(new, out_shardings=split(shardings.params)[0])(), params)
     return jax.jit(lambda p: _step_zero(p, tx), out_shardings=shardings)(params)
+
+
+def frozen_base(cfg: ModelConfig, from_hf: str, seed: int, shardings: jax.sharding.Sharding | dict) -> dict:
+    """The frozen base weights of a LoRA run, which its checkpoints do not hold: read from the
+    Hugging Face directory `from_hf` (init.from_hf), or else drawn again from `seed` (run.seed) as
+    `init_state` drew them; placed by `shardings` (one for all, or a tree like the parameters)."""
+    if from_hf:
+        return hf.load_params(from_hf, cfg, shardings)
+    sh = split(shardings)[1] if isinstance(shardings, dict) else shardings
+    return jax.jit(lambda: split(nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))))[1], out_shardings=sh)()
 
 
 def param_count(shapes: dict) -> int:
