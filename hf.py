@@ -1,13 +1,15 @@
 """Hugging Face checkpoints (Llama, Mixtral, Qwen3-MoE) in and out of a run directory.
 
     python hf.py import --hf-dir DIR --run-dir RUN [--config PRESET] [key=value ...]
-    python hf.py export --run-dir RUN --out DIR [--step N] [--dtype bfloat16] [--overwrite]
+    python hf.py export --run-dir RUN --out DIR [--step N] [--dtype bfloat16] [--overwrite] [--format peft]
 
 `import` writes RUN/config.yaml (the checkpoint's model keys, then the user's overrides) and a
 step-0 checkpoint holding the Hugging Face weights, a fresh optimizer state and data position, so
 `python train.py --config RUN/config.yaml` fine-tunes. `export` writes a run's checkpoint as
 config.json + model.safetensors (and the tokenizer files of an imported checkpoint), as the
-architecture that holds the run's network (model/hf_arch.py). The weight mapping itself is
+architecture that holds the run's network (model/hf_arch.py); a LoRA run's adapters are merged
+into their weights, or with `--format peft` written alone as a PEFT adapter
+(adapter_model.safetensors + adapter_config.json, on the base `init.from_hf` names). The weight mapping itself is
 model/hf.py; this entry point sits above the trainer, like train.py.
 """
 
@@ -24,7 +26,8 @@ import jax
 
 from configs import dump_config, load_config
 from configs.schema import ConfigError, MeshConfig, PipelineConfig
-from model.hf import check_compatible, read_hf_config, to_hf_tensors
+from model import lora
+from model.hf import check_compatible, peft_config, read_hf_config, to_hf_tensors, to_peft_tensors
 from model.hf_arch import hf_config, model_keys
 from model.safetensors_files import EXPORT_DTYPES, write_safetensors
 from trainer.checkpoint import has_checkpoints, restore_params
@@ -37,12 +40,20 @@ TOKENIZER_FILES = (
 )
 
 
-def export(run_dir: str, out: str, step: int | None = None, dtype: str = "float32", overwrite: bool = False) -> int:
+EXPORT_FORMATS = ("merged", "peft")
+
+
+def export(run_dir: str, out: str, step: int | None = None, dtype: str = "float32", overwrite: bool = False,
+           form: str = "merged") -> int:
     """Writes the run's checkpoint (newest, or `step`) as a Hugging Face directory of `dtype`
-    tensors; returns the step. Restores onto this host's first CPU device, whatever mesh the
-    checkpoint was saved from. A non-empty `out` is refused unless `overwrite`."""
+    tensors (`form` merged: the whole model, LoRA adapters folded in; peft: a LoRA run's
+    adapters alone, in PEFT's format); returns the step. Restores onto this host's first CPU
+    device, whatever mesh the checkpoint was saved from. A non-empty `out` is refused unless
+    `overwrite`."""
     if dtype not in EXPORT_DTYPES:
         raise ConfigError(f"--dtype: {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
+    if form not in EXPORT_FORMATS:
+        raise ConfigError(f"--format: {form!r} is not one of {', '.join(EXPORT_FORMATS)}")
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
         raise ConfigError(f"--out: {out} is not empty; give --overwrite to replace what export writes there")
     if os.path.exists(out) and not os.path.isdir(out):
@@ -53,6 +64,16 @@ def export(run_dir: str, out: str, step: int | None = None, dtype: str = "float3
     except RuntimeError:  # JAX_PLATFORMS names no cpu backend
         device = jax.devices()[0]
     cfg, step, params = restore_params(run_dir, step, device=device)
+    if form == "peft":
+        if not cfg.model.lora.enabled:
+            raise ConfigError(f"--format peft: the run in {run_dir} has no LoRA adapters (model.lora.rank=0)")
+        config = peft_config(cfg.model, cfg.init.from_hf)  # ConfigError, before anything is written, if none fits
+        os.makedirs(out, exist_ok=True)
+        write_safetensors(to_peft_tensors(params, cfg.model), os.path.join(out, "adapter_model.safetensors"), dtype)
+        with open(os.path.join(out, "adapter_config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        return step
+    params = lora.merged(params, cfg.model) if cfg.model.lora.enabled else params
     imported = bool(cfg.init.from_hf) and os.path.exists(os.path.join(cfg.init.from_hf, "config.json"))
     if imported:
         source = read_hf_config(cfg.init.from_hf, "init.from_hf")
@@ -118,14 +139,17 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--step", type=int, help="the checkpoint step (default: the newest)")
     exp.add_argument("--dtype", default="float32", help="float32 (exact), bfloat16 or float16 (half the size)")
     exp.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
+    exp.add_argument("--format", default="merged", choices=EXPORT_FORMATS,
+                     help="merged: the whole model (LoRA adapters folded in); "
+                     "peft: a LoRA run's adapters as a PEFT adapter")
     args = parser.parse_args(argv)
     set_default_flags()
     try:
         if args.command == "import":
             import_(args.hf_dir, args.run_dir, args.config, args.overrides)
         else:
-            step = export(args.run_dir, args.out, args.step, args.dtype, args.overwrite)
-            print(f"exported step {step} of {args.run_dir} to {args.out} ({args.dtype})")
+            step = export(args.run_dir, args.out, args.step, args.dtype, args.overwrite, args.format)
+            print(f"exported step {step} of {args.run_dir} to {args.out} ({args.format}, {args.dtype})")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -20,13 +20,15 @@ from annotated_types import MinLen
 from configs.fields import Range, choices
 from configs.post import DPOConfig
 from configs.straggler import StragglerConfig
+from configs.lora import LoraConfig
 
 # The logical dim names the model gives its parameters and activations (model/layers.py,
 # model/transformer.py, the pipeline runner): the only keys a rules table may have, since a rule
 # for any other name matches nothing. tests/test_config.py checks the model uses exactly these.
 # `sublayers`: the dense layers inside one group of `model.moe.every` layers (model/transformer.py).
+# `lora_rank`: the rank dim of a LoRA adapter (model/lora.py); no rule maps it, so it stays whole.
 LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", "expert",
-                "sublayers")
+                "sublayers", "lora_rank")
 
 
 class ConfigError(ValueError):
@@ -244,6 +246,7 @@ class ModelConfig:
     gather_dtype: Literal["compute", "fp8"] = "compute"
     """The dtype block weights are gathered from their FSDP shards in."""
     moe: MoEConfig = field(default_factory=MoEConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     @property
     def resolved_head_dim(self) -> int:

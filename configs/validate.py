@@ -7,6 +7,7 @@ in `sharding.mesh`). Each failure is one `ConfigError` line naming the key.
 
 from __future__ import annotations
 
+from configs.lora import LORA_TARGETS
 from configs.schema import LOGICAL_AXES, MESH_AXES, Config, ConfigError, closest, nan_steps
 
 
@@ -98,6 +99,18 @@ def _check_model(cfg: Config) -> None:
     )
 
 
+def _check_lora(cfg: Config) -> None:
+    lo, moe = cfg.model.lora, cfg.model.moe
+    if not lo.enabled:
+        return
+    _require(bool(lo.targets), "model.lora.targets", f"names no projection; choose from {', '.join(LORA_TARGETS)}")
+    _require(len(set(lo.targets)) == len(lo.targets), "model.lora.targets", f"names a projection twice: {lo.targets}")
+    mlp = [t for t in lo.targets if t in ("gate", "up", "down")]
+    _require(not (mlp and moe.enabled and moe.every == 1), "model.lora.targets",
+             f"{', '.join(mlp)} adapt dense SwiGLU layers, and with model.moe.every=1 every layer is an MoE; "
+             "adapt q, k, v, o")
+
+
 def _check_dist(cfg: Config) -> None:
     d = cfg.dist
     _require(
@@ -153,6 +166,7 @@ def validate_static(cfg: Config) -> None:
     _check_data(cfg)
     _check_objective(cfg)
     _check_moe(cfg)
+    _check_lora(cfg)
     trackers = cfg.run.trackers
     _require(len(set(trackers)) == len(trackers), "run.trackers", f"names a tracker twice: {trackers}")
     _check_dist(cfg)

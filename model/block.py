@@ -12,6 +12,7 @@ from flax import nnx
 
 from configs.schema import ModelConfig
 from model.layers import MLP, Attention, RMSNorm, constrain
+from model.lora import add_adapters
 from model.moe import STATS, MoE
 
 Array = jax.Array
@@ -25,6 +26,10 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
+        if cfg.lora.enabled:  # after every base weight, so their random init is the same with or without
+            add_adapters(self.attn, ("q", "k", "v", "o"), cfg, rngs)
+            if not moe:
+                add_adapters(self.mlp, ("gate", "up", "down"), cfg, rngs)
 
     def feed_forward(self, x: Array) -> tuple[Array, Array]:
         """The feed-forward of normed x [b, l, d] -> (out [b, l, d], router stats float32)."""

@@ -5,6 +5,9 @@ attention: QK^T and AV, halved by causality, times 3 for forward + backward). Em
 lookups are not matmuls; a tied embedding is counted once, as the output head. A mixture of
 experts counts its *active* parameters: the router, the `experts_per_token` experts each token
 runs through, and the shared experts (capacity mode counts dropped tokens as computed).
+
+With LoRA (`model.lora`) the frozen weights get no weight gradient: 4 x their parameters (the
+forward and the input gradient), plus 6 x the adapters' parameters.
 """
 
 from __future__ import annotations
@@ -28,5 +31,18 @@ def moe_layer_count(cfg: ModelConfig) -> int:
     return cfg.num_layers // cfg.moe.every if cfg.moe.enabled else 0
 
 
+def adapter_params(cfg: ModelConfig) -> int:
+    """The LoRA adapters' parameters: rank x (fan in + fan out) per adapted projection and layer."""
+    lo = cfg.lora
+    if not lo.enabled:
+        return 0
+    d, f, q, kv = cfg.d_model, cfg.d_ff, cfg.num_heads * cfg.resolved_head_dim, cfg.num_kv_heads * cfg.resolved_head_dim
+    sizes = {"q": d + q, "k": d + kv, "v": d + kv, "o": q + d, "gate": d + f, "up": d + f, "down": f + d}
+    dense_layers = cfg.num_layers - moe_layer_count(cfg)
+    layers = {t: dense_layers if t in ("gate", "up", "down") else cfg.num_layers for t in lo.targets}
+    return sum(lo.rank * sizes[t] * layers[t] for t in lo.targets)
+
+
 def flops_per_token(cfg: ModelConfig) -> float:
-    return 6.0 * matmul_params(cfg) + 6.0 * cfg.num_layers * cfg.seq_len * cfg.d_model
+    weights = 4.0 * matmul_params(cfg) + 6.0 * adapter_params(cfg) if cfg.lora.enabled else 6.0 * matmul_params(cfg)
+    return weights + 6.0 * cfg.num_layers * cfg.seq_len * cfg.d_model

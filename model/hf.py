@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from configs.schema import ConfigError, ModelConfig
+from model import lora
 from model.hf_arch import architecture, entries, model_keys
 from model.safetensors_files import SafetensorsDir
 from model.transformer import param_shapes
@@ -165,3 +166,33 @@ def to_hf_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
         names = _names(path, name, a.shape, cfg.moe.every)
         out.update({names[index]: _from_ours(a[index], n_in) for index in np.ndindex(names.shape)})
     return out
+
+
+def to_peft_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """The LoRA adapters of our parameters as a PEFT adapter's tensors: for each adapted
+    projection `<name>.weight` of the architecture, `base_model.model.<name>.lora_A.weight`
+    [rank, in] and `...lora_B.weight` [out, rank] (PEFT computes x A^T B^T alpha / rank, with the
+    input dims flattened as the base weight's are)."""
+    adapters = lora.split(params)[0]
+    names = {path: name for path, name, _ in entries(architecture(cfg), cfg)}
+    out = {}
+    for path, target in lora.adapter_pairs(adapters):
+        name = names[path + (target,)]
+        held = _get_path(adapters, path)
+        a, b = (np.asarray(jax.device_get(held[target + s]), np.float32) for s in lora.SUFFIXES)
+        n_in = lora.INPUT_DIMS[target]
+        stacked = _names(path + (target,), name, a.shape[:a.ndim - n_in - 1] + (0,), cfg.moe.every)
+        for index in np.ndindex(stacked.shape):
+            stem = "base_model.model." + stacked[index].removesuffix(".weight")
+            out[stem + ".lora_A.weight"] = np.ascontiguousarray(a[index].reshape(-1, cfg.lora.rank).T)
+            out[stem + ".lora_B.weight"] = np.ascontiguousarray(b[index].reshape(cfg.lora.rank, -1).T)
+    return out
+
+
+def peft_config(cfg: ModelConfig, base: str) -> dict[str, Any]:
+    """adapter_config.json of `to_peft_tensors`' adapter on the base model at `base`."""
+    names = {path[-1]: name for path, name, _ in entries(architecture(cfg), cfg)}
+    modules = sorted({names[t].removesuffix(".weight").rsplit(".", 1)[-1] for t in cfg.lora.targets})
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": cfg.lora.rank,
+            "lora_alpha": cfg.lora.alpha, "lora_dropout": 0.0, "target_modules": modules, "bias": "none",
+            "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True}

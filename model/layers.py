@@ -20,6 +20,7 @@ from flax import nnx
 
 from configs.schema import ModelConfig
 from model.attention import attend
+from model.lora import adapt
 from model.quant import fp8_gather, qeinsum
 
 Array = jax.Array
@@ -56,6 +57,12 @@ def project(spec: str, x: Array, p: nnx.Param, cfg: ModelConfig) -> Array:
         # own recompute does that, and a second checkpoint here would gather it a third time.
         gathered = jax.checkpoint(gathered, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
     return gathered(x, w)
+
+
+def project_adapted(module: nnx.Module, name: str, spec: str, x: Array) -> Array:
+    """`project` by the module's weight `name`, plus its LoRA adapter's output if it has one
+    (model/lora.py)."""
+    return adapt(module, name, spec, x, project(spec, x, getattr(module, name), module.cfg), module.cfg)
 
 
 class RMSNorm(nnx.Module):
@@ -104,9 +111,9 @@ class Attention(nnx.Module):
     def project(self, x: Array, positions: Array) -> tuple[Array, Array, Array]:
         """x [b, l, d] -> q [b, l, heads, hd], k and v [b, l, kv_heads, hd], rotary applied.
         Split from __call__ so KV-cache decoding (model/decode.py) reuses it."""
-        q = project("bld,dhk->blhk", x, self.q, self.cfg)
-        k = project("bld,dhk->blhk", x, self.k, self.cfg)
-        v = project("bld,dhk->blhk", x, self.v, self.cfg)
+        q = project_adapted(self, "q", "bld,dhk->blhk", x)
+        k = project_adapted(self, "k", "bld,dhk->blhk", x)
+        v = project_adapted(self, "v", "bld,dhk->blhk", x)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = constrain(rotary(q, positions, self.cfg.rope_theta), ("batch", "length", "heads", "head_dim"))
@@ -116,7 +123,7 @@ class Attention(nnx.Module):
     def output(self, out: Array) -> Array:
         """Attention output [b, l, heads, hd] -> [b, l, d]."""
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
-        return project("blhk,hkd->bld", out, self.o, self.cfg)
+        return project_adapted(self, "o", "blhk,hkd->bld", out)
 
 
 class MLP(nnx.Module):
@@ -131,7 +138,7 @@ class MLP(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x: Array) -> Array:
-        gate = project("bld,df->blf", x, self.gate, self.cfg)
-        up = project("bld,df->blf", x, self.up, self.cfg)
+        gate = project_adapted(self, "gate", "bld,df->blf", x)
+        up = project_adapted(self, "up", "bld,df->blf", x)
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-        return project("blf,fd->bld", hidden, self.down, self.cfg)
+        return project_adapted(self, "down", "blf,fd->bld", hidden)

@@ -17,6 +17,10 @@ float32; A: one layer's activations [local batch, length, embed] in the compute 
               once per repeat:                          2 x R x M x A_microbatch
 
 The loss's scalar reductions are left out (bytes, not megabytes).
+
+With LoRA adapters (model/lora.py) only the adapters have gradients: the reduce-scatter and the
+data all-reduce move the adapters' bytes (G_a), the gathers still every parameter:
+fsdp (n-1)/n x (2 x G + G_a) (less the untied table, as above), data 2 x (n-1)/n x G_a / fsdp.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import jax
 import numpy as np
 
 from configs import Config
+from model import lora
 from sharding.cast import is_matmul_weight
 from sharding.rules import axes_size, logical_to_spec, mesh_axes, to_rules
 
@@ -47,14 +52,16 @@ def minimum(cfg: Config, sizes: dict[str, int], shapes: dict, axes: dict) -> dic
     m = cfg.model
     ring = lambda n: (n - 1) / n  # noqa: E731
     g = gathered_bytes(shapes, axes, cfg, sizes)
+    adapters = lora.split(shapes)[0]
+    grads = gathered_bytes(adapters, lora.split(axes)[0], cfg, sizes) if adapters else g
     table = 0.0 if m.tie_embeddings else gathered_bytes({"e": shapes["embedding"]}, {"e": axes["embedding"]}, cfg, sizes)
     batch_shards = axes_size(mesh_axes("batch", to_rules(cfg.sharding.activations)), sizes)
     act = cfg.train.global_batch / batch_shards * m.seq_len * m.d_model * np.dtype(m.dtype).itemsize
     out: dict[str, float] = {}
     if sizes["fsdp"] > 1:
-        out["fsdp"] = ring(sizes["fsdp"]) * (3 * g - table)
+        out["fsdp"] = ring(sizes["fsdp"]) * (2 * g + grads - table)
     if sizes["data"] > 1:
-        out["data"] = 2 * ring(sizes["data"]) * g / sizes["fsdp"]
+        out["data"] = 2 * ring(sizes["data"]) * grads / sizes["fsdp"]
     if sizes["tensor"] > 1:
         per_layer = 4 + (1 if m.remat == "full" else 0)
         out["tensor"] = (per_layer * m.num_layers + 2) * 2 * ring(sizes["tensor"]) * act

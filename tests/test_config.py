@@ -13,7 +13,7 @@ import pytest
 from configs import Config, ConfigError, all_keys, dump_config, load_config
 from conftest import ROOT
 
-PRESETS = ["tiny", "llama3-1b", "llama3-3b", "llama3-8b", "llama3-70b"]
+PRESETS = ["tiny", "lora-tiny", "llama3-1b", "llama3-3b", "llama3-8b", "llama3-70b"]
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -103,7 +103,7 @@ def test_an_unknown_preset_gets_the_nearest_one_and_the_list():
         load_config("tiny-moee")
     assert str(err.value) == ("config file not found: tiny-moee (did you mean tiny-moe?); presets: dpo-tiny, "
                               "llama3-1b, llama3-3b, llama3-70b, llama3-8b, llama3-8b-128k, llama3-8b-dpo, "
-                              "llama3-8b-sft, mixtral-8x7b, sft-tiny, tiny, tiny-moe")
+                              "llama3-8b-sft, lora-tiny, mixtral-8x7b, sft-tiny, tiny, tiny-moe")
     with pytest.raises(ConfigError, match=r"^config file not found: nope.yaml; presets: dpo-tiny, llama3-1b, .*, tiny-moe$"):
         load_config("nope.yaml")  # nothing near it: the list alone
 
@@ -152,6 +152,7 @@ EXPLICIT: dict[str, tuple[Any, list[str]]] = {
     "optim.name": ("muon", []),
     "run.trackers": (["tensorboard", "mlflow"], []),
     "eval.tasks": (["stdlib_words", "hellaswag"], []),
+    "model.lora.targets": (["q", "v", "down"], ["model.lora.rank=4"]),
     "dist.coordinator": ("10.0.0.1:1234", []),
     "checkpoint.local_dir": ("/local/ckpt", ["checkpoint.local_every=10"]),
     "checkpoint.local_every": (10, ["checkpoint.local_dir=/local/ckpt"]),

@@ -32,8 +32,9 @@ from jax.experimental import multihost_utils
 
 from configs import Config, ConfigError, load_config
 from configs.schema import CheckpointConfig
+from model import lora
 from model.transformer import param_shapes
-from trainer.state import TrainState
+from trainer.state import TrainState, frozen_base
 from trainer.tiers import LocalTier
 
 # Keys a resumed run must share with the run that wrote the checkpoints: they fix the shapes
@@ -42,6 +43,7 @@ RESUME_KEYS = (
     "model.num_layers", "model.d_model", "model.num_heads", "model.num_kv_heads", "model.resolved_head_dim",
     "model.d_ff", "model.vocab_size", "model.tie_embeddings", "model.seq_len",
     "model.qk_norm", "model.moe.num_experts", "model.moe.d_ff", "model.moe.shared_experts", "model.moe.every",
+    "model.lora.rank", "model.lora.targets",
     "train.global_batch", "run.seed", "data.source", "data.path", "data.mixture", "data.tokenizer",
     "data.packing", "data.eval_fraction",
 )
@@ -93,21 +95,33 @@ def restore_params(run_dir: str, step: int | None = None, device: jax.Device | N
                    shardings: dict | None = None) -> tuple[Config, int, dict]:
     """(the run's config, the step, its parameters on `device`, or sharded as `shardings` says)
     of the newest (or `step`) checkpoint, whatever mesh it was saved from (Orbax reassembles the
-    shards): nothing but the parameters is read; the optimizer state and data position stay on disk."""
+    shards): nothing but the parameters is read; the optimizer state and data position stay on disk.
+    A LoRA run's frozen base comes from where it started (`saved`)."""
     cfg, step = find_checkpoint(run_dir, step)
     ckpt_dir = os.path.abspath(checkpoint_dir(run_dir))
     shapes = param_shapes(cfg.model)
     if shardings is None:
         shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device or jax.devices()[0]), shapes)
-    target = {"params": jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
-                                     shardings)}
+    target = {"params": jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                     saved(shapes), saved(shardings))}
     restore_args = jax.tree.map(
         lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype), target
     )
     with ocp.CheckpointManager(ckpt_dir, item_names=("state", "data")) as manager:
         state_args = ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
         restored = manager.restore(step, args=ocp.args.Composite(state=state_args))
-    return cfg, step, restored.state["params"]
+    params = restored.state["params"]
+    if cfg.model.lora.enabled:
+        params = lora.join(params, frozen_base(cfg.model, cfg.init.from_hf, cfg.run.seed, shardings))
+    return cfg, step, params
+
+
+def saved(params: dict) -> dict:
+    """What a checkpoint holds of the parameters: all of them, or a LoRA run's adapters alone
+    (its frozen base is read again from init.from_hf, or drawn again from run.seed:
+    `trainer.state.frozen_base`)."""
+    adapters = lora.split(params)[0]
+    return adapters or params
 
 
 def check_resumable(cfg: Config) -> None:
@@ -123,6 +137,11 @@ def check_resumable(cfg: Config) -> None:
                 f"{name}={_get(cfg, key)!r} differs from {_get(old, key)!r} in the checkpoints of run.dir={cfg.run.dir}; "
                 "resume with the same value or use a new run.dir"
             )
+    if old.model.lora.enabled and old.init.from_hf != cfg.init.from_hf:
+        raise ConfigError(
+            f"init.from_hf={cfg.init.from_hf!r} differs from {old.init.from_hf!r}, the frozen base of the LoRA "
+            f"checkpoints in run.dir={cfg.run.dir} (they hold the adapters alone); resume with the same base"
+        )
     if (old.optim.clip > 0) != (cfg.optim.clip > 0):
         raise ConfigError(
             f"optim.clip={cfg.optim.clip} turns clipping {'on' if cfg.optim.clip else 'off'}, which changes the "
@@ -284,11 +303,14 @@ class Checkpointer:
         """Starts an asynchronous save. The data position is the iterator's state, which our
         pipeline makes the same on every process (see data.pipeline), so process 0's is saved
         and any process count can restore it."""
+        state = state.replace(params=saved(state.params))
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(iterator.get_state()))
         self.manager.save(step, args=args, force=True)
 
     def restore(self, step: int, target: TrainState, iterator: grain.DatasetIterator) -> TrainState:
-        """Restores into `target`'s shapes and shardings (any mesh) and rewinds `iterator`."""
+        """Restores into `target`'s shapes and shardings (any mesh) and rewinds `iterator`. A LoRA
+        state comes back with its adapters alone (`saved`): the caller joins the frozen base."""
+        target = target.replace(params=saved(target.params))
         args = ocp.args.Composite(state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore())
         restored = self.manager.restore(step, args=args)
         iterator.set_state(restored.data)

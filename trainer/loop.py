@@ -26,6 +26,7 @@ from configs import Config, dump_config
 from configs.schema import nan_steps
 from data import batch_shape, describe, eval_batches, global_batches, make_iterator
 from model import flops_per_token, hf
+from model.lora import join, trainable
 from planner.hardware import peak_flops_of_kind
 from sharding import distributed
 from trainer import rundir_lock
@@ -38,7 +39,7 @@ from trainer.compute import attention_notes
 from trainer.metrics import MetricsLogger, log
 from trainer.observe import instrument
 from trainer.program import Program, RunSpec, make_program, prepare
-from trainer.state import TrainState, init_state, param_count, state_from_params
+from trainer.state import TrainState, frozen_base, init_state, param_count, state_from_params
 from trainer.stragglers import StepClock, injected_sleep
 from trainer.tiers import LocalTier
 from trainer.xla_env import set_cpu_device_count, use_compile_cache
@@ -125,6 +126,8 @@ def make_session(spec: RunSpec, devices: list, schedule_note: str = "") -> Sessi
         f"mesh {' x '.join(f'{a}={s}' for a, s in layout.sizes.items())} on {len(devices)} "
         f"{devices[0].platform} devices, {jax.process_count()} process(es); "
         f"{param_count(spec.model.shapes) / 1e6:.2f}M parameters"
+        + (f", {param_count(trainable(spec.model.shapes)) / 1e6:.3f}M of them trained (LoRA adapters; the rest frozen)"
+           if cfg.model.lora.enabled else "")
     )
     for note in attention_notes(cfg):
         log(note)
@@ -136,7 +139,7 @@ def make_session(spec: RunSpec, devices: list, schedule_note: str = "") -> Sessi
         restored = ckpt.restore_latest(program.abstract_state(), iterator, warn=log)
         if restored is None and from_hf:
             params = hf.load_params(cfg.init.from_hf, cfg.model, program.state_sh.params)
-            start, state = 0, state_from_params(params, program.tx, program.state_sh)
+            start, state = 0, state_from_params(params, program.tx, program.state_sh, cfg.model, cfg.run.seed)
             log(f"initialized the parameters from {cfg.init.from_hf} (init.from_hf)")
         elif restored is None:
             start, state = 0, init_state(cfg.model, program.tx, cfg.run.seed, program.state_sh)
@@ -144,6 +147,9 @@ def make_session(spec: RunSpec, devices: list, schedule_note: str = "") -> Sessi
             start, state = restored
             if ckpt.local is not None and ckpt.restored_tier == "persistent":
                 log(f"restoring from the persistent tier: step {start}")
+            if cfg.model.lora.enabled:  # the checkpoint holds the adapters alone
+                base = frozen_base(cfg.model, cfg.init.from_hf, cfg.run.seed, program.state_sh.params)
+                state = state.replace(params=join(state.params, base))
             log(f"resumed from step {start}")
             if schedule_note and start < cfg.train.steps:
                 log(schedule_note)

@@ -35,6 +35,7 @@ from sharding import (
 )
 from sharding.cast import cast_for_compute
 from model import hf
+from model.lora import trainable
 from trainer.checkpoint import check_resumable, has_checkpoints
 from trainer.checks import check_divisible
 from trainer.compute import Compute, build_compute
@@ -69,7 +70,8 @@ def prepare(cfg: Config, num_devices: int, with_data: bool = True) -> RunSpec:
     check_resumable(cfg)
     check_local_dir(cfg)
     check_trackers(cfg)
-    if cfg.init.from_hf and not has_checkpoints(cfg.run.dir):  # once the run has checkpoints it resumes from them
+    # Once the run has checkpoints it resumes from them; a LoRA run's hold no base, read from init.from_hf again.
+    if cfg.init.from_hf and (not has_checkpoints(cfg.run.dir) or cfg.model.lora.enabled):
         hf.check_compatible(cfg.model, cfg.init.from_hf)
     return RunSpec(cfg, layout, model, open_source(cfg), check_tasks(cfg))
 
@@ -90,7 +92,7 @@ def sharded_optimizer(spec: RunSpec, mesh: Mesh | AbstractMesh) -> tuple[optax.G
                                                                            TrainState]:
     """The optimizer, its learning-rate schedule, and the state's shardings on `mesh` (a real one,
     or an abstract one for counting bytes without devices)."""
-    tx, schedule = make_optimizer(spec.cfg.optim, spec.cfg.train.steps, spec.model.axes)
+    tx, schedule = make_optimizer(spec.cfg.optim, spec.cfg.train.steps, trainable(spec.model.axes))
     params = shardings(spec.model.axes, spec.layout.param_rules, mesh)
     reference = spec.cfg.train.objective == "dpo"
     return tx, schedule, state_shardings(tx, spec.model.shapes, params, mesh, reference)

@@ -3,7 +3,9 @@
 eval_shape gives every parameter's shape and logical axes; the rules turn those into
 NamedShardings; `jit(init, out_shardings=...)` then materializes each shard on its device, so
 no host ever holds the whole model. Parameters are a pure nested dict of arrays: the one
-canonical form that checkpoints store and every layout restores.
+canonical form that checkpoints store and every layout restores. With LoRA adapters
+(model/lora.py) the optimizer state covers the adapters only, and checkpoints hold the adapters
+alone: the frozen base is read again from where the run started (`frozen_base`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from configs.schema import ModelConfig
-from model import Transformer, abstract_transformer
+from model import Transformer, abstract_transformer, hf
+from model.lora import join, split, trainable
 from sharding import logical_axes
 
 
@@ -50,8 +53,9 @@ def state_shardings(tx: optax.GradientTransformation, shapes: dict, param_sh: di
     path's trailing dict keys name the parameter (optax.tree_map_params cannot be used: Muon's
     parameter labels need the real tree)."""
     replicated = NamedSharding(mesh, PartitionSpec())
-    params = {path: (leaf, sh) for (path, leaf), sh in zip(jax.tree_util.tree_flatten_with_path(shapes)[0],
-                                                           jax.tree.leaves(param_sh))}
+    train_sh = trainable(param_sh)
+    params = {path: (leaf, sh) for (path, leaf), sh in zip(jax.tree_util.tree_flatten_with_path(trainable(shapes))[0],
+                                                           jax.tree.leaves(train_sh))}
 
     def sharding(path: tuple, moment: jax.ShapeDtypeStruct) -> NamedSharding:
         for start in range(len(path)):
@@ -61,14 +65,14 @@ def state_shardings(tx: optax.GradientTransformation, shapes: dict, param_sh: di
                 return sh if moment.shape == leaf.shape else replicated
         return replicated
 
-    opt_sh = jax.tree_util.tree_map_with_path(sharding, jax.eval_shape(tx.init, shapes))
+    opt_sh = jax.tree_util.tree_map_with_path(sharding, jax.eval_shape(tx.init, trainable(shapes)))
     return TrainState(step=replicated, params=param_sh, opt_state=opt_sh, ref_params=param_sh if reference else None)
 
 
 def abstract_state(tx: optax.GradientTransformation, shapes: dict, shardings: TrainState) -> TrainState:
     """ShapeDtypeStructs with concrete shardings: the target for restoring a checkpoint."""
     abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=shapes,
-                          opt_state=jax.eval_shape(tx.init, shapes),
+                          opt_state=jax.eval_shape(tx.init, trainable(shapes)),
                           ref_params=None if shardings.ref_params is None else shapes)
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
@@ -76,7 +80,7 @@ def abstract_state(tx: optax.GradientTransformation, shapes: dict, shardings: Tr
 def _step_zero(params: dict, tx: optax.GradientTransformation, reference: bool) -> TrainState:
     # The reference is a copy: the step donates the parameters' buffers and keeps the reference's.
     ref = jax.tree.map(lambda p: p + jnp.zeros((), p.dtype), params) if reference else None
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), ref_params=ref)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(trainable(params)), ref_params=ref)
 
 
 def _holds_reference(shardings: TrainState | None) -> bool:
@@ -94,9 +98,25 @@ def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, sh
     return jax.jit(init, out_shardings=shardings)()
 
 
-def state_from_params(params: dict, tx: optax.GradientTransformation, shardings: TrainState) -> TrainState:
-    """Step 0 with the given (already sharded) parameters, e.g. imported ones, and a new optimizer state."""
+def state_from_params(params: dict, tx: optax.GradientTransformation, shardings: TrainState,
+                      cfg: ModelConfig | None = None, seed: int = 0) -> TrainState:
+    """Step 0 with the given (already sharded) parameters, e.g. imported ones, and a new optimizer
+    state. Parameters without the adapters `cfg` asks for get new ones, initialized from `seed` as
+    `init_state` does (the base weights' random init is left to the compiler to drop)."""
+    if cfg is not None and cfg.lora.enabled and not split(params)[0]:
+        new = lambda: split(nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))))[0]  # noqa: E731
+        params = join(jax.jit(new, out_shardings=split(shardings.params)[0])(), params)
     return jax.jit(lambda p: _step_zero(p, tx, _holds_reference(shardings)), out_shardings=shardings)(params)
+
+
+def frozen_base(cfg: ModelConfig, from_hf: str, seed: int, shardings: jax.sharding.Sharding | dict) -> dict:
+    """The frozen base weights of a LoRA run, which its checkpoints do not hold: read from the
+    Hugging Face directory `from_hf` (init.from_hf), or else drawn again from `seed` (run.seed) as
+    `init_state` drew them; placed by `shardings` (one for all, or a tree like the parameters)."""
+    if from_hf:
+        return hf.load_params(from_hf, cfg, shardings)
+    sh = split(shardings)[1] if isinstance(shardings, dict) else shardings
+    return jax.jit(lambda: split(nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))))[1], out_shardings=sh)()
 
 
 def param_count(shapes: dict) -> int:

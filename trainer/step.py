@@ -1,4 +1,9 @@
-"""The pure train step: loss, gradients (optionally accumulated over micro-batches), update."""
+"""The pure train step: loss, gradients (optionally accumulated over micro-batches), update.
+
+With LoRA adapters (model/lora.py) the step differentiates with respect to the adapters only:
+the base weights enter the loss as constants, so no gradient is computed for them, the optimizer
+sees the adapters alone and the base weights leave the step as they came in.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import optax
 from flax import nnx
 
 from model.kernels import use_kernels
+from model.lora import join, split
 from model.loss import GradFn, LossFn, head_loss, model_inputs
 from model.moe import STATS
 from pipeline.stages import to_microbatches
@@ -119,6 +125,17 @@ def objective_metrics(compute: Compute, aux: Any) -> dict[str, Array]:
     return out
 
 
+def _adapter_grads(grad_fn: GradFn, frozen: dict) -> GradFn:
+    """A schedule's gradient function (which differentiates every parameter it is given) over
+    the adapters alone, the base weights joined in as they are; their gradients are dropped."""
+
+    def adapter_grads(adapters: dict, batch: dict[str, Array]) -> tuple[Any, dict]:
+        out, grads = grad_fn(join(adapters, frozen), batch)
+        return out, split(grads)[0]
+
+    return adapter_grads
+
+
 def make_train_step(
     graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr_schedule: optax.Schedule, *, compute: Compute
 ) -> Callable[[TrainState, dict[str, Array]], tuple[TrainState, dict[str, Array]]]:
@@ -133,10 +150,14 @@ def make_train_step(
     def train_step(state: TrainState, batch: dict[str, Array]) -> tuple[TrainState, dict[str, Array]]:
         if reference is not None:
             batch = {**batch, "ref_logps": reference(state.ref_params, batch)}
-        loss, grads, aux = accumulate_stats(loss_fn, state.params, batch, compute.grad_accum, compute.grad_fn)
+        adapters, frozen = split(state.params)
+        train, frozen = (adapters, frozen) if adapters else (state.params, {})
+        over = (lambda a, b: loss_fn(join(a, frozen), b)) if adapters else loss_fn  # noqa: E731
+        grad_fn = _adapter_grads(compute.grad_fn, frozen) if adapters and compute.grad_fn else compute.grad_fn
+        loss, grads, aux = accumulate_stats(over, train, batch, compute.grad_accum, grad_fn)
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        updates, opt_state = tx.update(grads, state.opt_state, train)
+        params = optax.apply_updates(train, updates)
         # A non-finite loss or gradient skips the update: parameters and optimizer state stay
         # as they were (the step counter and the data still advance).
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -145,8 +166,8 @@ def make_train_step(
         # step does not advance, so after one it lags `state.step`.
         lr = lr_schedule(schedule_count(state.opt_state))
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "finite": finite, **objective_metrics(compute, aux)}
-        new = state.replace(
-            step=state.step + 1, params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state)
+        new = state.replace(  # the frozen weights pass through untouched
+            step=state.step + 1, params=join(keep(params, train), frozen), opt_state=keep(opt_state, state.opt_state)
         )
         return new, metrics
 
