@@ -2,7 +2,8 @@
 the policy's preference loss (model/preference.py), built like `make_loss_fn` from a `Compute`.
 
 A DPO batch is {"tokens", "loss_mask"} int32 [pairs, 2, seq_len + 1] (data/pairs.py). The
-reference is the run's starting weights, held sharded like the policy in `TrainState.ref_params`;
+reference is the run's starting weights, held sharded like the policy in `TrainState.ref_params`
+(under LoRA, the frozen base itself with the adapters' B zeroed, `model.lora.switched_off`: no copy);
 its log-probs are computed at the start of each step, micro-batch by micro-batch, and travel
 with the batch as "ref_logps" [pairs, 2], so micro-batching and the gradient code see one batch.
 """
