@@ -71,7 +71,8 @@ def test_the_lora_reference_is_the_base_model_and_the_loss_matches_numpy(corpora
     params = nnx.to_pure_dict(nnx.state(Transformer(cfg.model, rngs=nnx.Rngs(0))))
     rng = np.random.default_rng(0)  # trained adapters: a policy that has left its reference
     params = jax.tree_util.tree_map_with_path(
-        lambda p, a: a + 0.3 * rng.standard_normal(a.shape).astype(a.dtype) if str(p[-1].key).endswith("_lora_b") else a,
+        lambda p, a: a + 0.3 * rng.standard_normal(a.shape).astype(a.dtype) if str(p[-1].key).endswith("_lora_b")
+        else a,
         params)
     base = lora.split(params)[1]
     ref = jax.jit(make_reference_fn(graphdef, program.compute, cfg.dpo))(lora.switched_off(params), batch)
@@ -129,6 +130,18 @@ def test_lora_dpo_starts_at_log_2_and_8_devices_give_the_one_device_run(dpo_runs
         np.testing.assert_allclose(column(eight, key), column(one, key), rtol=2e-5, atol=1e-6, err_msg=key)
 
 
+@pytest.mark.parametrize("layout", [["mesh.data=2", "mesh.context=2", "mesh.tensor=2"],
+                                    ["mesh.data=1", "mesh.pipeline=2", "mesh.tensor=4", "pipeline.schedule=gpipe",
+                                     "train.grad_accum=2"]],
+                         ids=["context", "gpipe+accumulation"])
+def test_lora_dpo_on_other_layouts_gives_the_one_device_run(corpora, tmp_path, dpo_runs, layout):
+    one = dpo_runs["one"][1]
+    cfg = config("dpo", corpora, tmp_path / "run", "optim.lr=3e-2", f"optim.decay_steps={STEPS}", *LORA, *layout)
+    history = trainer.run(cfg)
+    for key in DPO_KEYS:
+        np.testing.assert_allclose(column(history, key), column(one, key), rtol=2e-5, atol=1e-6, err_msg=key)
+
+
 def test_lora_dpo_checkpoints_hold_the_adapters_alone_and_resume_bitwise(corpora, tmp_path, capsys, dpo_runs):
     import orbax.checkpoint as ocp
 
@@ -152,7 +165,8 @@ def _sft_steps(cfg, devices: list) -> tuple[list[float], dict, dict]:
     out = []
     with program.tracing():
         for step in range(STEPS):
-            batch = {k: jax.device_put(np.asarray(ds[step][k]), a.sharding) for k, a in program.abstract_batch().items()}
+            batch = {k: jax.device_put(np.asarray(ds[step][k]), a.sharding)
+                     for k, a in program.abstract_batch().items()}
             state, metrics = program.step(state, batch)
             out.append(float(metrics["loss"]))
     adapters, base = lora.split(jax.device_get(state.params))
@@ -186,7 +200,8 @@ def moe_one(corpora, tmp_path_factory) -> list[dict]:
 
 @pytest.mark.parametrize("expert", [2, 4])
 def test_sft_on_an_expert_parallel_moe_gives_the_one_device_losses(corpora, tmp_path, moe_one, expert):
-    other = _moe_run(corpora, tmp_path / "run", 8, f"mesh.data={8 // expert // 2}", f"mesh.expert={expert}", "mesh.fsdp=2")
+    other = _moe_run(corpora, tmp_path / "run", 8, f"mesh.data={8 // expert // 2}", f"mesh.expert={expert}",
+                     "mesh.fsdp=2")
     assert np.ptp(column(moe_one, "loss")) > 0.05, column(moe_one, "loss")
     np.testing.assert_allclose(column(other, "loss"), column(moe_one, "loss"), rtol=2e-5)
     np.testing.assert_array_equal(column(other, "trained_tokens"), column(moe_one, "trained_tokens"))
