@@ -1,4 +1,4 @@
-"""LoRA with train.objective=sft and =dpo, and SFT under expert parallelism.
+"""LoRA with train.objective=sft and =dpo, and SFT and DPO under expert parallelism.
 
 Under LoRA, DPO's reference is the frozen base itself (the adapters' B zeroed): its log-probs
 equal a full model's on the same weights and a float64 NumPy computation; the state and the
@@ -205,3 +205,21 @@ def test_sft_on_an_expert_parallel_moe_gives_the_one_device_losses(corpora, tmp_
     assert np.ptp(column(moe_one, "loss")) > 0.05, column(moe_one, "loss")
     np.testing.assert_allclose(column(other, "loss"), column(moe_one, "loss"), rtol=2e-5)
     np.testing.assert_array_equal(column(other, "trained_tokens"), column(moe_one, "trained_tokens"))
+
+
+def test_dpo_on_an_expert_parallel_moe_gives_the_one_device_run(corpora, tmp_path):
+    """The policy's router losses join the DPO loss (so the first loss is above log 2 by them, the
+    rewards still 0); expert=2 x fsdp=2 x data=2 against one device."""
+    def run(name: str, devices: int, *layout: str) -> list[dict]:
+        cfg = config("dpo", corpora, tmp_path / name, "optim.lr=3e-2", f"optim.decay_steps={STEPS}", *MOE,
+                     "model.moe.aux_loss_coef=0.01", "model.moe.router_z_loss_coef=0.001", *layout)
+        return trainer.run(cfg, devices=jax.devices()[:devices])
+
+    one = run("one", 1, "mesh.data=1")
+    other = run("ep", 8, "mesh.data=2", "mesh.expert=2", "mesh.fsdp=2")
+    assert column(one, "reward_margin")[0] == 0 and column(one, "reward_chosen")[0] == 0
+    # log 2 plus 0.01 x the balance loss (about 1) plus 0.001 x the z-loss: well above float32's log 2
+    assert 0.005 < column(one, "loss")[0] - math.log(2) < 0.05
+    assert abs(column(one, "reward_margin")[-1]) > 1e-3
+    for key in DPO_KEYS:
+        np.testing.assert_allclose(column(other, key), column(one, key), rtol=2e-5, atol=1e-6, err_msg=key)
