@@ -39,7 +39,6 @@ def _check_objective(cfg: Config) -> None:
     _require(d.packing == "concat", "data.packing", "train.objective=dpo pads each sequence of a pair to "
              "model.seq_len + 1 and packs nothing; leave data.packing=concat")
     _require(cfg.model.loss_chunk == 0, "model.loss_chunk", "train.objective=dpo computes whole-row log-probs; set 0")
-    _require(not cfg.model.moe.enabled, "model.moe.num_experts", "train.objective=dpo trains dense models only")
     _require(cfg.eval.every == 0, "eval.every", "train.objective=dpo has no held-out eval yet; set 0 (the step "
              "logs the rewards and their accuracy)")
 

@@ -103,6 +103,14 @@ def trainable(params: dict) -> dict:
     return adapters or params
 
 
+def switched_off(params: dict) -> dict:
+    """`params` with every adapter's B at zero: the model then computes with its base weights
+    alone, exactly (each projection adds an exact zero), as a new adapter does. Under DPO this is
+    the frozen reference, so a LoRA run holds no second copy of the weights."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, p: jnp.zeros_like(p) if str(getattr(path[-1], "key", "")).endswith(SUFFIXES[1]) else p, params)
+
+
 def join(adapters: dict, base: dict) -> dict:
     """Inverse of `split`: one dict holding both."""
     out = dict(base)

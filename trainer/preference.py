@@ -2,7 +2,8 @@
 the policy's preference loss (model/preference.py), built like `make_loss_fn` from a `Compute`.
 
 A DPO batch is {"tokens", "loss_mask"} int32 [pairs, 2, seq_len + 1] (data/pairs.py). The
-reference is the run's starting weights, held sharded like the policy in `TrainState.ref_params`;
+reference is the run's starting weights, held sharded like the policy in `TrainState.ref_params`
+(under LoRA, the frozen base itself with the adapters' B zeroed, `model.lora.switched_off`: no copy);
 its log-probs are computed at the start of each step, micro-batch by micro-batch, and travel
 with the batch as "ref_logps" [pairs, 2], so micro-batching and the gradient code see one batch.
 """
@@ -28,8 +29,10 @@ Array = jax.Array
 DPO_METRICS = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy")
 
 
-def _logps(graphdef: nnx.GraphDef, compute: Compute, params: dict, batch: dict[str, Array], mean: bool) -> Array:
-    """log-probs [pairs, 2] of each response's trained tokens (sums, or per-token means)."""
+def _logps(graphdef: nnx.GraphDef, compute: Compute, params: dict, batch: dict[str, Array],
+           mean: bool) -> tuple[Array, Array]:
+    """(log-probs [pairs, 2] of each response's trained tokens (sums, or per-token means), the
+    router statistics of an MoE model (model/moe.py STATS; zeros for a dense one))."""
     model = nnx.merge(graphdef, params if compute.cast is None else compute.cast(params))
     # [pairs, 2, length] -> [2 * pairs, length], a pair's rows side by side: a device's block of
     # pairs becomes its block of rows (no data moves), and one forward pass (one weight gather
@@ -41,11 +44,11 @@ def _logps(graphdef: nnx.GraphDef, compute: Compute, params: dict, batch: dict[s
     if compute.order is not None:  # a sum over tokens: the sequence split's order changes nothing
         inputs, targets, weights, positions = (a[:, compute.order] for a in (inputs, targets, weights, positions))
     with use_kernels(compute.kernels):
-        x, _ = model.features_and_stats(inputs, positions, None, runner=compute.runner)
+        x, stats = model.features_and_stats(inputs, positions, None, runner=compute.runner)
     logps = sequence_logps(model, x, targets, weights)
     if mean:
         logps = logps / jnp.maximum(jnp.sum(weights, axis=-1), 1.0)
-    return logps.reshape(-1, 2)
+    return logps.reshape(-1, 2), stats
 
 
 def make_reference_fn(graphdef: nnx.GraphDef, compute: Compute, dpo: DPOConfig) -> Callable[[dict, dict], Array]:
@@ -56,23 +59,28 @@ def make_reference_fn(graphdef: nnx.GraphDef, compute: Compute, dpo: DPOConfig) 
     def ref_logps(ref_params: dict, batch: dict[str, Array]) -> Array:
         ref_params = jax.lax.stop_gradient(ref_params)
         if compute.grad_accum == 1:
-            return _logps(graphdef, compute, ref_params, batch, mean)
+            return _logps(graphdef, compute, ref_params, batch, mean)[0]
         micro = jax.tree.map(lambda a: to_microbatches(a, compute.grad_accum), batch)
-        return from_microbatches(jax.lax.map(lambda mb: _logps(graphdef, compute, ref_params, mb, mean), micro))
+        return from_microbatches(jax.lax.map(lambda mb: _logps(graphdef, compute, ref_params, mb, mean)[0], micro))
 
     return ref_logps
 
 
 def make_dpo_loss_fn(graphdef: nnx.GraphDef, compute: Compute, dpo: DPOConfig) -> LossFn:
     """loss(params, batch with "ref_logps") -> (sum of the pairs' losses, (pairs, [the sums of
-    DPO_METRICS])): divided by the pair count, the means over all pairs of the step."""
-    mean = dpo.loss == "ipo"
+    DPO_METRICS])): divided by the pair count, the means over all pairs of the step. An MoE
+    policy's router losses join the sum, this batch's per-token means times its pair count (as the
+    LM loss weighs them by its target count), so micro-batches weigh by pairs."""
+    mean, moe = dpo.loss == "ipo", compute.moe
 
     def loss_fn(params: dict, batch: dict[str, Array]) -> tuple[Array, tuple[Array, Array]]:
-        policy = _logps(graphdef, compute, params, batch, mean)
+        policy, router = _logps(graphdef, compute, params, batch, mean)
         losses, chosen, rejected = preference_loss(policy, batch["ref_logps"], dpo.beta, dpo.loss)
+        total = jnp.sum(losses)
+        if moe is not None:
+            total = total + (moe.aux_loss_coef * router[0] + moe.router_z_loss_coef * router[1]) * losses.shape[0]
         stats = jnp.stack([jnp.sum(chosen), jnp.sum(rejected), jnp.sum(chosen - rejected),
                            jnp.sum((chosen > rejected).astype(jnp.float32))])
-        return jnp.sum(losses), (jnp.asarray(losses.shape[0], jnp.float32), stats)
+        return total, (jnp.asarray(losses.shape[0], jnp.float32), stats)
 
     return loss_fn

@@ -94,7 +94,8 @@ def sharded_optimizer(spec: RunSpec, mesh: Mesh | AbstractMesh) -> tuple[optax.G
     or an abstract one for counting bytes without devices)."""
     tx, schedule = make_optimizer(spec.cfg.optim, spec.cfg.train.steps, trainable(spec.model.axes))
     params = shardings(spec.model.axes, spec.layout.param_rules, mesh)
-    reference = spec.cfg.train.objective == "dpo"
+    # Under LoRA, DPO's reference is the base the adapters sit on (their B zeroed): no copy to hold.
+    reference = spec.cfg.train.objective == "dpo" and not spec.cfg.model.lora.enabled
     return tx, schedule, state_shardings(tx, spec.model.shapes, params, mesh, reference)
 
 

@@ -28,7 +28,7 @@ class TrainState(struct.PyTreeNode):
     step: jax.Array  # int32 scalar: the number of updates applied
     params: dict
     opt_state: optax.OptState
-    ref_params: dict | None = None  # train.objective=dpo: the frozen starting weights, sharded like params
+    ref_params: dict | None = None  # train.objective=dpo without LoRA: the frozen starting weights, sharded like params
 
 
 class AbstractModel(NamedTuple):

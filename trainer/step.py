@@ -15,7 +15,7 @@ import optax
 from flax import nnx
 
 from model.kernels import use_kernels
-from model.lora import join, split
+from model.lora import join, split, switched_off
 from model.loss import GradFn, LossFn, head_loss, model_inputs
 from model.moe import STATS
 from pipeline.stages import to_microbatches
@@ -141,7 +141,8 @@ def make_train_step(
 ) -> Callable[[TrainState, dict[str, Array]], tuple[TrainState, dict[str, Array]]]:
     """The pure train step: the loss and gradients `compute` says how to take (accumulated over
     its micro-batches), the optimizer update, and the step's metrics. Under DPO the frozen
-    reference's log-probs (of `state.ref_params`) join the batch first (trainer/preference.py)."""
+    reference's log-probs (of `state.ref_params`, or under LoRA of the base weights with the
+    adapters switched off) join the batch first (trainer/preference.py)."""
     dpo = compute.objective == "dpo"
     loss_fn = make_dpo_loss_fn(graphdef, compute, compute.dpo) if dpo else make_loss_fn(graphdef, compute,
                                                                                         router_losses=True)
@@ -149,7 +150,8 @@ def make_train_step(
 
     def train_step(state: TrainState, batch: dict[str, Array]) -> tuple[TrainState, dict[str, Array]]:
         if reference is not None:
-            batch = {**batch, "ref_logps": reference(state.ref_params, batch)}
+            ref = switched_off(state.params) if state.ref_params is None else state.ref_params
+            batch = {**batch, "ref_logps": reference(ref, batch)}
         adapters, frozen = split(state.params)
         train, frozen = (adapters, frozen) if adapters else (state.params, {})
         over = (lambda a, b: loss_fn(join(a, frozen), b)) if adapters else loss_fn  # noqa: E731
