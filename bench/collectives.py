@@ -52,9 +52,11 @@ def _by_kind(ops: list[dict]) -> dict[str, list[float]]:
     return dict(out)
 
 
-def meshlm(preset: str, hardware: str, devices: int, overrides: str) -> dict:
-    """meshlm's step compiled by plan.py: memory (arguments + temporaries) and collectives by kind."""
-    with tempfile.TemporaryDirectory() as tmp:
+def meshlm(preset: str, hardware: str, devices: int, overrides: str, keep: str = "") -> dict:
+    """meshlm's step compiled by plan.py: memory (arguments + temporaries) and collectives by
+    kind; `keep`: a folder to leave the compiled program and the plan in."""
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = os.path.join(keep, "_".join(overrides.split()).replace("=", "")) if keep else scratch
         out = os.path.join(tmp, "plan.json")
         cmd = [sys.executable, os.path.join(ROOT, "plan.py"), "--config", preset, "--devices", str(devices),
                "--hardware", hardware, "--out", out, "--dump-hlo", tmp, *overrides.split()]
@@ -62,7 +64,7 @@ def meshlm(preset: str, hardware: str, devices: int, overrides: str) -> dict:
         if done.returncode not in (0, 1):
             raise SystemExit(f"plan.py failed for {preset} {overrides}:\n{done.stderr[-2000:]}")
         p = json.load(open(out))["plans"][0]
-        (hlo,) = [f for f in os.listdir(tmp) if f.endswith(".hlo")]
+        hlo = sorted(f for f in os.listdir(tmp) if f.endswith(".hlo"))[-1]
         with open(os.path.join(tmp, hlo)) as f:
             return {"memory": p["memory"]["arguments"] + p["memory"]["temps"], "kinds": _program(f.read(), devices)}
 
@@ -107,6 +109,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", action="append", help='"PRESET HARDWARE DEVICES [KEY=VALUE ...]"')
     parser.add_argument("--peer", action="append", default=[], help="a peer's compiled HLO for each --case, in order")
+    parser.add_argument("--keep", default="", help="leave each compiled program and plan in a folder here")
     args = parser.parse_args()
     cases = CASES
     if args.case:
@@ -116,7 +119,7 @@ def main() -> None:
     print("| --- | ---: |" + " ---: |" * len(KINDS) + " ---: |")
     for preset, hardware, devices, overrides, other in cases:
         label = f"{preset}, {hardware} x {devices}, `{overrides}`"
-        print(row(f"meshlm, {label}", meshlm(preset, hardware, devices, overrides)), flush=True)
+        print(row(f"meshlm, {label}", meshlm(preset, hardware, devices, overrides, args.keep)), flush=True)
         if other:
             path = other if os.path.exists(other) else os.path.join(PEERS, other)
             print(row(f"peer: {os.path.basename(path)}", peer(path, devices)), flush=True)

@@ -235,7 +235,8 @@ def _outside_fusions(hlo: str) -> str:
 def test_v5p_fsdp_inside_one_ring_reduce_scatters_at_its_minimum(tmp_path_factory: pytest.TempPathFactory) -> None:
     """llama3-8b on a v5p-64 with fsdp=4 (one torus ring) and data=16: libtpu gathers weights
     and reduce-scatters gradients in bf16 and the step sends within 10% of its minimum (over the
-    whole 4x4x4 torus, `mesh.fsdp=64`, it writes them as all-reduces instead: docs/planning.md)."""
+    whole 4x4x4 torus, `mesh.fsdp=64`, it writes the reduce-scatters as all-reduces instead:
+    docs/planning.md)."""
     result, out, status = _v5p_64_8b(tmp_path_factory, "mesh.data=16", "mesh.fsdp=4")
     p = result["plans"][0]
     assert status == 0, out

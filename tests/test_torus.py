@@ -17,6 +17,7 @@ import pytest
 
 from conftest import ROOT, real_target_env
 from planner.hardware import HARDWARE
+from planner.hlo import collectives, shape_bytes
 from planner.targets import has_compiler, tpu_wraparound
 
 SMALL = ["model.num_layers=2", "model.d_model=512", "model.num_heads=4", "model.num_kv_heads=2",
@@ -94,3 +95,7 @@ def test_fsdp_over_a_whole_v5p_torus_gathers_weights_with_all_gathers(tmp_path) 
     (text,) = [f.read_text() for f in dump.iterdir()]
     gathered, padded = _weight_collectives(text)
     assert gathered == WEIGHTS and not padded, (gathered, padded)
+    # The planner's all-gathers, each op once, hold what a regular expression finds in the text.
+    ops, _ = collectives(text, {"fsdp": 64}, 64)
+    regex = sum(shape_bytes(t) for t in re.findall(r"= (\S+) all-gather\(", text))
+    assert sum(c.bytes for c in ops if c.kind == "all-gather" and not c.lowered_as) == regex > 0
