@@ -7,7 +7,9 @@ float32; A: one layer's activations [local batch, length, embed] in the compute 
 
     fsdp      parameters gathered for the forward and again for the backward, gradients
               reduce-scattered once:                    3 x (n-1)/n x G
-              (an untied embedding table is not needed by the backward: 2 x, not 3 x)
+              (an untied embedding table is not needed by the backward, and its lookup may
+              instead trade the looked-up rows, A, by an all-to-all forward and back: the
+              table counts 2 x min(table, A), not 3 x table)
     data      one all-reduce of the gradient shard:     2 x (n-1)/n x G / fsdp
     tensor    per layer two activation all-reduces forward and two backward (under `remat:
               full` one more: the recomputed attention output; the MLP output is not needed
@@ -52,7 +54,7 @@ def minimum(cfg: Config, sizes: dict[str, int], shapes: dict, axes: dict) -> dic
     act = cfg.train.global_batch / batch_shards * m.seq_len * m.d_model * np.dtype(m.dtype).itemsize
     out: dict[str, float] = {}
     if sizes["fsdp"] > 1:
-        out["fsdp"] = ring(sizes["fsdp"]) * (3 * g - table)
+        out["fsdp"] = ring(sizes["fsdp"]) * (3 * g - 3 * table + 2 * min(table, act))
     if sizes["data"] > 1:
         out["data"] = 2 * ring(sizes["data"]) * g / sizes["fsdp"]
     if sizes["tensor"] > 1:
