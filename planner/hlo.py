@@ -32,6 +32,8 @@ from typing import Sequence
 
 import numpy as np
 
+from planner.hlo_graph import Graph
+
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 # Ring-algorithm bytes each device sends per byte of the op's full buffer (n devices per group):
@@ -44,13 +46,12 @@ RING_FACTORS = {
     "collective-permute": lambda n: 1.0,
 }
 
-_OP = re.compile(r"^\s*(?:ROOT\s+)?%\S+ = (.+?) (" + "|".join(COLLECTIVES) + r")(-start)?\(")
+_OP = re.compile(r"^\s*(?:ROOT\s+)?%(\S+) = (.+?) (" + "|".join(COLLECTIVES) + r")(-start)?\(")
 _SHAPE = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")
 HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
 _CALL = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
-_DEF = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = .*? ([a-z][\w\-]*)\(")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
@@ -64,11 +65,13 @@ class Collective:
     inter_node: bool  # some group holds devices of more than one node
     dtype: str = ""  # element type(s) of the buffer, e.g. "bf16" or "bf16+f32" for a combined op
     by_dtype: tuple[tuple[str, int], ...] = ()  # `bytes` split by element type (a combined op mixes them)
+    lowered_as: str = ""  # the op the compiler wrote it as, where that is another (planner/hlo_graph.py)
 
     @property
     def wire_bytes(self) -> float:
-        """Bytes one device sends per execution under the ring algorithm."""
-        return RING_FACTORS[self.kind](self.group_size) * self.bytes if self.group_size > 1 else 0.0
+        """Bytes one device sends per execution under the ring algorithm of the op as written."""
+        factor = RING_FACTORS[self.lowered_as or self.kind](self.group_size)
+        return factor * self.bytes if self.group_size > 1 else 0.0
 
 
 def dtype_bytes(dtype: str) -> float:
@@ -129,14 +132,6 @@ def _dtypes(type_text: str, size: int) -> tuple[str, tuple[tuple[str, int], ...]
     total, names = sum(raw.values()), sorted(raw)
     parts = [round(size * raw[dt] / total) if total else 0 for dt in names[:-1]]
     return "+".join(names), tuple(zip(names, [*parts, size - sum(parts)])) if names else ()
-
-
-def _gathers(line: str, defs: dict[str, str]) -> bool:
-    """An all-reduce whose every operand is a dynamic-update-slice (into a zero buffer): the TPU
-    compiler's way to write an all-gather; it moves what an all-gather of the buffer would."""
-    args = re.search(r"all-reduce(?:-start)?\(([^)]*)\)", line)
-    names = re.findall(r"%([\w.\-]+)", args.group(1)) if args else []
-    return bool(names) and all("dynamic-update-slice" in defs.get(n, "") for n in names)
 
 
 def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
@@ -264,7 +259,7 @@ def collectives(
     `send` the megascale runtime carries out, read here as the collective it names."""
     lines = hlo_text.splitlines()
     mults, unknown = multiplicities(lines)
-    defs = {m.group(1): m.group(2) for m in map(_DEF.match, lines) if m}
+    graph = Graph(lines)
     num_devices = math.prod(mesh_shape.values())
     node_of = [p // nodes for p in range(num_devices)] if isinstance(nodes, int) else list(nodes)
     per_slice = _MEGASCALE.search(hlo_text) is not None
@@ -284,23 +279,53 @@ def collectives(
         op = _OP.match(line)
         if not op:
             continue
-        type_text, kind, start = op.groups()
+        name, type_text, kind, start = op.groups()
         size = buffer_bytes(kind, bool(start), type_text, line)
-        if kind == "all-reduce" and _gathers(line, defs):
-            kind = "all-gather"  # TPU: an all-gather written as an all-reduce of a zero-padded buffer
         groups = [[local[i] for i in g] for g in device_groups(line, len(local))]
         n = max(len(g) for g in groups) if kind != "collective-permute" else 2
         if kind == "reduce-scatter" and not start:
             size *= n  # a synchronous op's type is its result: one shard of the reduced buffer
+        crossing = any(len({node_of[p] for p in g}) > 1 for g in groups)
+        where = (spanned_axes(groups, mesh_shape), n, mults[current], crossing)  # what every part shares
         if kind == "all-reduce" and current.startswith("all-reduce-scatter"):
             # libtpu's reduce-scatter: a kCustom fusion whose computation holds an all-reduce of the
             # (padded) full buffer and the dynamic-slice of this device's shard; its emitter
             # (AllReduceScatterFusion) reduces and scatters in one pass, so it moves a reduce-scatter.
-            kind = "reduce-scatter"
-        crossing = any(len({node_of[p] for p in g}) > 1 for g in groups)
-        found.append(Collective(kind, spanned_axes(groups, mesh_shape), n, size, mults[current], crossing,
-                                *_dtypes(type_text, size)))
+            found.append(_op("reduce-scatter", where, type_text, size))
+        elif kind == "all-reduce" and not start:
+            found += _all_reduce_parts(name, type_text, line, graph, where)
+        else:
+            found.append(_op(kind, where, type_text, size))
     return found, unknown
+
+
+def _op(kind: str, where: tuple, type_text: str, size: int, lowered_as: str = "") -> Collective:
+    axes, n, count, crossing = where
+    return Collective(kind, axes, n, size, count, crossing, *_dtypes(type_text, size), lowered_as=lowered_as)
+
+
+def _all_reduce_parts(name: str, type_text: str, line: str, graph: Graph, where: tuple) -> list[Collective]:
+    """A synchronous all-reduce, one Collective per thing its parts do (a combined op may hold
+    gathers and reductions): a part whose operand is a zero-padded buffer is an all-gather, one
+    whose readers keep 1/n of it a reduce-scatter, both lowered as (and sending) an all-reduce."""
+    parts = tuple_parts(type_text)
+    operands = graph.operands.get(name, [])
+    n = where[1]
+    by_kind: dict[str, list[str]] = defaultdict(list)
+    for i, part in enumerate(parts):
+        index = i if len(parts) > 1 else None
+        if i < len(operands) and graph.padded(operands[i]):
+            by_kind["all-gather"].append(part)
+        elif n > 1 and graph.scattered(name, index, n):
+            by_kind["reduce-scatter"].append(part)
+        else:
+            by_kind["all-reduce"].append(part)
+    out = []
+    for kind, kept in by_kind.items():
+        text = "(" + ", ".join(kept) + ")"
+        size = buffer_bytes("all-reduce", False, text, line)
+        out.append(_op(kind, where, text, size, "" if kind == "all-reduce" else "all-reduce"))
+    return out
 
 
 def _across_slices(transfer: str, line: str, mesh_shape: dict[str, int], node_of: list[int], count: int) -> Collective:
@@ -320,5 +345,5 @@ def static_counts(hlo_text: str) -> dict[str, int]:
     for line in hlo_text.splitlines():
         op = _OP.match(line)
         if op:
-            counts[op.group(2)] += 1
+            counts[op.group(3)] += 1
     return counts

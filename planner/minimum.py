@@ -7,7 +7,9 @@ float32; A: one layer's activations [local batch, length, embed] in the compute 
 
     fsdp      parameters gathered for the forward and again for the backward, gradients
               reduce-scattered once:                    3 x (n-1)/n x G
-              (an untied embedding table is not needed by the backward: 2 x, not 3 x)
+              (an untied embedding table is not needed by the backward, and its lookup may
+              instead trade the looked-up rows, A, by an all-to-all forward and back: the
+              table counts 2 x min(table, A), not 3 x table)
     data      one all-reduce of the gradient shard:     2 x (n-1)/n x G / fsdp
     tensor    per layer two activation all-reduces forward and two backward (under `remat:
               full` one more: the recomputed attention output; the MLP output is not needed
@@ -20,7 +22,8 @@ The loss's scalar reductions are left out (bytes, not megabytes).
 
 With LoRA adapters (model/lora.py) only the adapters have gradients: the reduce-scatter and the
 data all-reduce move the adapters' bytes (G_a), the gathers still every parameter:
-fsdp (n-1)/n x (2 x G + G_a) (less the untied table, as above), data 2 x (n-1)/n x G_a / fsdp.
+fsdp (n-1)/n x (2 x G + G_a) (an untied table, frozen, counts min(table, A) once in place of
+2 x table), data 2 x (n-1)/n x G_a / fsdp.
 """
 
 from __future__ import annotations
@@ -59,7 +62,13 @@ def minimum(cfg: Config, sizes: dict[str, int], shapes: dict, axes: dict) -> dic
     act = cfg.train.global_batch / batch_shards * m.seq_len * m.d_model * np.dtype(m.dtype).itemsize
     out: dict[str, float] = {}
     if sizes["fsdp"] > 1:
-        out["fsdp"] = ring(sizes["fsdp"]) * (2 * g + grads - table)
+        # The untied table is gathered, or its looked-up rows traded (the cheaper), once forward
+        # and, when it trains, once more for its gradient; the other weights twice (forward,
+        # backward) and their gradients reduced once.
+        trains_table = not adapters
+        table_cost = (2 if trains_table else 1) * min(table, act)
+        reduced = g - table if trains_table else grads
+        out["fsdp"] = ring(sizes["fsdp"]) * (2 * (g - table) + reduced + table_cost)
     if sizes["data"] > 1:
         out["data"] = 2 * ring(sizes["data"]) * grads / sizes["fsdp"]
     if sizes["tensor"] > 1:

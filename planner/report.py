@@ -21,19 +21,36 @@ GB = 1e9
 
 
 def _aggregate(ops: list[dict]) -> list[dict]:
-    """Per (kind, dtype, mesh axes, link): executions per step, buffer bytes (also split by
-    element type, `by_dtype`) and ring bytes sent."""
+    """Per (kind, the op it is written as, dtype, mesh axes, link): executions per step, buffer
+    bytes (also split by element type, `by_dtype`) and ring bytes sent."""
     total: dict[tuple, dict] = defaultdict(lambda: {"count": 0, "bytes": 0.0, "wire_bytes": 0.0, "by_dtype": {}})
     for op in ops:
         if not op["axes"]:
             continue  # a group of one device moves nothing
-        t = total[(op["kind"], op["dtype"], tuple(op["axes"]), op["inter_node"])]
+        t = total[(op["kind"], op.get("lowered_as", ""), op["dtype"], tuple(op["axes"]), op["inter_node"])]
         t["count"] += op["count"]
         t["bytes"] += op["count"] * op["bytes"]
         t["wire_bytes"] += op["count"] * op["wire_bytes"]
         for dt, b in op.get("by_dtype") or [(op["dtype"], op["bytes"])]:
             t["by_dtype"][dt] = t["by_dtype"].get(dt, 0) + op["count"] * b
-    return [{"kind": k, "dtype": d, "axes": list(a), "inter_node": i, **v} for (k, d, a, i), v in sorted(total.items())]
+    return [{"kind": k, "lowered_as": w, "dtype": d, "axes": list(a), "inter_node": i, **v}
+            for (k, w, d, a, i), v in sorted(total.items())]
+
+
+def by_link(collectives: list[dict]) -> dict[str, dict[str, float]]:
+    """Buffer bytes and ring bytes sent per device per step over each kind of link ("intra":
+    ICI or NVLink; "inter": DCN or InfiniBand), from the aggregated collectives."""
+    out: dict[str, dict[str, float]] = {}
+    for c in collectives:
+        t = out.setdefault("inter" if c["inter_node"] else "intra", {"bytes": 0.0, "wire_bytes": 0.0})
+        t["bytes"] += c["bytes"]
+        t["wire_bytes"] += c["wire_bytes"]
+    return out
+
+
+def kind_text(c: dict) -> str:
+    """A collective's kind, and the op the compiler wrote it as where that is another."""
+    return f"{c['kind']} (as {c['lowered_as']})" if c.get("lowered_as") else c["kind"]
 
 
 def traffic(collectives: list[dict], least: dict[str, float]) -> dict[str, Any]:
@@ -76,6 +93,7 @@ def entry(cfg: Config, n: int, hw: Hardware, measured: dict, state: dict[str, in
         "hbm_bytes": roof["bytes"],
         "collectives": collectives,
         "traffic": traffic(collectives, state["minimum"]),
+        "links": by_link(collectives),
         "time": time,
         "compile_s": measured["compile_s"],
         "notes": measured["notes"],
@@ -200,12 +218,15 @@ def print_plan(plan: dict) -> None:
     print(f"  {'total':<22}{_size(m['total']):>14}  -> {verdict}, margin {m['margin'] / GB:.1f} GB")
     print(f"FLOPs per device per step: model {f['model']:.3e}, compiled kernels {f['compiled']:.3e} "
           f"(remat recompute included); HBM traffic {_size(p['hbm_bytes'])}")
-    print("collectives per device per step (count includes loop trips; sent = ring-algorithm bytes)")
-    print(f"  {'kind':<20}{'dtype':<10}{'axes':<16}{'count':>7}{'buffer':>14}{'sent':>14}  {'link':<6}{'seconds':>9}  overlap")
+    print("collectives per device per step (count includes loop trips; sent = ring-algorithm bytes of the op "
+          "as the compiler wrote it)")
+    print(f"  {'kind':<32}{'dtype':<10}{'axes':<16}{'count':>7}{'buffer':>14}{'sent':>14}  {'link':<6}{'seconds':>9}  overlap")
     for c in p["collectives"]:
         link = "inter" if c["inter_node"] else "intra"
-        print(f"  {c['kind']:<20}{c['dtype']:<10}{'+'.join(c['axes']):<16}{c['count']:>7}{_size(c['bytes']):>14}"
+        print(f"  {kind_text(c):<32}{c['dtype']:<10}{'+'.join(c['axes']):<16}{c['count']:>7}{_size(c['bytes']):>14}"
               f"{_size(c['wire_bytes']):>14}  {link:<6}{c['seconds']:>9.4f}  {'yes' if c['overlapped'] else 'no'}")
+    for link, sums in sorted(p.get("links", {}).items()):
+        print(f"  {link + ' links, all':<32}{'':<10}{'':<16}{'':>7}{_size(sums['bytes']):>14}{_size(sums['wire_bytes']):>14}")
     tr = p["traffic"]
     print("communication against the layout's minimum (bytes sent per device per step)")
     for row in tr["rows"]:

@@ -87,6 +87,19 @@ def tpu_slice_shape(hw: Hardware, chips: int) -> str:
     return "x".join(str(d) for d in sorted(dims, reverse=1 in dims and hw.torus_dims == 3 and chips > 1))
 
 
+def tpu_wraparound(hw: Hardware, shape: str) -> tuple[bool, bool, bool]:
+    """Which dims of a `shape` slice have wraparound links, as the real slice has them: every dim
+    of a v4/v5p slice of whole 4x4x4 cubes (smaller slices are open meshes), and each full-pod
+    dim (16) of a v5e/v6e slice. libtpu's torus collectives (an all-gather on the major dim)
+    need them; told of none, it writes every gather over a whole torus as an all-reduce."""
+    dims = [int(d) for d in shape.split("x")]
+    if hw.torus_dims == 3:
+        cubes = len(dims) == 3 and all(d >= 4 and d % 4 == 0 for d in dims)
+        return (cubes,) * 3
+    edge = [d == 16 for d in dims] + [False] * (3 - len(dims))
+    return edge[0], edge[1], edge[2]
+
+
 def gpu_spec(hw: Hardware) -> str:
     with open(os.path.join(SPECS_DIR, hw.spec)) as f:
         return f.read()
@@ -118,7 +131,7 @@ def target_devices(hw: Hardware, n: int, slices: int = 1, topology: str = "") ->
         raise ConfigError(f"--devices={n} is not divisible by {slices} slices")
     shape = topology or tpu_slice_shape(hw, n // slices)
     devices = list(topologies.get_topology_desc(topology_name=f"{hw.spec}:{shape}", platform="tpu",
-                                                num_slices=slices).devices)
+                                                num_slices=slices, wrap=tpu_wraparound(hw, shape)).devices)
     if len(devices) != n:
         raise ConfigError(f"--topology={shape}: {slices} slice(s) of it hold {len(devices)} chips, not --devices={n}")
     return devices

@@ -6,7 +6,8 @@ Fixtures: the tiny preset in bf16 with FSDP over 8 devices, compiled by XLA's GP
 reduce-scatter-start combines a layer's gradients into a tuple of (operands, results). libtpu
 writes a reduce-scatter as a kCustom fusion over an `all-reduce-scatter` computation (all-reduce
 of the padded buffer, then this device's slice) on a 2x2x1 host, and as a plain all-reduce then
-a dynamic-slice on a 3D torus (2x2x2 and larger): the latter moves an all-reduce's bytes.
+a dynamic-slice on a 3D torus (2x2x2 and larger): the latter is read as a reduce-scatter
+lowered as an all-reduce, and moves an all-reduce's bytes.
 """
 
 from __future__ import annotations
@@ -101,10 +102,13 @@ def test_tpu_all_reduce_scatter_fusion_is_a_reduce_scatter() -> None:
     assert inside, "the fixture no longer holds an all-reduce-scatter fusion"
     buffers = {shape_bytes(m) for body in inside for m in re.findall(r"= (\S+) all-reduce\(", body)}
     ops, unknown = collectives(text, {"pipeline": 1, "data": 1, "fsdp": 4, "tensor": 1}, 4)
-    scattered = [c for c in ops if c.kind == "reduce-scatter"]
-    assert unknown == 0 and scattered and {c.bytes for c in scattered} == buffers, (scattered, buffers)
-    assert all(c.axes == ("fsdp",) and c.group_size == 4 for c in scattered)
-    # The 3D-torus program reduces the same gradients with plain all-reduces: read as what they are.
+    fused = [c for c in ops if c.kind == "reduce-scatter" and not c.lowered_as]  # sent as a reduce-scatter
+    assert unknown == 0 and fused and {c.bytes for c in fused} == buffers, (fused, buffers)
+    assert all(c.axes == ("fsdp",) and c.group_size == 4 for c in fused)
+    assert all(c.wire_bytes == 3 / 4 * c.bytes for c in fused)
+    # The 3D-torus program reduces the same gradients with plain all-reduces whose readers keep
+    # their shard: reduce-scatters by what they do, charged an all-reduce's bytes by what they send.
     ops8, _ = collectives(_text("v5p_tiny_fsdp8.hlo"), MESH, 8)
-    assert not [c for c in ops8 if c.kind == "reduce-scatter"]
-    assert any(c.kind == "all-reduce" and c.dtype == "bf16" and c.bytes >= 16 * 1024 for c in ops8)
+    big = [c for c in ops8 if c.dtype == "bf16" and c.bytes >= 16 * 1024 and c.kind != "all-gather"]
+    assert big and all(c.kind == "reduce-scatter" and c.lowered_as == "all-reduce" for c in big), big
+    assert all(c.wire_bytes == 2 * 7 / 8 * c.bytes for c in big)

@@ -175,7 +175,11 @@ def test_collectives_land_on_the_right_axes(searched):
     data = {(c["kind"], tuple(c["axes"])): c for c in by_layout[(4, 1)]["collectives"]}
     assert set(data) == {("all-reduce", ("data",))}  # pure data parallel: gradients all-reduced, nothing gathered
     assert param_bytes <= data[("all-reduce", ("data",))]["bytes"] <= 1.1 * param_bytes
-    fsdp = {(c["kind"], tuple(c["axes"])): c for c in by_layout[(1, 4)]["collectives"]}
+    fsdp: dict[tuple, dict] = {}  # (kind, axes) -> summed over dtypes and the op each was written as
+    for c in by_layout[(1, 4)]["collectives"]:
+        t = fsdp.setdefault((c["kind"], tuple(c["axes"])), {"bytes": 0, "count": 0})
+        t["bytes"] += c["bytes"]
+        t["count"] += c["count"]
     assert ("all-gather", ("fsdp",)) in fsdp and not any("data" in axes for _, axes in fsdp)
     gathered = fsdp[("all-gather", ("fsdp",))]
     assert gathered["bytes"] >= param_bytes  # every weight gathered at least once per step

@@ -1,0 +1,101 @@
+"""FSDP over a whole TPU torus: the slice the planner compiles for has the real slice's
+wraparound links, so libtpu's weight gathers stay all-gathers (told of none, it writes each as an
+all-reduce of a zero-padded buffer, twice the bytes on a ring).
+
+The program is a small shape with `mesh.fsdp=64` on a v5p 4x4x4 (a full cube, wrapped on every
+dim), read with a few regular expressions of its own, not with planner/hlo.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, real_target_env
+from planner.hardware import HARDWARE
+from planner.hlo import collectives, shape_bytes
+from planner.targets import has_compiler, tpu_wraparound
+
+SMALL = ["model.num_layers=2", "model.d_model=512", "model.num_heads=4", "model.num_kv_heads=2",
+         "model.d_ff=1024", "model.vocab_size=1024", "model.seq_len=256", "model.attention=xla"]
+# The block's matmul weights of SMALL, one layer, as gathered: q, k, v, o, gate, up, down.
+WEIGHTS = {(512, 4, 128), (512, 2, 128), (4, 128, 512), (512, 1024), (1024, 512)}
+
+
+def test_wraparound_follows_the_real_slices() -> None:
+    v5p, v6e, v5e, v4 = (HARDWARE[n] for n in ("tpu-v5p", "tpu-v6e", "tpu-v5e", "tpu-v4"))
+    assert tpu_wraparound(v5p, "4x4x4") == (True, True, True)
+    assert tpu_wraparound(v5p, "4x4x8") == (True, True, True)
+    assert tpu_wraparound(v4, "8x8x8") == (True, True, True)
+    assert tpu_wraparound(v5p, "2x4x4") == (False, False, False)  # less than a cube: an open mesh
+    assert tpu_wraparound(v5p, "2x2x1") == (False, False, False)
+    assert tpu_wraparound(v6e, "16x16") == (True, True, False)
+    assert tpu_wraparound(v5e, "8x16") == (False, True, False)
+    assert tpu_wraparound(v5e, "2x4") == (False, False, False)
+
+
+def _defs(text: str) -> dict[str, str]:
+    """Instruction name -> its line."""
+    return {m.group(1): line for line in text.splitlines() if (m := re.match(r"\s*(?:ROOT )?%(\S+) = ", line))}
+
+
+def _source(name: str, defs: dict[str, str]) -> str:
+    """The line defining `name`, looked through copies (async copy pairs, plain copies, bitcasts)."""
+    line = defs.get(name, "")
+    while m := re.search(r" (?:copy-done|copy-start|copy|bitcast)\(%([\w.\-]+)", line):
+        line = defs.get(m.group(1), "")
+    return line
+
+
+def _is_padded(line: str) -> bool:
+    """Whether the instruction writes its input into a buffer (a dynamic-update-slice, or a fusion
+    ending in one: its name says so)."""
+    m = re.match(r"\s*(?:ROOT )?%(\S+) = (?:\(.*?\)|\S+) ([\w\-]+)\(", line)
+    return bool(m) and any("dynamic-update-slice" in part for part in m.groups())
+
+
+def _weight_shape(result: str) -> tuple[int, ...]:
+    dims = tuple(int(d) for d in re.match(r"bf16\[([\d,]*)\]", result).group(1).split(",") if d)
+    return dims[1:] if dims and dims[0] == 1 else dims  # inside the layer scan: [1, ...]
+
+
+def _weight_collectives(text: str) -> tuple[set, set]:
+    """(weight shapes gathered by all-gather, weight shapes all-reduced from a zero-padded buffer)."""
+    defs = _defs(text)
+    gathered, padded = set(), set()
+    for line in text.splitlines():
+        m = re.match(r"\s*%\S+ = (\(.*?\)|\S+) (all-gather|all-reduce)(?:-start)?\((.*?)\)", line)
+        if not m:
+            continue
+        results = re.findall(r"bf16\[[\d,]*\]", m.group(1))
+        operands = re.findall(r"%([\w.\-]+)", m.group(3))
+        for result, operand in zip(results, operands):
+            shape = _weight_shape(result)
+            if m.group(2) == "all-gather":
+                gathered.add(shape)
+            elif _is_padded(_source(operand, defs)):
+                padded.add(shape)
+    return gathered & WEIGHTS, padded & WEIGHTS
+
+
+@pytest.mark.real_target
+def test_fsdp_over_a_whole_v5p_torus_gathers_weights_with_all_gathers(tmp_path) -> None:
+    if not has_compiler(HARDWARE["tpu-v5p"]):
+        pytest.skip("tpu-v5p's compiler is not installed (make compilers)")
+    dump = tmp_path / "hlo"
+    done = subprocess.run([sys.executable, "plan.py", "--config", os.path.join(ROOT, "configs", "llama3-8b.yaml"),
+                           "--devices", "64", "--hardware", "tpu-v5p", "--dump-hlo", str(dump), "--out",
+                           str(tmp_path / "plan.json"), "mesh.data=1", "mesh.fsdp=64", *SMALL],
+                          cwd=ROOT, env=real_target_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (text,) = [f.read_text() for f in dump.iterdir()]
+    gathered, padded = _weight_collectives(text)
+    assert gathered == WEIGHTS and not padded, (gathered, padded)
+    # The planner's all-gathers, each op once, hold what a regular expression finds in the text.
+    ops, _ = collectives(text, {"fsdp": 64}, 64)
+    regex = sum(shape_bytes(t) for t in re.findall(r"= (\S+) all-gather\(", text))
+    assert sum(c.bytes for c in ops if c.kind == "all-gather" and not c.lowered_as) == regex > 0
