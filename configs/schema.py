@@ -18,6 +18,7 @@ from typing import Annotated, Any, Iterable, Literal
 from annotated_types import MinLen
 
 from configs.fields import Range, choices
+from configs.moe import MoEConfig
 
 # The logical dim names the model gives its parameters and activations (model/layers.py,
 # model/transformer.py, the pipeline runner): the only keys a rules table may have, since a rule
@@ -143,46 +144,6 @@ class ContextConfig:
     # Chunks i and 2C-1-i of 2C give causal attention the same work on every device.
     load_balance: bool = True
     """Each device holds two mirrored sequence chunks; needs model.seq_len divisible by 2 x mesh.context."""
-
-
-@dataclass(kw_only=True)
-class MoEConfig:
-    """A mixture of experts in place of the blocks' SwiGLU (model/moe.py); num_experts 0: dense."""
-
-    num_experts: Annotated[int, Range(ge=0, hint="0: dense")] = 0
-    """Experts per MoE layer."""
-    # Qwen3-MoE's decoder_sparse_step: layers k-1, 2k-1, ... are MoE, the others dense SwiGLU.
-    every: Annotated[int, Range(ge=1, hint="1: every layer is an MoE")] = 1
-    """Every k-th layer is an MoE; model.num_layers must be a multiple."""
-    experts_per_token: int = 2
-    """Top-k: the experts each token is routed to, in [1, num_experts]."""
-    d_ff: Annotated[int, Range(ge=0, hint="0: model.d_ff")] = 0
-    """Each expert's hidden size."""
-    shared_experts: Annotated[int, Range(ge=0)] = 0
-    """Always-on experts (one SwiGLU of shared_experts x d_ff beside the routed ones)."""
-    # softmax_topk (Mixtral): top-k of the logits, softmax over those k. topk_softmax (Qwen3-MoE):
-    # softmax over all experts, then top-k, divided by their sum if `renormalize`.
-    router: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
-    """How router logits become the chosen experts' weights."""
-    renormalize: bool = True
-    """Under topk_softmax: divide the top-k weights by their sum."""
-    aux_loss_coef: Annotated[float, Range(ge=0)] = 0.01
-    """Weight of the Switch load-balancing loss, added to the training loss."""
-    router_z_loss_coef: Annotated[float, Range(ge=0)] = 0.001
-    """Weight of the router z-loss (mean squared logsumexp of the router logits)."""
-    # > 0: each expert takes at most ceil(capacity_factor x tokens x top-k / experts) of a
-    # device's tokens; the rest are dropped.
-    capacity_factor: Annotated[float, Range(ge=0, hint="0: dropless")] = 0.0
-    """Bounds the tokens each expert takes; 0 computes every chosen expert for every token."""
-    # megablox (the Pallas TPU kernel; interpreted on CPU, for tests) needs model.d_model, the
-    # expert d_ff and each device's rows (model.seq_len / mesh.context x experts_per_token) in
-    # multiples of 128, its tile.
-    grouped_matmul: Literal["auto", "ragged_dot", "megablox"] = "auto"
-    """The dropless experts' grouped matmuls (auto: megablox on TPU where its tiles divide, else ragged_dot)."""
-
-    @property
-    def enabled(self) -> bool:
-        return self.num_experts > 0
 
 
 @dataclass(kw_only=True)

@@ -7,6 +7,7 @@ in `sharding.mesh`). Each failure is one `ConfigError` line naming the key.
 
 from __future__ import annotations
 
+from configs.moe import MoEConfig
 from configs.schema import LOGICAL_AXES, MESH_AXES, Config, ConfigError, closest, nan_steps
 
 
@@ -41,8 +42,13 @@ def _check_moe(cfg: Config) -> None:
     _require(cfg.mesh.expert == 1 or e.enabled, "mesh.expert", f"{cfg.mesh.expert} needs model.moe.num_experts > 0")
     if not e.enabled:
         return
+    _require(e.first_k_dense_replace < cfg.model.num_layers, "model.moe.first_k_dense_replace",
+             f"{e.first_k_dense_replace} leaves no MoE layer of model.num_layers={cfg.model.num_layers}")
+    _require(e.first_k_dense_replace == 0 or e.every == 1, "model.moe.first_k_dense_replace",
+             f"{e.first_k_dense_replace} with model.moe.every={e.every}: one way of placing dense layers at a time")
     _require(cfg.model.num_layers % e.every == 0, "model.moe.every",
              f"{e.every} does not divide model.num_layers={cfg.model.num_layers}")
+    _check_sigmoid_router(e)
     # The pipeline splits the stack by layers; a group of `every` layers is one scanned step.
     _require(e.every == 1 or cfg.mesh.pipeline == 1, "model.moe.every",
              f"{e.every} with mesh.pipeline={cfg.mesh.pipeline}: layer groups are not split into stages yet")
@@ -56,6 +62,20 @@ def _check_moe(cfg: Config) -> None:
         "mesh.expert",
         f"{cfg.mesh.expert} does not divide model.moe.num_experts={e.num_experts}",
     )
+
+
+def _check_sigmoid_router(e: MoEConfig) -> None:
+    """Grouped top-k (DeepSeek-V3): whole groups, and enough experts in the chosen ones."""
+    if e.router != "sigmoid":
+        _require(e.n_group == 1, "model.moe.n_group", f"{e.n_group} needs model.moe.router=sigmoid")
+        return
+    _require(e.num_experts % e.n_group == 0, "model.moe.n_group",
+             f"{e.n_group} does not divide model.moe.num_experts={e.num_experts}")
+    _require(e.topk_group <= e.n_group, "model.moe.topk_group",
+             f"{e.topk_group} is more than model.moe.n_group={e.n_group}")
+    allowed = e.topk_group * e.num_experts // e.n_group
+    _require(e.experts_per_token <= allowed, "model.moe.experts_per_token",
+             f"{e.experts_per_token} is more than the {allowed} experts of model.moe.topk_group={e.topk_group} groups")
 
 
 def _check_model(cfg: Config) -> None:

@@ -1,6 +1,6 @@
 """One pre-norm decoder layer: attention, then the feed-forward (dense SwiGLU or a mixture of experts).
 
-A layer returns its output and its router statistics (model/moe.py `STATS`; zeros for a dense
+A layer returns its output and its router statistics (model/router.py `STATS`; zeros for a dense
 layer), so that the layer runners can carry them out of the layer scan into the loss.
 """
 
@@ -12,7 +12,8 @@ from flax import nnx
 
 from configs.schema import ModelConfig
 from model.layers import MLP, Attention, RMSNorm, constrain
-from model.moe import STATS, MoE
+from model.moe import MoE
+from model.router import STATS
 
 Array = jax.Array
 

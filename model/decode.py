@@ -20,6 +20,7 @@ from flax import nnx
 
 from model.attention import masked_attention
 from model.block import Block
+from model.flops import stack_layers
 from model.transformer import BlockGroup, Transformer
 
 Array = jax.Array
@@ -62,6 +63,17 @@ def forward(model: Transformer, tokens: Array, cache: Cache, start: Array | int)
     ranks and draws in float32."""
     positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
     x = jnp.take(model.embedding[...], tokens, axis=0).astype(jnp.dtype(model.cfg.dtype))
+    if hasattr(model, "dense_layers"):  # model.moe.first_k_dense_replace: the cache's first layers
+        first = model.cfg.num_layers - stack_layers(model.cfg)
+        x, k, v = _scan_blocks(model.dense_layers, x, positions, start, cache.k[:first], cache.v[:first])
+        logits, rest = _forward_stack(model, x, positions, start, Cache(cache.k[first:], cache.v[first:]))
+        return logits, Cache(jnp.concatenate([k, rest.k]), jnp.concatenate([v, rest.v]))
+    return _forward_stack(model, x, positions, start, cache)
+
+
+def _forward_stack(model: Transformer, x: Array, positions: Array, start: Array | int,
+                   cache: Cache) -> tuple[Array, Cache]:
+    """The main layer stack over embedded x and its slice of the cache, then the head."""
     every = model.cfg.moe.every if isinstance(model.layers, BlockGroup) else 1
     if every == 1:
         x, k, v = _scan_blocks(model.layers, x, positions, start, cache.k, cache.v)

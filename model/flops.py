@@ -23,9 +23,16 @@ def matmul_params(cfg: ModelConfig) -> int:
     return cfg.num_layers * attn + (cfg.num_layers - moe_layers) * dense + moe_layers * moe + head
 
 
+def stack_layers(cfg: ModelConfig) -> int:
+    """Layers in the model's main stack, the one a pipeline splits into stages: all but the
+    `model.moe.first_k_dense_replace` dense ones before it."""
+    return cfg.num_layers - (cfg.moe.first_k_dense_replace if cfg.moe.enabled else 0)
+
+
 def moe_layer_count(cfg: ModelConfig) -> int:
-    """How many layers are MoE layers (`model.moe.every`: one in each group of that many)."""
-    return cfg.num_layers // cfg.moe.every if cfg.moe.enabled else 0
+    """How many layers are MoE layers (`model.moe.every`: one in each group of that many, after
+    the `first_k_dense_replace` dense ones)."""
+    return stack_layers(cfg) // cfg.moe.every if cfg.moe.enabled else 0
 
 
 def flops_per_token(cfg: ModelConfig) -> float:

@@ -25,7 +25,8 @@ from configs import load_config
 from conftest import ROOT, stopped_at
 from test_context import initial_params
 from configs import ConfigError
-from model.moe import MoE, expert_rows, local_dispatch, megablox_matmul, router_stats
+from model.moe import MoE, expert_rows, local_dispatch, megablox_matmul
+from model.router import router_stats
 from sharding import activation_rules, make_mesh, resolve_mesh_shape, to_rules
 from sharding.experts import expert_parallel
 from trainer import abstract_program, collective_counts

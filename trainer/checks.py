@@ -17,6 +17,7 @@ import jax
 
 import pipeline
 from configs import Config, ConfigError
+from model import stack_layers
 from model.moe import megablox_tile
 from planner.hardware import check_quant, hardware_of_kind
 from sharding import Rules, axes_size, logical_to_spec, mesh_axes, resolve_mesh_shape
@@ -130,11 +131,12 @@ def check_pipeline(cfg: Config, stages: int, micro: int, per_replica: int) -> No
         if schedule.computes_grads:  # the 1F1B family needs stages to schedule
             raise ConfigError(f"pipeline.schedule={cfg.pipeline.schedule} needs mesh.pipeline > 1")
         return
-    layers = cfg.model.num_layers
+    layers = stack_layers(cfg.model)  # the dense first layers run before the stages
     if layers % (stages * repeats):
-        raise ConfigError(
-            f"model.num_layers={layers} is not divisible by mesh.pipeline={stages} x pipeline.repeats={repeats}"
-        )
+        dense = cfg.model.num_layers - layers
+        first = f" - model.moe.first_k_dense_replace={dense}" if dense else ""
+        raise ConfigError(f"model.num_layers={cfg.model.num_layers}{first} is not divisible by "
+                          f"mesh.pipeline={stages} x pipeline.repeats={repeats}")
     schedule.check(cfg, stages, repeats, micro)
     if micro < stages:
         raise ConfigError(

@@ -24,7 +24,7 @@ import numpy as np
 from configs import Config, dump_config
 from configs.schema import nan_steps
 from data import describe, eval_batches, global_batches, make_iterator
-from model import flops_per_token, hf
+from model import flops_per_token, hf, stack_layers
 from planner.hardware import peak_flops_of_kind
 from sharding import distributed
 from trainer import rundir_lock
@@ -142,7 +142,7 @@ def make_session(spec: RunSpec, devices: list, schedule_note: str = "") -> Sessi
         if layout.pipelined:
             log(
                 f"pipeline: {layout.stages} stages x {layout.repeats} repeat(s), {layout.microbatches} microbatches, "
-                f"{cfg.model.num_layers // (layout.stages * layout.repeats)} layers per stage and repeat; "
+                f"{stack_layers(cfg.model) // (layout.stages * layout.repeats)} layers per stage and repeat; "
                 f"bubble fraction {layout.bubble:.3f}"
             )
     except BaseException:

@@ -75,7 +75,8 @@ def sharded_optimizer(spec: RunSpec, mesh: Mesh | AbstractMesh) -> tuple[optax.G
                                                                            TrainState]:
     """The optimizer, its learning-rate schedule, and the state's shardings on `mesh` (a real one,
     or an abstract one for counting bytes without devices)."""
-    tx, schedule = make_optimizer(spec.cfg.optim, spec.cfg.train.steps, spec.model.axes)
+    tx, schedule = make_optimizer(spec.cfg.optim, spec.cfg.train.steps, spec.model.axes,
+                                  spec.cfg.model.moe.router_bias_update_rate)
     params = shardings(spec.model.axes, spec.layout.param_rules, mesh)
     return tx, schedule, state_shardings(tx, spec.model.shapes, params, mesh)
 

@@ -11,17 +11,18 @@ from flax import nnx
 
 from model.kernels import use_kernels
 from model.loss import GradFn, LossFn, head_loss, model_inputs
-from model.moe import STATS
+from model.router import STATS
 from pipeline.stages import to_microbatches
 from trainer.compute import Compute
-from trainer.optimizer import schedule_count
+from trainer.optimizer import schedule_count, without_router_bias
 from trainer.state import TrainState
 
 Array = jax.Array
 
 
-# The MoE metrics of a step (model/moe.py STATS, averaged over layers), each a per-token mean.
-MOE_METRICS = ("lm_loss",) + tuple(f"moe_{name}" for name in STATS)
+# The MoE metrics of a step (model/router.py STATS, averaged over layers), each a per-token mean;
+# the last, `bias_load`, is zero by construction (only its gradient means something): not one.
+MOE_METRICS = ("lm_loss",) + tuple(f"moe_{name}" for name in STATS[:4])
 
 
 def make_loss_fn(graphdef: nnx.GraphDef, compute: Compute = Compute(), *, router_losses: bool = False) -> LossFn:
@@ -57,8 +58,9 @@ def make_loss_fn(graphdef: nnx.GraphDef, compute: Compute = Compute(), *, router
         ce, count = head_loss(model, x, targets, weights, compute.loss_chunk), jnp.sum(weights)
         if moe is None:
             return ce, count
-        router = moe.aux_loss_coef * stats[0] + moe.router_z_loss_coef * stats[1]
-        return ce + router * count, (count, jnp.concatenate([ce[None], stats * count]))
+        # stats[4] is zero; it joins the loss so that its gradient, the load, reaches the routing bias.
+        router = moe.aux_loss_coef * stats[0] + moe.router_z_loss_coef * stats[1] + stats[4]
+        return ce + router * count, (count, jnp.concatenate([ce[None], stats[:4] * count]))
 
     return loss_fn
 
@@ -114,7 +116,7 @@ def make_train_step(
 
     def train_step(state: TrainState, batch: dict[str, Array]) -> tuple[TrainState, dict[str, Array]]:
         loss, grads, aux = accumulate_stats(loss_fn, state.params, batch, compute.grad_accum, compute.grad_fn)
-        grad_norm = optax.tree.norm(grads)
+        grad_norm = optax.tree.norm(without_router_bias(grads))  # the bias's gradient is its load
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         # A non-finite loss or gradient skips the update: parameters and optimizer state stay
