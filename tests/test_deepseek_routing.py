@@ -219,3 +219,43 @@ def test_one_step_equals_one_device(layout):
     np.testing.assert_allclose(got["stats"], ref["stats"], rtol=1e-5)
     for (path, r), g in zip(jax.tree_util.tree_leaves_with_path(ref["grads"]), jax.tree.leaves(got["grads"])):
         np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ("softmax_topk", "sigmoid", "model.moe.router=sigmoid adds the sigmoid router's bias"),
+    ("sigmoid", "softmax_topk", "model.moe.router=softmax_topk drops the sigmoid router's bias"),
+])
+def test_resuming_across_the_routing_bias_names_the_router(tmp_path, old, new, message):
+    """The bias is a parameter: a run resumes with the router it has (or not) one for."""
+    from configs import dump_config
+    from trainer.checkpoint import check_resumable
+
+    def cfg(router: str):
+        return load_config(TINY, ["model.moe.num_experts=8", f"model.moe.router={router}", f"run.dir={tmp_path}"])
+
+    (tmp_path / "config.yaml").write_text(dump_config(cfg(old)))
+    (tmp_path / "checkpoints" / "2").mkdir(parents=True)
+    check_resumable(cfg(old))
+    with pytest.raises(ConfigError, match="^" + message):
+        check_resumable(cfg(new))
+
+
+def test_a_run_moves_and_checkpoints_the_bias(tmp_path):
+    """Three real train steps on expert=2 x data=4: each step moves every layer's bias by the
+    rate (a multiple of it, at most three), the checkpoint holds it, and the metrics log the load."""
+    import json
+
+    import trainer
+    from trainer.checkpoint import restore_params
+
+    rate = 0.01
+    cfg = load_config(TINY, [*STEP, "mesh.expert=2", "train.steps=3", "train.log_every=1", "checkpoint.every=3",
+                             "eval.every=0", f"model.moe.router_bias_update_rate={rate}", f"run.dir={tmp_path}"])
+    trainer.run(cfg)
+    _, step, params = restore_params(str(tmp_path))
+    bias = np.asarray(params["layers"]["mlp"]["router_bias"]) / rate
+    assert step == 3 and bias.shape == (2, 8) and np.abs(bias).max() > 0, bias
+    np.testing.assert_allclose(bias, np.round(bias), atol=1e-3)
+    assert np.abs(bias).max() <= 3 + 1e-3 and (np.abs(np.round(bias)) % 2 == 1).any()  # three steps of +-1 or 0
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert all("moe_imbalance" in r and "moe_bias_load" not in r for r in rows if "loss" in r)

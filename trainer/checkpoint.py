@@ -41,6 +41,7 @@ RESUME_KEYS = (
     "model.num_layers", "model.d_model", "model.num_heads", "model.num_kv_heads", "model.resolved_head_dim",
     "model.d_ff", "model.vocab_size", "model.tie_embeddings", "model.seq_len",
     "model.qk_norm", "model.moe.num_experts", "model.moe.d_ff", "model.moe.shared_experts", "model.moe.every",
+    "model.moe.first_k_dense_replace",
     "train.global_batch", "run.seed", "data.source", "data.path", "data.mixture", "data.tokenizer",
     "data.packing", "data.eval_fraction",
 )
@@ -111,6 +112,11 @@ def check_resumable(cfg: Config) -> None:
                 f"{name}={_get(cfg, key)!r} differs from {_get(old, key)!r} in the checkpoints of run.dir={cfg.run.dir}; "
                 "resume with the same value or use a new run.dir"
             )
+    if old.model.moe.router_bias != cfg.model.moe.router_bias:
+        raise ConfigError(
+            f"model.moe.router={cfg.model.moe.router} {'adds' if cfg.model.moe.router_bias else 'drops'} the sigmoid "
+            f"router's bias, a parameter the checkpoints of run.dir={cfg.run.dir} do not match; use a new run.dir"
+        )
     if (old.optim.clip > 0) != (cfg.optim.clip > 0):
         raise ConfigError(
             f"optim.clip={cfg.optim.clip} turns clipping {'on' if cfg.optim.clip else 'off'}, which changes the "
