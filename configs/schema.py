@@ -18,14 +18,16 @@ from typing import Annotated, Any, Iterable, Literal
 from annotated_types import MinLen
 
 from configs.fields import Range, choices
+from configs.mla import MLAConfig
 from configs.moe import MoEConfig
 
 # The logical dim names the model gives its parameters and activations (model/layers.py,
 # model/transformer.py, the pipeline runner): the only keys a rules table may have, since a rule
 # for any other name matches nothing. tests/test_config.py checks the model uses exactly these.
-# `sublayers`: the dense layers inside one group of `model.moe.every` layers (model/transformer.py).
+# `sublayers`: the dense layers inside one group of `model.moe.every` layers (model/transformer.py);
+# `latent`: the low-rank dims of multi-head latent attention (model/mla.py).
 LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", "expert",
-                "sublayers")
+                "sublayers", "latent")
 
 
 class ConfigError(ValueError):
@@ -183,6 +185,9 @@ class ModelConfig:
     """What a layer keeps for its backward pass; the rest is recomputed (REMAT_SAVES)."""
     attention: Literal["xla", "dot_product", "cudnn", "splash"] = "xla"
     """The attention kernel."""
+    # mla: DeepSeek's multi-head latent attention, shaped by model.mla (num_kv_heads = num_heads).
+    attention_type: Literal["gqa", "mla"] = "gqa"
+    """gqa: grouped-query attention (Llama); mla: multi-head latent attention (DeepSeek-V2/V3)."""
     loss_chunk: Annotated[int, Range(ge=0, hint="0: off")] = 0
     """Output head + loss this many positions at a time (no full logits); must divide seq_len."""
     # "compute" is what MaxText, torchtitan and Megatron do: the loss upcasts inside its own fused
@@ -201,6 +206,7 @@ class ModelConfig:
     gather_dtype: Literal["compute", "fp8"] = "compute"
     """The dtype block weights are gathered from their FSDP shards in."""
     moe: MoEConfig = field(default_factory=MoEConfig)
+    mla: MLAConfig = field(default_factory=MLAConfig)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -312,10 +318,12 @@ class DebugConfig:
 
 
 def _default_param_rules() -> dict[str, Any]:
-    # FSDP is one rule: stored parameters shard their `embed` dim over `fsdp`.
+    # FSDP is one rule: stored parameters shard their `embed` dim over `fsdp` (and an MLA weight
+    # without one, its `latent` dim).
     return {
         "batch": ["data", "fsdp", "expert"],
         "embed": "fsdp",
+        "latent": "fsdp",
         "heads": "tensor",
         "kv_heads": "tensor",
         "mlp": "tensor",

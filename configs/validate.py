@@ -98,6 +98,22 @@ def _check_model(cfg: Config) -> None:
     )
 
 
+def _check_mla(cfg: Config) -> None:
+    m = cfg.model
+    if m.attention_type != "mla":
+        return
+    # Every query head has its own key and value head, all expanded from one shared latent.
+    _require(m.num_kv_heads == m.num_heads, "model.num_kv_heads",
+             f"{m.num_kv_heads} must equal model.num_heads={m.num_heads} under model.attention_type=mla")
+    _require(m.mla.qk_rope_head_dim % 2 == 0, "model.mla.qk_rope_head_dim",
+             f"must be even for rotary embeddings, got {m.mla.qk_rope_head_dim}")
+    _require(not m.qk_norm, "model.qk_norm", "has no meaning under model.attention_type=mla (its latents are normed)")
+    # jax.nn.dot_product_attention and cuDNN take one head dim: v is padded up to q's (model/attention.py).
+    _require(m.attention not in ("dot_product", "cudnn") or m.mla.v_head_dim <= m.mla.qk_head_dim,
+             "model.mla.v_head_dim", f"{m.mla.v_head_dim} is wider than qk_nope_head_dim + qk_rope_head_dim="
+             f"{m.mla.qk_head_dim}, which model.attention={m.attention} cannot take")
+
+
 def _check_dist(cfg: Config) -> None:
     d = cfg.dist
     _require(
@@ -137,6 +153,7 @@ def _check_sharding(cfg: Config) -> None:
 def validate_static(cfg: Config) -> None:
     """Checks that need no devices. Raises ConfigError naming the first bad key."""
     _check_model(cfg)
+    _check_mla(cfg)
     _check_data(cfg)
     _check_moe(cfg)
     trackers = cfg.run.trackers

@@ -4,7 +4,9 @@
 attention: QK^T and AV, halved by causality, times 3 for forward + backward). Embedding
 lookups are not matmuls; a tied embedding is counted once, as the output head. A mixture of
 experts counts its *active* parameters: the router, the `experts_per_token` experts each token
-runs through, and the shared experts (capacity mode counts dropped tokens as computed).
+runs through, and the shared experts (capacity mode counts dropped tokens as computed). Under
+multi-head latent attention the attention term is per head (qk_head_dim + v_head_dim) / 2
+instead of d_model / heads, and its projections are the latent ones.
 """
 
 from __future__ import annotations
@@ -12,9 +14,19 @@ from __future__ import annotations
 from configs.schema import ModelConfig
 
 
+def attention_params(cfg: ModelConfig) -> int:
+    """One layer's attention projections."""
+    d, h, m = cfg.d_model, cfg.num_heads, cfg.mla
+    if cfg.attention_type == "gqa":
+        return d * cfg.resolved_head_dim * (2 * h + 2 * cfg.num_kv_heads)  # q, o and k, v
+    q = (d + h * m.qk_head_dim) * m.q_lora_rank if m.q_lora_rank else d * h * m.qk_head_dim
+    kv = d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim)
+    return q + kv + h * m.v_head_dim * d
+
+
 def matmul_params(cfg: ModelConfig) -> int:
-    d, hd = cfg.d_model, cfg.resolved_head_dim
-    attn = d * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)  # q, o and k, v
+    d = cfg.d_model
+    attn = attention_params(cfg)
     dense = 3 * d * cfg.d_ff
     moe_layers = moe_layer_count(cfg)
     e = cfg.moe
@@ -36,4 +48,6 @@ def moe_layer_count(cfg: ModelConfig) -> int:
 
 
 def flops_per_token(cfg: ModelConfig) -> float:
-    return 6.0 * matmul_params(cfg) + 6.0 * cfg.num_layers * cfg.seq_len * cfg.d_model
+    m = cfg.mla
+    width = cfg.d_model if cfg.attention_type == "gqa" else cfg.num_heads * (m.qk_head_dim + m.v_head_dim) / 2
+    return 6.0 * matmul_params(cfg) + 6.0 * cfg.num_layers * cfg.seq_len * width

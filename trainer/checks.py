@@ -35,6 +35,7 @@ DIM_KEYS = {
     "mlp": "model.d_ff",
     "layers": "model.num_layers",
     "expert": "model.moe.num_experts",
+    "latent": "model.mla.kv_lora_rank or model.mla.q_lora_rank",
 }
 
 
