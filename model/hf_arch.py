@@ -90,9 +90,7 @@ def model_keys(hf: dict[str, Any], key: str) -> dict[str, Any]:
         raise ConfigError(f"{key}: {path} has model_type={arch!r}; only {', '.join(map(repr, ARCHS))} can be read")
     theta, bad = _rope_theta(hf)
     if arch == "deepseek_v3":
-        if bad:
-            raise ConfigError(f"{key}: {path} uses options this model cannot express: {', '.join(bad)}")
-        return hf_deepseek.model_keys(hf, key, theta)
+        return hf_deepseek.model_keys(hf, key, theta, bad)
     bad += [f"{n}={hf[n]!r}" for n, default in UNSUPPORTED_DEFAULTS[arch].items() if hf.get(n, default) != default]
     if bad:
         raise ConfigError(f"{key}: {path} uses options this model cannot express: {', '.join(bad)}")

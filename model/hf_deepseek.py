@@ -72,9 +72,12 @@ def check_exportable(cfg: ModelConfig) -> None:
                           "DeepSeek-V3 needs the sigmoid router in every layer after the dense ones, without q/k norms")
 
 
-def model_keys(hf: dict[str, Any], key: str, rope_theta: float) -> dict[str, Any]:
-    """config.json (model_type deepseek_v3) -> our `model.*` values; ConfigError names what we cannot express."""
-    bad = [f"{n}={hf[n]!r}" for n, default in UNSUPPORTED_DEFAULTS.items() if hf.get(n, default) != default]
+def model_keys(hf: dict[str, Any], key: str, rope_theta: float, bad: list[str]) -> dict[str, Any]:
+    """config.json (model_type deepseek_v3) -> our `model.*` values; ConfigError names what we cannot
+    express (`bad`: the rotary options already found so)."""
+    bad = bad + [f"{n}={hf[n]!r}" for n, default in UNSUPPORTED_DEFAULTS.items() if hf.get(n, default) != default]
+    if hf.get("quantization_config"):  # DeepSeek-V3's own release: FP8 blocks with their scales
+        bad.append(f"quantization_config.quant_method={hf['quantization_config'].get('quant_method')!r}")
     if bad:
         raise ConfigError(f"{key}: {key}/config.json uses options this model cannot express: {', '.join(bad)}")
     heads = hf["num_attention_heads"]

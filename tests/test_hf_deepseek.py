@@ -123,3 +123,14 @@ def test_our_random_deepseek_exports_and_generates_as_transformers(tmp_path):
 def test_export_refuses_what_deepseek_v3_cannot_hold(overrides, message):
     with pytest.raises(ConfigError, match="^" + message):
         hf_arch.architecture(load_config("tiny", overrides).model)
+
+
+def test_import_refuses_fp8_and_yarn_checkpoints(tmp_path):
+    """DeepSeek-V3's own release (FP8 weights with block scales, YaRN rotary scaling) exits 2 naming both."""
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    config = {"model_type": "deepseek_v3", "quantization_config": {"quant_method": "fp8"},
+              "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40}}
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="rope_type='yarn'.*quant_method='fp8'|quant_method='fp8'.*rope_type='yarn'"):
+        hf_cli.import_config(str(hf_dir), str(tmp_path / "run"), "tiny-moe", [])
