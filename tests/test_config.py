@@ -13,7 +13,7 @@ import pytest
 from configs import Config, ConfigError, all_keys, dump_config, load_config
 from conftest import ROOT
 
-PRESETS = ["tiny", "llama3-1b", "llama3-3b", "llama3-8b", "llama3-70b"]
+PRESETS = ["tiny", "llama3-1b", "llama3-3b", "llama3-8b", "llama3-70b", "tiny-deepseek", "deepseek-v3", "moonlight-16b"]
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -101,9 +101,10 @@ def test_missing_config_file():
 def test_an_unknown_preset_gets_the_nearest_one_and_the_list():
     with pytest.raises(ConfigError) as err:
         load_config("tiny-moee")
-    assert str(err.value) == ("config file not found: tiny-moee (did you mean tiny-moe?); presets: llama3-1b, "
-                              "llama3-3b, llama3-70b, llama3-8b, llama3-8b-128k, mixtral-8x7b, tiny, tiny-moe")
-    with pytest.raises(ConfigError, match=r"^config file not found: nope.yaml; presets: llama3-1b, .*, tiny-moe$"):
+    assert str(err.value) == ("config file not found: tiny-moee (did you mean tiny-moe?); presets: deepseek-v3, "
+                              "llama3-1b, llama3-3b, llama3-70b, llama3-8b, llama3-8b-128k, mixtral-8x7b, "
+                              "moonlight-16b, tiny, tiny-deepseek, tiny-moe")
+    with pytest.raises(ConfigError, match=r"^config file not found: nope.yaml; presets: deepseek-v3, .*, tiny-moe$"):
         load_config("nope.yaml")  # nothing near it: the list alone
 
 

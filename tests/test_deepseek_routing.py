@@ -20,7 +20,7 @@ from model.router import route, router_stats
 from sharding import activation_rules
 from test_context import initial_params
 from trainer import abstract_program
-from trainer.optimizer import make_optimizer, without_router_bias
+from trainer.optimizer import make_optimizer, muon_dims, without_router_bias
 from trainer.step import accumulate_stats, make_loss_fn
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -259,3 +259,11 @@ def test_a_run_moves_and_checkpoints_the_bias(tmp_path):
     assert np.abs(bias).max() <= 3 + 1e-3 and (np.abs(np.round(bias)) % 2 == 1).any()  # three steps of +-1 or 0
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert all("moe_imbalance" in r and "moe_bias_load" not in r for r in rows if "loss" in r)
+
+
+def test_muon_orthogonalizes_the_dense_first_layers():
+    """The dense first layers are stacked on `sublayers` alone; Muon treats them as the stack's."""
+    for matrix in (("embed", "mlp"), ("mlp", "embed")):
+        assert muon_dims(("sublayers", *matrix)) == muon_dims(("layers", *matrix))
+        assert muon_dims(("sublayers", *matrix)) is not None
+    assert muon_dims(("sublayers", "embed")) is None  # a norm scale

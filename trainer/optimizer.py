@@ -77,9 +77,10 @@ def muon_dims(names: tuple[str, ...]) -> MuonDimensionNumbers | None:
     """Which dims of a parameter Muon orthogonalizes over, from its logical names; None: AdamW.
     Every block matrix reads or writes the residual stream (`embed`): q, k, v, gate and up
     reduce over it, o and down output to it; the stacking dims are batch dims. The embedding,
-    output head and norms (no `layers` dim, or one dim besides it) go to AdamW."""
+    output head and norms (no `layers` or `sublayers` stacking dim, or one dim besides it) go to
+    AdamW; the dense first layers (`first_k_dense_replace`) are stacked on `sublayers` alone."""
     dims = [i for i, n in enumerate(names) if n not in STACK_DIMS]
-    if "layers" not in names or "embed" not in names or len(dims) < 2:
+    if not {"layers", "sublayers"} & set(names) or "embed" not in names or len(dims) < 2:
         return None
     embed = names.index("embed")
     others = tuple(d for d in dims if d != embed)
