@@ -178,19 +178,22 @@ def test_bad_routing_keys_name_the_key(overrides, message):
         load_config(TINY, [*SIGMOID, *overrides])
 
 
-# --- one step on the layouts -----------------------------------------------------------------------
+# --- one step of tiny-deepseek on the layouts ----------------------------------------------------
 
-STEP = [*SIGMOID, "model.num_layers=3", "model.moe.first_k_dense_replace=1", "data.source=synthetic",
-        "model.moe.aux_loss_coef=0.001", "model.moe.router_z_loss_coef=0.0"]
+# The preset (MLA, a dense first layer, grouped sigmoid routing, a shared expert), shortened: 3
+# layers so that the 2 MoE ones split into 2 pipeline stages.
+STEP = ["model.num_layers=3", "model.seq_len=32", "data.source=synthetic", "model.moe.aux_loss_coef=0.001"]
 LAYOUTS = {
+    "expert=8": ["mesh.data=1", "mesh.expert=8"],
     "expert=2 x fsdp=2 x tensor=2": ["mesh.data=1", "mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"],
     "expert=2 x pipeline=2 x data=2": ["mesh.data=2", "mesh.expert=2", "mesh.pipeline=2", "pipeline.microbatches=2"],
 }
+_REFERENCES: dict[bool, dict] = {}
 
 
 def _step(*overrides: str, devices: list | None = None) -> dict:
     """Loss, statistics and gradients of one batch, the routing bias set to a random vector."""
-    cfg = load_config(TINY, [*STEP, *overrides])
+    cfg = load_config("tiny-deepseek", [*STEP, *overrides])
     program = abstract_program(cfg, devices)
     params = jax.tree.map(np.asarray, initial_params(program))
     params["layers"]["mlp"]["router_bias"] = 0.02 * np.random.RandomState(5).normal(size=(2, 8)).astype(np.float32)
@@ -205,16 +208,24 @@ def _step(*overrides: str, devices: list | None = None) -> dict:
             "sizes": program.spec.layout.sizes}
 
 
+def _reference(accumulate: bool) -> dict:
+    """One device's step (over the pipeline's two microbatches when `accumulate`), computed once."""
+    if accumulate not in _REFERENCES:
+        _REFERENCES[accumulate] = _step("mesh.data=1", *(["train.grad_accum=2"] if accumulate else []),
+                                        devices=jax.devices()[:1])
+    return _REFERENCES[accumulate]
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_one_step_equals_one_device(layout):
-    """The step on the layout equals one device's (accumulating the pipeline's microbatches), the
-    dense first layer and the bias's load gradient included."""
-    accum = ["train.grad_accum=2"] if "pipeline" in layout else []
-    ref = _step("mesh.data=1", *accum, devices=jax.devices()[:1])
+def test_tiny_deepseek_step_equals_one_device(layout):
+    """The step on the layout equals one device's (accumulating the pipeline's microbatches): loss,
+    router statistics and every gradient, the dense first layer's and the bias's load included."""
+    ref = _reference("pipeline" in layout)
     got = _step(*LAYOUTS[layout])
     assert got["sizes"] != ref["sizes"]
     assert np.abs(ref["grads"]["layers"]["mlp"]["router_bias"]).max() > 0  # a load signal
     assert np.abs(ref["grads"]["dense_layers"]["mlp"]["gate"]).max() > 0
+    assert np.abs(ref["grads"]["layers"]["attn"]["kv_b"]).max() > 0  # latent attention
     np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-6)
     np.testing.assert_allclose(got["stats"], ref["stats"], rtol=1e-5)
     for (path, r), g in zip(jax.tree_util.tree_leaves_with_path(ref["grads"]), jax.tree.leaves(got["grads"])):
@@ -249,7 +260,7 @@ def test_a_run_moves_and_checkpoints_the_bias(tmp_path):
     from trainer.checkpoint import restore_params
 
     rate = 0.01
-    cfg = load_config(TINY, [*STEP, "mesh.expert=2", "train.steps=3", "train.log_every=1", "checkpoint.every=3",
+    cfg = load_config("tiny-deepseek", [*STEP, "mesh.expert=2", "train.steps=3", "train.log_every=1", "checkpoint.every=3",
                              "eval.every=0", f"model.moe.router_bias_update_rate={rate}", f"run.dir={tmp_path}"])
     trainer.run(cfg)
     _, step, params = restore_params(str(tmp_path))
