@@ -115,6 +115,9 @@ def model_keys(hf: dict[str, Any], key: str) -> dict[str, Any]:
 def architecture(cfg: ModelConfig) -> str:
     """The Hugging Face model_type that holds exactly the network `cfg` describes."""
     e = cfg.moe
+    if cfg.attention_type == "mla":
+        raise ConfigError("model.attention_type=mla: Hugging Face export writes Llama, Mixtral or Qwen3-MoE, whose "
+                          "attention is grouped-query; latent attention (DeepseekV3) is not mapped")
     if not e.enabled:
         if cfg.qk_norm:
             raise ConfigError("model.qk_norm=true on a dense model: Hugging Face export writes Llama (no q/k norm) "
