@@ -18,6 +18,7 @@ from model.transformer import transformer_from_params
 from sharding import activation_rules
 from test_context import initial_params, packed_batch
 from trainer import abstract_program
+from trainer.state import init_state, random_params
 from trainer.step import accumulate_stats, make_loss_fn
 
 # Two rows of 33 tokens: documents of 12, 14 and 7 padding tokens (segment 0), and of 20 and 13.
@@ -146,3 +147,15 @@ def test_a_1f1b_pipeline_refuses_mtp():
     with pytest.raises(ConfigError, match="model.mtp_depth=1: pipeline.schedule=1f1b"):
         abstract_program(cfg, jax.devices())
 
+
+
+def test_a_hugging_face_start_draws_the_mtp_modules_as_a_random_start_does():
+    """Hugging Face checkpoints hold no prediction modules: a run started from one (init.from_hf)
+    takes them from the random init of run.seed, created alone on their shards."""
+    cfg = load_config(TINY, ["data.source=synthetic", "mesh.data=2", "mesh.fsdp=4", *MTP_TINY])
+    program = abstract_program(cfg, jax.devices())
+    whole = init_state(cfg.model, program.tx, 0, program.state_sh).params["mtp"]
+    alone = random_params(cfg.model, 0, program.state_sh.params, "mtp")
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), alone, whole)
+    assert jax.tree.leaves(alone)[0].sharding == jax.tree.leaves(program.state_sh.params["mtp"])[0]
+    assert float(np.abs(np.asarray(alone[0]["eh_proj"])).max()) > 0
