@@ -205,6 +205,11 @@ class ModelConfig:
     # fp8: float8_e4m3fn with one scale per weight, back in the compute dtype after the gather.
     gather_dtype: Literal["compute", "fp8"] = "compute"
     """The dtype block weights are gathered from their FSDP shards in."""
+    # DeepSeek-V3: 1 module, its loss at 0.3 early in training and 0.1 later.
+    mtp_depth: Annotated[int, Range(ge=0, hint="0: off")] = 0
+    """Multi-token prediction modules (model/mtp.py): module k also predicts the token k + 1 ahead."""
+    mtp_loss_coef: Annotated[float, Range(ge=0)] = 0.3
+    """Weight of the multi-token prediction loss (the mean over its depths) in the training loss."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     mla: MLAConfig = field(default_factory=MLAConfig)
 

@@ -10,7 +10,9 @@ prefix of the embedding (the pipeline stages split the MoE stack only). The defa
 stack, so compile time stays flat in depth; the trainer may hand in another one (a pipeline
 schedule) without the model knowing about meshes or devices. A runner returns the hidden states
 and the layers' router statistics (model/router.py `STATS`), summed over the layers (and averaged
-over the microbatches a pipeline splits the batch into); dense layers add zeros.
+over the microbatches a pipeline splits the batch into); dense layers add zeros. With
+`model.mtp_depth` > 0 the model also holds multi-token prediction modules (`mtp`, model/mtp.py),
+which only the training loss runs.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from configs.schema import REMAT_SAVES, ModelConfig
 from model.block import Block
 from model.flops import moe_layer_count, stack_layers
 from model.layers import RMSNorm, constrain, param
+from model.mtp import MTPModule
 from model.router import STATS
 
 Array = jax.Array
@@ -144,6 +147,8 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, init, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+        if cfg.mtp_depth:  # created last, so the other parameters draw what they draw without them
+            self.mtp = nnx.List([MTPModule(cfg, rngs=rngs) for _ in range(cfg.mtp_depth)])
 
     def features(
         self,

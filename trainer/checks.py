@@ -126,6 +126,9 @@ def check_pipeline(cfg: Config, stages: int, micro: int, per_replica: int) -> No
     """The pipeline's stages, repeats and microbatches (`per_replica`: the rows each batch shard
     gets per micro-batch), then the schedule's own constraints."""
     repeats, schedule = cfg.pipeline.repeats, pipeline.get(cfg.pipeline.schedule)
+    if schedule.computes_grads and cfg.model.mtp_depth:
+        raise ConfigError(f"model.mtp_depth={cfg.model.mtp_depth}: pipeline.schedule={cfg.pipeline.schedule} computes "
+                          "the loss stage by stage without the multi-token prediction modules; use pipeline.schedule=gpipe")
     if stages == 1:
         if repeats > 1:
             raise ConfigError(f"pipeline.repeats={repeats} needs mesh.pipeline > 1")

@@ -47,6 +47,8 @@ class Compute:
     kernels: Kernels = Kernels()  # bound into the model while it traces (model/kernels.py)
     order: np.ndarray | None = None  # the load-balanced order of a sequence split's positions
     moe: MoEConfig | None = None  # an MoE model's router losses join the training loss
+    mtp_depth: int = 0  # multi-token prediction depths whose loss joins the training loss (model/mtp.py)
+    mtp_loss_coef: float = 0.0  # its weight there (model.mtp_loss_coef)
 
 
 def build_compute(cfg: Config, layout: Layout, graphdef: nnx.GraphDef, platform: str,
@@ -65,6 +67,8 @@ def build_compute(cfg: Config, layout: Layout, graphdef: nnx.GraphDef, platform:
         order=balanced_order(m.seq_len, layout.sizes["context"]) if layout.sizes["context"] > 1
         and cfg.context.load_balance else None,
         moe=m.moe if m.moe.enabled else None,
+        mtp_depth=m.mtp_depth,
+        mtp_loss_coef=m.mtp_loss_coef,
     )
 
 

@@ -37,7 +37,7 @@ from trainer.compute import attention_notes
 from trainer.metrics import MetricsLogger, log
 from trainer.observe import instrument
 from trainer.program import Program, RunSpec, make_program, prepare
-from trainer.state import TrainState, init_state, param_count, state_from_params
+from trainer.state import TrainState, init_state, param_count, random_params, state_from_params
 from trainer.xla_env import set_cpu_device_count, use_compile_cache
 
 
@@ -128,6 +128,8 @@ def make_session(spec: RunSpec, devices: list, schedule_note: str = "") -> Sessi
         restored = ckpt.restore_latest(program.abstract_state(), iterator, warn=log)
         if restored is None and from_hf:
             params = hf.load_params(cfg.init.from_hf, cfg.model, program.state_sh.params)
+            if cfg.model.mtp_depth:  # no Hugging Face checkpoint holds them: they start from the random init
+                params["mtp"] = random_params(cfg.model, cfg.run.seed, program.state_sh.params, "mtp")
             start, state = 0, state_from_params(params, program.tx, program.state_sh)
             log(f"initialized the parameters from {cfg.init.from_hf} (init.from_hf)")
         elif restored is None:

@@ -114,6 +114,8 @@ class MetricsLogger:
         if "moe_aux_loss" in r:  # an MoE model: its router's health (trainer.step MOE_METRICS)
             parts.append(f"lm_loss {r['lm_loss']:.4f} aux {r['moe_aux_loss']:.3f} z {r['moe_z_loss']:.3f} "
                          f"imbalance {r['moe_imbalance']:.2f} dropped {100 * r['moe_dropped']:.1f}%")
+        if "mtp_loss" in r:  # multi-token prediction (model/mtp.py): the mean over its depths
+            parts.append(f"mtp_loss {r['mtp_loss']:.4f}")
         if "tokens_per_s" in r:
             eta = (self.total_steps - r["step"]) * r["step_s"]
             parts += [f"{r['tokens_per_s']:,.0f} tok/s", f"{r['step_s']:.3f} s/step", f"data wait {r['data_wait_s']:.3f} s"]

@@ -11,6 +11,7 @@ from flax import nnx
 
 from model.kernels import use_kernels
 from model.loss import GradFn, LossFn, head_loss, model_inputs
+from model.mtp import mtp_losses, mtp_targets
 from model.router import STATS
 from pipeline.stages import to_microbatches
 from trainer.compute import Compute
@@ -38,7 +39,9 @@ def make_loss_fn(graphdef: nnx.GraphDef, compute: Compute = Compute(), *, router
     model, a sequence split's load-balanced order, the loss chunk. `router_losses` with an MoE
     model (`compute.moe`): the loss sum gains the router losses, each a per-token mean of this
     batch times its target count (so that micro-batches weigh by tokens as the cross-entropy
-    does), and aux carries the MoE metrics; without them the loss is the cross-entropy alone (eval)."""
+    does), and aux carries the MoE metrics; without them the loss is the cross-entropy alone (eval).
+    The same for multi-token prediction (`model.mtp_depth`, model/mtp.py): with `router_losses`
+    the loss gains `compute.mtp_loss_coef` x its mean loss x the target count, and aux its mean loss."""
     cast, order, moe = compute.cast, compute.order, compute.moe if router_losses else None
 
     def loss_fn(params: dict, batch: dict[str, Array]) -> tuple[Array, Array]:
@@ -46,6 +49,9 @@ def make_loss_fn(graphdef: nnx.GraphDef, compute: Compute = Compute(), *, router
         b = model_inputs(batch)
         inputs, targets, weights = b["inputs"], b["targets"], b["weights"]
         positions, seg_in = b.get("positions"), b.get("segment_ids")
+        depth = compute.mtp_depth if router_losses else 0
+        # Tokens ahead are found in sequence order, before any reorder below.
+        extra = mtp_targets(inputs, targets, weights, depth) if depth else {}
         if order is not None:
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
@@ -53,16 +59,29 @@ def make_loss_fn(graphdef: nnx.GraphDef, compute: Compute = Compute(), *, router
             # permuted as a whole: inputs, targets, weights, positions and segments alike.
             inputs, targets, weights, positions = (a[:, order] for a in (inputs, targets, weights, positions))
             seg_in = None if seg_in is None else seg_in[:, order]
+            extra = {k: a[:, :, order] for k, a in extra.items()}
         with use_kernels(compute.kernels):
             x, stats = model.features_and_stats(inputs, positions, seg_in, runner=compute.runner)
+            mtp = mtp_losses(model, x, positions, seg_in, extra, compute.loss_chunk).mean() if depth else None
         ce, count = head_loss(model, x, targets, weights, compute.loss_chunk), jnp.sum(weights)
-        if moe is None:
+        if moe is None and mtp is None:
             return ce, count
-        # stats[4] is zero; it joins the loss so that its gradient, the load, reaches the routing bias.
-        router = moe.aux_loss_coef * stats[0] + moe.router_z_loss_coef * stats[1] + stats[4]
-        return ce + router * count, (count, jnp.concatenate([ce[None], stats[:4] * count]))
+        loss, metrics = ce, [ce[None]]
+        if moe is not None:
+            # stats[4] is zero; it joins the loss so that its gradient, the load, reaches the routing bias.
+            loss = loss + (moe.aux_loss_coef * stats[0] + moe.router_z_loss_coef * stats[1] + stats[4]) * count
+            metrics.append(stats[:4] * count)
+        if mtp is not None:
+            loss = loss + compute.mtp_loss_coef * mtp * count
+            metrics.append((mtp * count)[None])
+        return loss, (count, jnp.concatenate(metrics))
 
     return loss_fn
+
+
+def aux_metrics(compute: Compute) -> tuple[str, ...]:
+    """The names of the per-token means a training loss function's aux carries, in order."""
+    return (MOE_METRICS if compute.moe is not None else ("lm_loss",)) + (("mtp_loss",) if compute.mtp_depth else ())
 
 
 def accumulate(
@@ -113,6 +132,7 @@ def make_train_step(
     """The pure train step: the loss and gradients `compute` says how to take (accumulated over
     its micro-batches), the optimizer update, and the step's metrics."""
     loss_fn = make_loss_fn(graphdef, compute, router_losses=True)
+    names = aux_metrics(compute)
 
     def train_step(state: TrainState, batch: dict[str, Array]) -> tuple[TrainState, dict[str, Array]]:
         loss, grads, aux = accumulate_stats(loss_fn, state.params, batch, compute.grad_accum, compute.grad_fn)
@@ -127,9 +147,9 @@ def make_train_step(
         # step does not advance, so after one it lags `state.step`.
         lr = lr_schedule(schedule_count(state.opt_state))
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "finite": finite}
-        if isinstance(aux, tuple):  # MoE: the router's per-token means
+        if isinstance(aux, tuple):  # MoE or multi-token prediction: their per-token means
             count = jnp.maximum(aux[0], 1.0)
-            metrics.update({name: value / count for name, value in zip(MOE_METRICS, aux[1])})
+            metrics.update({name: value / count for name, value in zip(names, aux[1])})
         new = state.replace(
             step=state.step + 1, params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state)
         )

@@ -1,0 +1,161 @@
+"""Multi-token prediction (model/mtp.py): with `model.mtp_loss_coef=0` the training loss and the
+shared parameters' gradients are the plain model's; its loss equals a direct computation on each
+document alone (no shifts, no masks); layouts give one device's loss and gradients; export drops
+the modules; a 1F1B-family pipeline refuses it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from bench.procs import TINY
+from configs import ConfigError, load_config
+from model import hf
+from model.transformer import transformer_from_params
+from sharding import activation_rules
+from test_context import initial_params, packed_batch
+from trainer import abstract_program
+from trainer.state import init_state, random_params
+from trainer.step import accumulate_stats, make_loss_fn
+
+# Two rows of 33 tokens: documents of 12, 14 and 7 padding tokens (segment 0), and of 20 and 13.
+DOCS = [[(1, 12), (2, 14), (0, 7)], [(1, 20), (2, 13)]]
+
+
+def batch() -> dict[str, np.ndarray]:
+    tokens = np.random.default_rng(3).integers(0, 257, (2, 33)).astype(np.int32)
+    seg = np.array([sum(([s] * n for s, n in row), []) for row in DOCS], np.int32)
+    pos = np.array([sum((list(range(n)) for _, n in row), []) for row in DOCS], np.int32)
+    return {"tokens": tokens, "segment_ids": seg, "positions": pos}
+
+
+def outputs(overrides: list[str]) -> tuple[float, dict, tuple, dict, object]:
+    """Loss, gradients and aux of one packed batch on one device; the parameters; the config."""
+    cfg = load_config(TINY, ["data.source=synthetic", "mesh.data=1", "train.global_batch=2", *overrides])
+    program = abstract_program(cfg, jax.devices()[:1])
+    params = initial_params(program)
+    loss_fn = make_loss_fn(program.spec.model.graphdef, program.compute, router_losses=True)
+    loss, grads, aux = jax.jit(lambda p, b: accumulate_stats(loss_fn, p, b, 1))(params, batch())
+    return float(loss), jax.tree.map(np.asarray, grads), aux, jax.tree.map(np.asarray, params), cfg
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return outputs([])
+
+
+def test_mtp_loss_coef_0_gives_the_plain_models_loss_and_gradients(plain):
+    loss0, grads0, _, params0, _ = plain
+    loss, grads, aux, params, _ = outputs(["model.mtp_depth=2", "model.mtp_loss_coef=0"])
+    weighted = outputs(["model.mtp_depth=2", "model.mtp_loss_coef=0.3"])
+    # The modules are really there and really trained with a weight: the variants differ.
+    assert abs(weighted[0] - loss0) > 0.1 and np.abs(weighted[1]["mtp"][0]["eh_proj"]).max() > 0
+    # The main parameters are created first, so both models start from the same ones.
+    jax.tree.map(np.testing.assert_array_equal, {k: v for k, v in params.items() if k != "mtp"}, params0)
+    np.testing.assert_allclose(loss, loss0, rtol=1e-6)
+    for (path, g0), g in zip(jax.tree_util.tree_leaves_with_path(grads0),
+                             jax.tree.leaves({k: v for k, v in grads.items() if k != "mtp"})):
+        np.testing.assert_allclose(g, g0, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+    assert all(float(np.abs(g).max()) == 0 for g in jax.tree.leaves(grads["mtp"]))
+    count, (lm, mtp) = aux
+    assert abs(float(lm / count) - loss0) < 1e-6 and float(mtp / count) > 5  # ~ln(264) untrained
+
+
+def direct_mtp_loss(cfg, params: dict) -> float:  # noqa: ANN001 (a ModelConfig)
+    """The mean over depths of each depth's mean cross-entropy, computed as DeepSeek-V3 writes it:
+    each document alone, its sequence cut by one more token at each depth."""
+    model = transformer_from_params(cfg, params)
+    tokens = batch()["tokens"]
+    losses = {k: [] for k in range(1, cfg.mtp_depth + 1)}
+    for row, docs in enumerate(DOCS):
+        start = 0
+        for seg, n in docs:
+            doc, start = jnp.asarray(tokens[row, start:start + n][None]), start + n
+            if seg == 0:
+                continue
+            h = model.features(doc[:, :-1])  # the main model's normed hidden states
+            for k, module in enumerate(model.mtp, start=1):
+                length = n - 1 - k  # positions whose token k + 1 ahead is in the document
+                pos = jnp.arange(length)[None]
+                h = module(h[:, :length], model.embed(doc[:, k:k + length]), pos, None)
+                logits = model.logits(module.norm(h))
+                losses[k] += list(np.asarray(optax.softmax_cross_entropy_with_integer_labels(
+                    logits.astype(jnp.float32), doc[:, k + 1:k + 1 + length]))[0])
+    return float(np.mean([np.mean(v) for v in losses.values()]))
+
+
+def test_mtp_loss_equals_each_document_computed_alone(plain):
+    loss, _, (count, (lm, mtp)), params, cfg = outputs(["model.mtp_depth=2", "model.mtp_loss_coef=0.3"])
+    direct = direct_mtp_loss(cfg.model, params)
+    assert abs(direct - float(mtp / count)) <= 1e-5 * direct
+    np.testing.assert_allclose(loss, float(lm / count) + 0.3 * direct, rtol=1e-6)
+    np.testing.assert_allclose(float(lm / count), plain[0], rtol=1e-6)
+
+
+MTP_TINY = ["model.mtp_depth=2", "model.mtp_loss_coef=0.3"]
+MTP_LAYOUTS = {
+    "fsdp=2 x tensor=2 x context=2, ring": ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "mesh.context=2",
+                                            "context.strategy=ring"],
+    "pipeline=2 x data=4, gpipe": ["mesh.pipeline=2", "mesh.data=4", "pipeline.microbatches=2"],
+}
+
+
+def training_loss_and_grads(overrides: list[str], devices: list) -> tuple[float, dict]:
+    """The training loss (multi-token prediction included) and gradients of test_context's
+    packed batch under the layout of `overrides`."""
+    cfg = load_config(TINY, ["data.source=synthetic", *MTP_TINY, *overrides])
+    program = abstract_program(cfg, devices)
+    params = initial_params(program)
+    data = {k: jax.device_put(v, program.batch_sh) for k, v in packed_batch(cfg.model.seq_len, True).items()}
+    loss_fn = make_loss_fn(program.spec.model.graphdef, program.compute, router_losses=True)
+    with activation_rules(program.mesh, program.spec.layout.act_rules):
+        loss, grads, _ = jax.jit(lambda p, b: accumulate_stats(loss_fn, p, b, 1))(params, data)
+    return float(loss), jax.tree.map(np.asarray, grads)
+
+
+@pytest.fixture(scope="module")
+def one_device() -> tuple[float, dict]:
+    return training_loss_and_grads(["mesh.data=1"], jax.devices()[:1])
+
+
+@pytest.mark.parametrize("layout", list(MTP_LAYOUTS))
+def test_mtp_layouts_give_the_loss_and_gradients_of_one_device(one_device, layout):
+    """Packed documents. Under the load-balanced context split the rows are reordered: the
+    tokens ahead must have been found in sequence order."""
+    ref_loss, ref_grads = one_device
+    loss, grads = training_loss_and_grads(MTP_LAYOUTS[layout], jax.devices())
+    assert np.abs(ref_grads["mtp"][1]["eh_proj"]).max() > 0  # the modules are trained here
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for (path, r), g in zip(jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_export_drops_the_mtp_modules(plain):
+    *_, params0, cfg0 = plain
+    _, _, _, params, cfg = outputs(["model.mtp_depth=1"])
+    ours = hf.to_hf_tensors(params, cfg.model)
+    assert ours.keys() == hf.to_hf_tensors(params0, cfg0.model).keys()
+    assert not any("mtp" in name or "eh_proj" in name for name in ours)
+
+
+def test_a_1f1b_pipeline_refuses_mtp():
+    cfg = load_config(TINY, ["data.source=synthetic", "mesh.pipeline=2", "pipeline.schedule=1f1b",
+                             "pipeline.microbatches=4", "model.mtp_depth=1"])
+    with pytest.raises(ConfigError, match="model.mtp_depth=1: pipeline.schedule=1f1b"):
+        abstract_program(cfg, jax.devices())
+
+
+
+def test_a_hugging_face_start_draws_the_mtp_modules_as_a_random_start_does():
+    """Hugging Face checkpoints hold no prediction modules: a run started from one (init.from_hf)
+    takes them from the random init of run.seed, created alone on their shards."""
+    cfg = load_config(TINY, ["data.source=synthetic", "mesh.data=2", "mesh.fsdp=4", *MTP_TINY])
+    program = abstract_program(cfg, jax.devices())
+    whole = init_state(cfg.model, program.tx, 0, program.state_sh).params["mtp"]
+    alone = random_params(cfg.model, 0, program.state_sh.params, "mtp")
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), alone, whole)
+    assert jax.tree.leaves(alone)[0].sharding == jax.tree.leaves(program.state_sh.params["mtp"])[0]
+    assert float(np.abs(np.asarray(alone[0]["eh_proj"])).max()) > 0
