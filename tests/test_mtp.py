@@ -159,3 +159,16 @@ def test_a_hugging_face_start_draws_the_mtp_modules_as_a_random_start_does():
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), alone, whole)
     assert jax.tree.leaves(alone)[0].sharding == jax.tree.leaves(program.state_sh.params["mtp"])[0]
     assert float(np.abs(np.asarray(alone[0]["eh_proj"])).max()) > 0
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_mtp_modules_follow_the_remat_policy(remat):
+    """Under model.remat each module is one checkpoint more than the layer scan's one, and (outside
+    a scan) keeps XLA from merging its recompute into the forward pass."""
+    cfg = load_config(TINY, ["data.source=synthetic", "mesh.data=1", "train.global_batch=2", f"model.remat={remat}",
+                             *MTP_TINY])
+    program = abstract_program(cfg, jax.devices()[:1])
+    loss_fn = make_loss_fn(program.spec.model.graphdef, program.compute, router_losses=True)
+    text = str(jax.make_jaxpr(lambda p, b: loss_fn(p, b)[0])(program.spec.model.shapes, batch()))
+    assert text.count("remat2[") == (0 if remat == "none" else 1 + 2)
+    assert text.count("prevent_cse=True") == (0 if remat == "none" else 2)
