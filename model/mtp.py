@@ -35,9 +35,9 @@ class MTPModule(nnx.Module):
         d = cfg.d_model
         self.enorm = RMSNorm(d, cfg.norm_eps, rngs=rngs)
         self.hnorm = RMSNorm(d, cfg.norm_eps, rngs=rngs)
-        # Stored split over `embed`'s axis by its input dim (a name appears once per array); one
-        # [2d, d] matmul per token is computed whole, as the embedding lookup is.
-        self.eh_proj = param(rngs, nnx.initializers.normal(cfg.init_std), (2 * d, d), ("embed", None))
+        # Named as the feed-forward's down projection (a name appears once per array): both dims
+        # sharded, and a matmul weight to the compute-dtype cast and the optimizer.
+        self.eh_proj = param(rngs, nnx.initializers.normal(cfg.init_std), (2 * d, d), ("mlp", "embed"))
         self.block = Block(cfg, rngs=rngs)
         self.norm = RMSNorm(d, cfg.norm_eps, rngs=rngs)
         self.cfg = cfg
