@@ -235,3 +235,17 @@ def test_flops_count_the_latent_projections():
         weights = sum(int(np.prod(a.shape)) for name, a in attn.items() if not name.endswith("norm"))
         dense = sum(int(np.prod(a.shape)) for a in param_shapes(cfg)["layers"]["mlp"].values())
         assert matmul_params(cfg) == weights + dense + D * 264
+
+
+def test_muon_takes_every_latent_attention_matrix():
+    """Under optim.name=muon every MLA matrix is orthogonalized: the up-projections q_b and kv_b
+    (no `embed` dim) over their latent input, the others as any block matrix."""
+    from sharding import logical_axes
+    from trainer.optimizer import muon_dims
+    from model.transformer import abstract_transformer
+
+    axes = logical_axes(nnx.state(abstract_transformer(dataclasses.replace(DECODE_CFG, num_layers=2))))["layers"]["attn"]
+    dims = {name: muon_dims(names) for name, names in axes.items() if not name.endswith("norm")}
+    assert set(dims) == {"q_a", "q_b", "kv_a", "kv_b", "o"} and all(dims.values()), dims
+    assert dims["q_b"].reduction_axis == (1,) and dims["q_b"].output_axis == (2, 3)
+    assert dims["kv_a"].reduction_axis == (1,) and dims["o"].output_axis == (3,)
