@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 from bench.procs import TINY
 from configs import ConfigError, load_config
@@ -172,3 +173,19 @@ def test_mtp_modules_follow_the_remat_policy(remat):
     text = str(jax.make_jaxpr(lambda p, b: loss_fn(p, b)[0])(program.spec.model.shapes, batch()))
     assert text.count("remat2[") == (0 if remat == "none" else 1 + 2)
     assert text.count("prevent_cse=True") == (0 if remat == "none" else 2)
+
+
+def test_muon_takes_the_prediction_modules_matrices():
+    """Under optim.name=muon the modules' matrices are orthogonalized as the blocks' are (they have
+    no `layers` dim), and the embedding, head and norms still go to AdamW."""
+    from sharding import logical_axes
+    from trainer.optimizer import muon_dims
+    from model.transformer import abstract_transformer
+
+    cfg = load_config(TINY, ["model.mtp_depth=1", "model.tie_embeddings=false"]).model
+    axes = logical_axes(nnx.state(abstract_transformer(cfg)))
+    module = axes["mtp"][0]
+    assert muon_dims(module["eh_proj"]).reduction_axis == (0,) and muon_dims(module["block"]["attn"]["q"])
+    assert muon_dims(module["block"]["mlp"]["down"]).output_axis == (1,)
+    assert not any(muon_dims(axes[name]) for name in ("embedding", "lm_head"))
+    assert not muon_dims(module["enorm"]["scale"]) and not muon_dims(module["block"]["attn_norm"]["scale"])

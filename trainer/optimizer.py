@@ -71,11 +71,12 @@ def muon_dims(names: tuple[str, ...]) -> MuonDimensionNumbers | None:
     """Which dims of a parameter Muon orthogonalizes over, from its logical names; None: AdamW.
     Every block matrix reads or writes the residual stream (`embed`): q, k, v, gate and up
     reduce over it, o and down output to it; the stacking dims are batch dims. Multi-head latent
-    attention's up-projections (q_b, kv_b) reduce over their `latent` dim instead. The embedding,
-    output head and norms (no `layers` dim, or one dim besides it) go to AdamW."""
+    attention's up-projections (q_b, kv_b) reduce over their `latent` dim instead. The blocks of
+    multi-token prediction modules (no `layers` dim) are block matrices too. The embedding, output
+    head (`vocab`) and norms (one dim besides the stacking ones) go to AdamW."""
     dims = [i for i, n in enumerate(names) if n not in STACK_DIMS]
     stream = "embed" if "embed" in names else "latent"
-    if "layers" not in names or stream not in names or len(dims) < 2:
+    if "vocab" in names or stream not in names or len(dims) < 2:
         return None
     embed = names.index(stream)
     others = tuple(d for d in dims if d != embed)
