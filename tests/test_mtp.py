@@ -100,7 +100,9 @@ MTP_TINY = ["model.mtp_depth=2", "model.mtp_loss_coef=0.3"]
 MTP_LAYOUTS = {
     "fsdp=2 x tensor=2 x context=2, ring": ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "mesh.context=2",
                                             "context.strategy=ring"],
-    "pipeline=2 x data=4, gpipe": ["mesh.pipeline=2", "mesh.data=4", "pipeline.microbatches=2"],
+    # The modules run outside the stages, where the batch is split over `pipeline` too.
+    "pipeline=2 x data=2 x context=2, gpipe, ring": ["mesh.pipeline=2", "mesh.data=2", "mesh.context=2",
+                                                     "pipeline.microbatches=2", "context.strategy=ring"],
 }
 
 
