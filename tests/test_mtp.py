@@ -191,3 +191,15 @@ def test_muon_takes_the_prediction_modules_matrices():
     assert muon_dims(module["block"]["mlp"]["down"]).output_axis == (1,)
     assert not any(muon_dims(axes[name]) for name in ("embedding", "lm_head"))
     assert not muon_dims(module["enorm"]["scale"]) and not muon_dims(module["block"]["attn_norm"]["scale"])
+
+
+def test_a_run_logs_the_mtp_loss(tiny, capsys):
+    """Two steps of a dense model with one module: each record's loss is its lm_loss plus
+    mtp_loss_coef x mtp_loss, and the printed line shows both parts."""
+    import trainer
+
+    records = trainer.run(tiny("model.mtp_depth=1", "model.mtp_loss_coef=0.5", "train.steps=2"))
+    assert len(records) == 2
+    for r in records:
+        assert r["mtp_loss"] > 4 and abs(r["loss"] - (r["lm_loss"] + 0.5 * r["mtp_loss"])) < 1e-5 * r["loss"]
+    assert "lm_loss" in capsys.readouterr().out.split("mtp_loss")[0].splitlines()[-1]
