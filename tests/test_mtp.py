@@ -203,3 +203,11 @@ def test_a_run_logs_the_mtp_loss(tiny, capsys):
     for r in records:
         assert r["mtp_loss"] > 4 and abs(r["loss"] - (r["lm_loss"] + 0.5 * r["mtp_loss"])) < 1e-5 * r["loss"]
     assert "lm_loss" in capsys.readouterr().out.split("mtp_loss")[0].splitlines()[-1]
+
+
+def test_the_chunked_head_gives_the_mtp_loss_of_the_whole_one():
+    """model.loss_chunk: each module's head and loss 16 positions at a time, as the main head's."""
+    whole = outputs(["model.mtp_depth=2"])
+    chunked = outputs(["model.mtp_depth=2", "model.loss_chunk=16"])
+    np.testing.assert_allclose(chunked[0], whole[0], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(chunked[2][1]), np.asarray(whole[2][1]), rtol=1e-6)
