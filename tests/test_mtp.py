@@ -211,3 +211,15 @@ def test_the_chunked_head_gives_the_mtp_loss_of_the_whole_one():
     chunked = outputs(["model.mtp_depth=2", "model.loss_chunk=16"])
     np.testing.assert_allclose(chunked[0], whole[0], rtol=1e-6)
     np.testing.assert_allclose(np.asarray(chunked[2][1]), np.asarray(whole[2][1]), rtol=1e-6)
+
+
+def test_mtp_with_experts_on_expert_parallel_gives_one_devices_loss_and_gradients():
+    """A mixture-of-experts model's modules hold an MoE block too; its tokens reach the experts
+    by the layout's dispatch, outside the layer stack."""
+    moe = ["model.num_layers=2", "model.moe.num_experts=8", "model.moe.experts_per_token=2", "model.moe.d_ff=32"]
+    ref_loss, ref_grads = training_loss_and_grads(["mesh.data=1", *moe], jax.devices()[:1])
+    loss, grads = training_loss_and_grads(["mesh.data=1", "mesh.expert=8", *moe], jax.devices())
+    assert np.abs(ref_grads["mtp"][0]["block"]["mlp"]["gate"]).max() > 0  # the module's block is an MoE
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for (path, r), g in zip(jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
