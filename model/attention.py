@@ -154,7 +154,7 @@ def local_attention(q: Array, k: Array, v: Array, positions: Array, segment_ids:
     dv = v.shape[-1]
     if impl in ("dot_product", "cudnn") and dv != q.shape[-1]:
         # jax.nn.dot_product_attention and cuDNN's packed call take one head dim for q, k and v:
-        # v gets zero columns up to it (trainer/checks.py refuses a v wider than q), and the
+        # v gets zero columns up to it (configs/validate.py refuses a v wider than q), and the
         # output loses them again; the scores, and so the weights, are untouched.
         padded = jnp.pad(v, ((0, 0),) * 3 + ((0, q.shape[-1] - dv),))
         return local_attention(q, k, padded, positions, segment_ids, impl=impl, max_documents=max_documents)[..., :dv]

@@ -22,7 +22,7 @@ from flax import nnx
 
 from configs.schema import ModelConfig
 from model.block import Block
-from model.layers import RMSNorm, constrain, param, project
+from model.layers import RMSNorm, constrain, param, project, remat
 from model.loss import head_loss
 
 Array = jax.Array
@@ -35,9 +35,9 @@ class MTPModule(nnx.Module):
         d = cfg.d_model
         self.enorm = RMSNorm(d, cfg.norm_eps, rngs=rngs)
         self.hnorm = RMSNorm(d, cfg.norm_eps, rngs=rngs)
-        # Stored split over `embed`'s axis by its input dim (a name appears once per array); one
-        # [2d, d] matmul per token is computed whole, as the embedding lookup is.
-        self.eh_proj = param(rngs, nnx.initializers.normal(cfg.init_std), (2 * d, d), ("embed", None))
+        # Named as the feed-forward's down projection (a name appears once per array): both dims
+        # sharded, and a matmul weight to the compute-dtype cast and the optimizer.
+        self.eh_proj = param(rngs, nnx.initializers.normal(cfg.init_std), (2 * d, d), ("mlp", "embed"))
         self.block = Block(cfg, rngs=rngs)
         self.norm = RMSNorm(d, cfg.norm_eps, rngs=rngs)
         self.cfg = cfg
@@ -77,7 +77,13 @@ def mtp_losses(model: nnx.Module, x: Array, positions: Array | None, segment_ids
         positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
     means, h = [], x
     for k, module in enumerate(model.mtp):
-        h = module(h, model.embed(extra["mtp_inputs"][k]), positions, segment_ids)
+        graphdef, state = nnx.split(module)
+
+        def run(state: nnx.State, h: Array, embedded: Array) -> Array:
+            return nnx.merge(graphdef, state)(h, embedded, positions, segment_ids)
+
+        # Under `model.remat` as the layer stack is: the backward pass recomputes what the policy drops.
+        h = remat(run, model.cfg.remat, in_scan=False)(state, h, model.embed(extra["mtp_inputs"][k]))
         w = extra["mtp_weights"][k]
         total = head_loss(model, module.norm(h), extra["mtp_targets"][k], w, loss_chunk)
         means.append(total / jnp.maximum(jnp.sum(w), 1.0))

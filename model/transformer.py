@@ -18,29 +18,20 @@ which only the training loss runs.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Protocol
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from configs.schema import REMAT_SAVES, ModelConfig
+from configs.schema import ModelConfig
 from model.block import Block
 from model.flops import moe_layer_count, stack_layers
-from model.layers import RMSNorm, constrain, param
+from model.layers import RMSNorm, constrain, param, remat
 from model.mtp import MTPModule
 from model.router import STATS
 
 Array = jax.Array
-
-
-def remat(fn: Callable, policy: str) -> Callable:
-    """Wraps a per-layer function in `jax.checkpoint` with the named policy ('none': as is)."""
-    saves = REMAT_SAVES[policy]
-    if saves is None:
-        return fn
-    # prevent_cse=False is safe (and faster) inside scan, which already blocks CSE across steps.
-    return jax.checkpoint(fn, policy=getattr(jax.checkpoint_policies, saves), prevent_cse=False)
 
 
 class LayerRunner(Protocol):

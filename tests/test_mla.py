@@ -235,3 +235,43 @@ def test_flops_count_the_latent_projections():
         weights = sum(int(np.prod(a.shape)) for name, a in attn.items() if not name.endswith("norm"))
         dense = sum(int(np.prod(a.shape)) for a in param_shapes(cfg)["layers"]["mlp"].values())
         assert matmul_params(cfg) == weights + dense + D * 264
+
+
+def test_muon_takes_every_latent_attention_matrix():
+    """Under optim.name=muon every MLA matrix is orthogonalized: the up-projections q_b and kv_b
+    (no `embed` dim) over their latent input, the others as any block matrix."""
+    from sharding import logical_axes
+    from trainer.optimizer import muon_dims
+    from model.transformer import abstract_transformer
+
+    axes = logical_axes(nnx.state(abstract_transformer(dataclasses.replace(DECODE_CFG, num_layers=2))))["layers"]["attn"]
+    dims = {name: muon_dims(names) for name, names in axes.items() if not name.endswith("norm")}
+    assert set(dims) == {"q_a", "q_b", "kv_a", "kv_b", "o"} and all(dims.values()), dims
+    assert dims["q_b"].reduction_axis == (1,) and dims["q_b"].output_axis == (2, 3)
+    assert dims["kv_a"].reduction_axis == (1,) and dims["o"].output_axis == (3,)
+
+
+@pytest.mark.real_target
+def test_cudnn_runs_mla_with_its_values_padded_on_an_h100(tmp_path):
+    """XLA's GPU compiler: DeepSeek-V3's head dims (q and k 192, v 128) on llama3-1b's width run
+    cuDNN's fused attention forward and backward, v padded with zeros to 192."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT, real_target_env
+    from test_targets import _need
+
+    _need("h100")
+    overrides = ["model.num_layers=2", "train.global_batch=1", "model.seq_len=1024", "model.attention=cudnn",
+                 "model.attention_type=mla", "model.num_kv_heads=32", "model.mla.kv_lora_rank=512",
+                 "model.mla.qk_rope_head_dim=64", "model.mla.qk_nope_head_dim=128", "model.mla.v_head_dim=128"]
+    done = subprocess.run([sys.executable, "plan.py", "--config", os.path.join(ROOT, "configs", "llama3-1b.yaml"),
+                           "--devices", "1", "--hardware", "h100", "--dump-hlo", str(tmp_path), *overrides,
+                           "--out", str(tmp_path / "plan.json")],
+                          cwd=ROOT, env=real_target_env(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (text,) = [f.read_text() for f in tmp_path.glob("*.hlo")]
+    calls = [line for line in text.splitlines() if 'custom_call_target="__cudnn$fmhaSoftmax"' in line]
+    assert calls and "__cudnn$fmhaSoftmaxBackward" in text
+    assert all("operand_layout_constraints={" + ", ".join(["bf16[1,1024,32,192]{3,2,1,0}"] * 3) + "}" in c for c in calls)

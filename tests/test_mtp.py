@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 from bench.procs import TINY
 from configs import ConfigError, load_config
@@ -99,7 +100,9 @@ MTP_TINY = ["model.mtp_depth=2", "model.mtp_loss_coef=0.3"]
 MTP_LAYOUTS = {
     "fsdp=2 x tensor=2 x context=2, ring": ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "mesh.context=2",
                                             "context.strategy=ring"],
-    "pipeline=2 x data=4, gpipe": ["mesh.pipeline=2", "mesh.data=4", "pipeline.microbatches=2"],
+    # The modules run outside the stages, where the batch is split over `pipeline` too.
+    "pipeline=2 x data=2 x context=2, gpipe, ring": ["mesh.pipeline=2", "mesh.data=2", "mesh.context=2",
+                                                     "pipeline.microbatches=2", "context.strategy=ring"],
 }
 
 
@@ -159,3 +162,64 @@ def test_a_hugging_face_start_draws_the_mtp_modules_as_a_random_start_does():
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), alone, whole)
     assert jax.tree.leaves(alone)[0].sharding == jax.tree.leaves(program.state_sh.params["mtp"])[0]
     assert float(np.abs(np.asarray(alone[0]["eh_proj"])).max()) > 0
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_mtp_modules_follow_the_remat_policy(remat):
+    """Under model.remat each module is one checkpoint more than the layer scan's one, and (outside
+    a scan) keeps XLA from merging its recompute into the forward pass."""
+    cfg = load_config(TINY, ["data.source=synthetic", "mesh.data=1", "train.global_batch=2", f"model.remat={remat}",
+                             *MTP_TINY])
+    program = abstract_program(cfg, jax.devices()[:1])
+    loss_fn = make_loss_fn(program.spec.model.graphdef, program.compute, router_losses=True)
+    text = str(jax.make_jaxpr(lambda p, b: loss_fn(p, b)[0])(program.spec.model.shapes, batch()))
+    assert text.count("remat2[") == (0 if remat == "none" else 1 + 2)
+    assert text.count("prevent_cse=True") == (0 if remat == "none" else 2)
+
+
+def test_muon_takes_the_prediction_modules_matrices():
+    """Under optim.name=muon the modules' matrices are orthogonalized as the blocks' are (they have
+    no `layers` dim), and the embedding, head and norms still go to AdamW."""
+    from sharding import logical_axes
+    from trainer.optimizer import muon_dims
+    from model.transformer import abstract_transformer
+
+    cfg = load_config(TINY, ["model.mtp_depth=1", "model.tie_embeddings=false"]).model
+    axes = logical_axes(nnx.state(abstract_transformer(cfg)))
+    module = axes["mtp"][0]
+    assert muon_dims(module["eh_proj"]).reduction_axis == (0,) and muon_dims(module["block"]["attn"]["q"])
+    assert muon_dims(module["block"]["mlp"]["down"]).output_axis == (1,)
+    assert not any(muon_dims(axes[name]) for name in ("embedding", "lm_head"))
+    assert not muon_dims(module["enorm"]["scale"]) and not muon_dims(module["block"]["attn_norm"]["scale"])
+
+
+def test_a_run_logs_the_mtp_loss(tiny, capsys):
+    """Two steps of a dense model with one module: each record's loss is its lm_loss plus
+    mtp_loss_coef x mtp_loss, and the printed line shows both parts."""
+    import trainer
+
+    records = trainer.run(tiny("model.mtp_depth=1", "model.mtp_loss_coef=0.5", "train.steps=2"))
+    assert len(records) == 2
+    for r in records:
+        assert r["mtp_loss"] > 4 and abs(r["loss"] - (r["lm_loss"] + 0.5 * r["mtp_loss"])) < 1e-5 * r["loss"]
+    assert "lm_loss" in capsys.readouterr().out.split("mtp_loss")[0].splitlines()[-1]
+
+
+def test_the_chunked_head_gives_the_mtp_loss_of_the_whole_one():
+    """model.loss_chunk: each module's head and loss 16 positions at a time, as the main head's."""
+    whole = outputs(["model.mtp_depth=2"])
+    chunked = outputs(["model.mtp_depth=2", "model.loss_chunk=16"])
+    np.testing.assert_allclose(chunked[0], whole[0], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(chunked[2][1]), np.asarray(whole[2][1]), rtol=1e-6)
+
+
+def test_mtp_with_experts_on_expert_parallel_gives_one_devices_loss_and_gradients():
+    """A mixture-of-experts model's modules hold an MoE block too; its tokens reach the experts
+    by the layout's dispatch, outside the layer stack."""
+    moe = ["model.num_layers=2", "model.moe.num_experts=8", "model.moe.experts_per_token=2", "model.moe.d_ff=32"]
+    ref_loss, ref_grads = training_loss_and_grads(["mesh.data=1", *moe], jax.devices()[:1])
+    loss, grads = training_loss_and_grads(["mesh.data=1", "mesh.expert=8", *moe], jax.devices())
+    assert np.abs(ref_grads["mtp"][0]["block"]["mlp"]["gate"]).max() > 0  # the module's block is an MoE
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for (path, r), g in zip(jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))

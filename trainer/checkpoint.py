@@ -40,8 +40,10 @@ from trainer.state import TrainState
 RESUME_KEYS = (
     "model.num_layers", "model.d_model", "model.num_heads", "model.num_kv_heads", "model.resolved_head_dim",
     "model.d_ff", "model.vocab_size", "model.tie_embeddings", "model.seq_len",
-    "model.qk_norm", "model.attention_type", "model.mtp_depth", "model.moe.num_experts", "model.moe.d_ff",
-    "model.moe.shared_experts", "model.moe.every", "model.moe.first_k_dense_replace",
+    "model.qk_norm", "model.attention_type", "model.mla.q_lora_rank", "model.mla.kv_lora_rank",
+    "model.mla.qk_rope_head_dim", "model.mla.qk_nope_head_dim", "model.mla.v_head_dim", "model.mtp_depth",
+    "model.moe.num_experts", "model.moe.d_ff", "model.moe.shared_experts", "model.moe.every",
+    "model.moe.first_k_dense_replace",
     "train.global_batch", "run.seed", "data.source", "data.path", "data.mixture", "data.tokenizer",
     "data.packing", "data.eval_fraction",
 )

@@ -115,7 +115,8 @@ class MetricsLogger:
             parts.append(f"lm_loss {r['lm_loss']:.4f} aux {r['moe_aux_loss']:.3f} z {r['moe_z_loss']:.3f} "
                          f"imbalance {r['moe_imbalance']:.2f} dropped {100 * r['moe_dropped']:.1f}%")
         if "mtp_loss" in r:  # multi-token prediction (model/mtp.py): the mean over its depths
-            parts.append(f"mtp_loss {r['mtp_loss']:.4f}")
+            lm = "" if "moe_aux_loss" in r else f"lm_loss {r['lm_loss']:.4f} "
+            parts.append(f"{lm}mtp_loss {r['mtp_loss']:.4f}")
         if "tokens_per_s" in r:
             eta = (self.total_steps - r["step"]) * r["step_s"]
             parts += [f"{r['tokens_per_s']:,.0f} tok/s", f"{r['step_s']:.3f} s/step", f"data wait {r['data_wait_s']:.3f} s"]

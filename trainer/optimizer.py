@@ -76,13 +76,16 @@ def decay_mask(axes: dict) -> dict:
 def muon_dims(names: tuple[str, ...]) -> MuonDimensionNumbers | None:
     """Which dims of a parameter Muon orthogonalizes over, from its logical names; None: AdamW.
     Every block matrix reads or writes the residual stream (`embed`): q, k, v, gate and up
-    reduce over it, o and down output to it; the stacking dims are batch dims. The embedding,
-    output head and norms (no `layers` or `sublayers` stacking dim, or one dim besides it) go to
-    AdamW; the dense first layers (`first_k_dense_replace`) are stacked on `sublayers` alone."""
+    reduce over it, o and down output to it; the stacking dims are batch dims. Multi-head latent
+    attention's up-projections (q_b, kv_b) reduce over their `latent` dim instead. The blocks of
+    multi-token prediction modules (no `layers` dim) are block matrices too. The embedding, output
+    head (`vocab`) and norms (one dim besides the stacking ones) go to AdamW; the dense first
+    layers (`first_k_dense_replace`) are stacked on `sublayers` alone."""
     dims = [i for i, n in enumerate(names) if n not in STACK_DIMS]
-    if not {"layers", "sublayers"} & set(names) or "embed" not in names or len(dims) < 2:
+    stream = "embed" if "embed" in names else "latent"
+    if "vocab" in names or stream not in names or len(dims) < 2:
         return None
-    embed = names.index("embed")
+    embed = names.index(stream)
     others = tuple(d for d in dims if d != embed)
     if dims[0] == embed:
         return MuonDimensionNumbers(reduction_axis=(embed,), output_axis=others)
