@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints (Llama, Mixtral, Qwen3-MoE) in and out of a run directory.
+"""Hugging Face checkpoints (Llama, Mixtral, Qwen3-MoE, DeepSeek-V3) in and out of a run directory.
 
     python hf.py import --hf-dir DIR --run-dir RUN [--config PRESET] [key=value ...]
     python hf.py export --run-dir RUN --out DIR [--step N] [--dtype bfloat16] [--overwrite] [--format peft]
@@ -126,9 +126,9 @@ def import_(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python hf.py", description="Hugging Face checkpoints (Llama, Mixtral, Qwen3-MoE) in/out.")
+    parser = argparse.ArgumentParser(prog="python hf.py", description="Hugging Face checkpoints (Llama, Mixtral, Qwen3-MoE, DeepSeek-V3) in/out.")
     sub = parser.add_subparsers(dest="command", required=True)
-    imp = sub.add_parser("import", help="a Hugging Face Llama, Mixtral or Qwen3-MoE directory -> a run directory with a step-0 checkpoint")
+    imp = sub.add_parser("import", help="a Hugging Face Llama, Mixtral, Qwen3-MoE or DeepSeek-V3 directory -> a run directory with a step-0 checkpoint")
     imp.add_argument("--hf-dir", required=True, help="config.json + model.safetensors (or a sharded index)")
     imp.add_argument("--run-dir", required=True, help="the new run directory")
     imp.add_argument("--config", help="preset for everything but the model keys (data, optim, mesh ...)")

@@ -21,14 +21,17 @@ from configs.fields import Range, choices
 from configs.post import DPOConfig
 from configs.straggler import StragglerConfig
 from configs.lora import LoraConfig
+from configs.mla import MLAConfig
+from configs.moe import MoEConfig
 
 # The logical dim names the model gives its parameters and activations (model/layers.py,
 # model/transformer.py, the pipeline runner): the only keys a rules table may have, since a rule
 # for any other name matches nothing. tests/test_config.py checks the model uses exactly these.
-# `sublayers`: the dense layers inside one group of `model.moe.every` layers (model/transformer.py).
+# `sublayers`: the dense layers inside one group of `model.moe.every` layers (model/transformer.py);
+# `latent`: the low-rank dims of multi-head latent attention (model/mla.py);
 # `lora_rank`: the rank dim of a LoRA adapter (model/lora.py); no rule maps it, so it stays whole.
 LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", "expert",
-                "sublayers", "lora_rank")
+                "sublayers", "latent", "lora_rank")
 
 
 class ConfigError(ValueError):
@@ -152,46 +155,6 @@ class ContextConfig:
 
 
 @dataclass(kw_only=True)
-class MoEConfig:
-    """A mixture of experts in place of the blocks' SwiGLU (model/moe.py); num_experts 0: dense."""
-
-    num_experts: Annotated[int, Range(ge=0, hint="0: dense")] = 0
-    """Experts per MoE layer."""
-    # Qwen3-MoE's decoder_sparse_step: layers k-1, 2k-1, ... are MoE, the others dense SwiGLU.
-    every: Annotated[int, Range(ge=1, hint="1: every layer is an MoE")] = 1
-    """Every k-th layer is an MoE; model.num_layers must be a multiple."""
-    experts_per_token: int = 2
-    """Top-k: the experts each token is routed to, in [1, num_experts]."""
-    d_ff: Annotated[int, Range(ge=0, hint="0: model.d_ff")] = 0
-    """Each expert's hidden size."""
-    shared_experts: Annotated[int, Range(ge=0)] = 0
-    """Always-on experts (one SwiGLU of shared_experts x d_ff beside the routed ones)."""
-    # softmax_topk (Mixtral): top-k of the logits, softmax over those k. topk_softmax (Qwen3-MoE):
-    # softmax over all experts, then top-k, divided by their sum if `renormalize`.
-    router: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
-    """How router logits become the chosen experts' weights."""
-    renormalize: bool = True
-    """Under topk_softmax: divide the top-k weights by their sum."""
-    aux_loss_coef: Annotated[float, Range(ge=0)] = 0.01
-    """Weight of the Switch load-balancing loss, added to the training loss."""
-    router_z_loss_coef: Annotated[float, Range(ge=0)] = 0.001
-    """Weight of the router z-loss (mean squared logsumexp of the router logits)."""
-    # > 0: each expert takes at most ceil(capacity_factor x tokens x top-k / experts) of a
-    # device's tokens; the rest are dropped.
-    capacity_factor: Annotated[float, Range(ge=0, hint="0: dropless")] = 0.0
-    """Bounds the tokens each expert takes; 0 computes every chosen expert for every token."""
-    # megablox (the Pallas TPU kernel; interpreted on CPU, for tests) needs model.d_model, the
-    # expert d_ff and each device's rows (model.seq_len / mesh.context x experts_per_token) in
-    # multiples of 128, its tile.
-    grouped_matmul: Literal["auto", "ragged_dot", "megablox"] = "auto"
-    """The dropless experts' grouped matmuls (auto: megablox on TPU where its tiles divide, else ragged_dot)."""
-
-    @property
-    def enabled(self) -> bool:
-        return self.num_experts > 0
-
-
-@dataclass(kw_only=True)
 class ModelConfig:
     """The decoder's shape and numerics."""
 
@@ -228,6 +191,9 @@ class ModelConfig:
     """What a layer keeps for its backward pass; the rest is recomputed (REMAT_SAVES)."""
     attention: Literal["xla", "dot_product", "cudnn", "splash"] = "xla"
     """The attention kernel."""
+    # mla: DeepSeek's multi-head latent attention, shaped by model.mla (num_kv_heads = num_heads).
+    attention_type: Literal["gqa", "mla"] = "gqa"
+    """gqa: grouped-query attention (Llama); mla: multi-head latent attention (DeepSeek-V2/V3)."""
     loss_chunk: Annotated[int, Range(ge=0, hint="0: off")] = 0
     """Output head + loss this many positions at a time (no full logits); must divide seq_len."""
     # "compute" is what MaxText, torchtitan and Megatron do: the loss upcasts inside its own fused
@@ -245,8 +211,14 @@ class ModelConfig:
     # fp8: float8_e4m3fn with one scale per weight, back in the compute dtype after the gather.
     gather_dtype: Literal["compute", "fp8"] = "compute"
     """The dtype block weights are gathered from their FSDP shards in."""
+    # DeepSeek-V3: 1 module, its loss at 0.3 early in training and 0.1 later.
+    mtp_depth: Annotated[int, Range(ge=0, hint="0: off")] = 0
+    """Multi-token prediction modules (model/mtp.py): module k also predicts the token k + 1 ahead."""
+    mtp_loss_coef: Annotated[float, Range(ge=0)] = 0.3
+    """Weight of the multi-token prediction loss (the mean over its depths) in the training loss."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    mla: MLAConfig = field(default_factory=MLAConfig)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -372,10 +344,12 @@ class DebugConfig:
 
 
 def _default_param_rules() -> dict[str, Any]:
-    # FSDP is one rule: stored parameters shard their `embed` dim over `fsdp`.
+    # FSDP is one rule: stored parameters shard their `embed` dim over `fsdp` (and an MLA weight
+    # without one, its `latent` dim).
     return {
         "batch": ["data", "fsdp", "expert"],
         "embed": "fsdp",
+        "latent": "fsdp",
         "heads": "tensor",
         "kv_heads": "tensor",
         "mlp": "tensor",

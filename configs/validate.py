@@ -8,6 +8,7 @@ in `sharding.mesh`). Each failure is one `ConfigError` line naming the key.
 from __future__ import annotations
 
 from configs.lora import LORA_TARGETS
+from configs.moe import MoEConfig
 from configs.schema import LOGICAL_AXES, MESH_AXES, Config, ConfigError, closest, nan_steps
 
 
@@ -61,8 +62,13 @@ def _check_moe(cfg: Config) -> None:
     _require(cfg.mesh.expert == 1 or e.enabled, "mesh.expert", f"{cfg.mesh.expert} needs model.moe.num_experts > 0")
     if not e.enabled:
         return
+    _require(e.first_k_dense_replace < cfg.model.num_layers, "model.moe.first_k_dense_replace",
+             f"{e.first_k_dense_replace} leaves no MoE layer of model.num_layers={cfg.model.num_layers}")
+    _require(e.first_k_dense_replace == 0 or e.every == 1, "model.moe.first_k_dense_replace",
+             f"{e.first_k_dense_replace} with model.moe.every={e.every}: one way of placing dense layers at a time")
     _require(cfg.model.num_layers % e.every == 0, "model.moe.every",
              f"{e.every} does not divide model.num_layers={cfg.model.num_layers}")
+    _check_sigmoid_router(e)
     # The pipeline splits the stack by layers; a group of `every` layers is one scanned step.
     _require(e.every == 1 or cfg.mesh.pipeline == 1, "model.moe.every",
              f"{e.every} with mesh.pipeline={cfg.mesh.pipeline}: layer groups are not split into stages yet")
@@ -76,6 +82,20 @@ def _check_moe(cfg: Config) -> None:
         "mesh.expert",
         f"{cfg.mesh.expert} does not divide model.moe.num_experts={e.num_experts}",
     )
+
+
+def _check_sigmoid_router(e: MoEConfig) -> None:
+    """Grouped top-k (DeepSeek-V3): whole groups, and enough experts in the chosen ones."""
+    if e.router != "sigmoid":
+        _require(e.n_group == 1, "model.moe.n_group", f"{e.n_group} needs model.moe.router=sigmoid")
+        return
+    _require(e.num_experts % e.n_group == 0, "model.moe.n_group",
+             f"{e.n_group} does not divide model.moe.num_experts={e.num_experts}")
+    _require(e.topk_group <= e.n_group, "model.moe.topk_group",
+             f"{e.topk_group} is more than model.moe.n_group={e.n_group}")
+    allowed = e.topk_group * e.num_experts // e.n_group
+    _require(e.experts_per_token <= allowed, "model.moe.experts_per_token",
+             f"{e.experts_per_token} is more than the {allowed} experts of model.moe.topk_group={e.topk_group} groups")
 
 
 def _check_model(cfg: Config) -> None:
@@ -108,6 +128,26 @@ def _check_lora(cfg: Config) -> None:
     _require(not (mlp and moe.enabled and moe.every == 1), "model.lora.targets",
              f"{', '.join(mlp)} adapt dense SwiGLU layers, and with model.moe.every=1 every layer is an MoE; "
              "adapt q, k, v, o")
+    attn = [t for t in lo.targets if t in ("q", "k", "v", "o")]
+    _require(not (attn and cfg.model.attention_type == "mla"), "model.lora.targets",
+             f"{', '.join(attn)} adapt grouped-query attention's projections; multi-head latent attention "
+             "(model.attention_type=mla) has no adapters: adapt gate, up, down")
+
+
+def _check_mla(cfg: Config) -> None:
+    m = cfg.model
+    if m.attention_type != "mla":
+        return
+    # Every query head has its own key and value head, all expanded from one shared latent.
+    _require(m.num_kv_heads == m.num_heads, "model.num_kv_heads",
+             f"{m.num_kv_heads} must equal model.num_heads={m.num_heads} under model.attention_type=mla")
+    _require(m.mla.qk_rope_head_dim % 2 == 0, "model.mla.qk_rope_head_dim",
+             f"must be even for rotary embeddings, got {m.mla.qk_rope_head_dim}")
+    _require(not m.qk_norm, "model.qk_norm", "has no meaning under model.attention_type=mla (its latents are normed)")
+    # jax.nn.dot_product_attention and cuDNN take one head dim: v is padded up to q's (model/attention.py).
+    _require(m.attention not in ("dot_product", "cudnn") or m.mla.v_head_dim <= m.mla.qk_head_dim,
+             "model.mla.v_head_dim", f"{m.mla.v_head_dim} is wider than qk_nope_head_dim + qk_rope_head_dim="
+             f"{m.mla.qk_head_dim}, which model.attention={m.attention} cannot take")
 
 
 def _check_dist(cfg: Config) -> None:
@@ -162,6 +202,7 @@ def _check_sharding(cfg: Config) -> None:
 def validate_static(cfg: Config) -> None:
     """Checks that need no devices. Raises ConfigError naming the first bad key."""
     _check_model(cfg)
+    _check_mla(cfg)
     _check_data(cfg)
     _check_objective(cfg)
     _check_moe(cfg)

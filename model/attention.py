@@ -9,8 +9,10 @@
   documents; it never forms [length, length] scores. Off TPU it runs in Pallas interpret mode
   (slow: for checking numerics).
 
-Shapes: q [batch, length, heads, head_dim]; k, v [batch, length, kv_heads, head_dim];
-positions and segment_ids [batch, length] (segment_ids None: one document per row).
+Shapes: q and k [batch, length, heads or kv_heads, head_dim]; v [batch, length, kv_heads,
+v_head_dim], where v_head_dim may differ from head_dim (multi-head latent attention, model/mla.py);
+positions and segment_ids [batch, length] (segment_ids None: one document per row). Scores are
+scaled by head_dim ** -0.5.
 
 "Causal" is read from positions, not from array order: a query sees a key of its own document
 whose position is not later. Within a document positions count up from 0 in order, so this is
@@ -55,10 +57,10 @@ def xla_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, posit
 
 
 def masked_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
-    """q [b, t, heads, d] over k, v [b, s, kv_heads, d] where mask [b or 1, 1, t, s] is true;
-    also what KV-cache decoding (model/decode.py) attends with."""
+    """q, k [b, t or s, heads or kv_heads, d] and v [b, s, kv_heads, dv] where mask [b or 1, 1,
+    t, s] is true; also what KV-cache decoding (model/decode.py) attends with."""
     b, t, h, d = q.shape
-    kv = k.shape[2]
+    kv, dv = k.shape[2], v.shape[-1]
     g = h // kv
     # Query heads grouped by the kv head they share (no repeated k and v), the group merged with
     # the queries: each product then has one free dim per operand, the layout a matmul takes
@@ -68,7 +70,7 @@ def masked_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
     scores = jnp.where(mask[:, :, None], scores.reshape(b, kv, g, t, -1), jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv, g * t, -1)
     out = jnp.einsum("bkqs,bskd->bkqd", probs, v)
-    return out.reshape(b, kv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+    return out.reshape(b, kv, g, t, dv).transpose(0, 3, 1, 2, 4).reshape(b, t, h, dv)
 
 
 def fused_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, implementation: str | None,
@@ -149,6 +151,13 @@ def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, in
 def local_attention(q: Array, k: Array, v: Array, positions: Array, segment_ids: Array | None, *, impl: str,
                     max_documents: int = 0) -> Array:
     """The kernel `impl` on arrays that hold whole sequences (or, under GSPMD, look as if)."""
+    dv = v.shape[-1]
+    if impl in ("dot_product", "cudnn") and dv != q.shape[-1]:
+        # jax.nn.dot_product_attention and cuDNN's packed call take one head dim for q, k and v:
+        # v gets zero columns up to it (configs/validate.py refuses a v wider than q), and the
+        # output loses them again; the scores, and so the weights, are untouched.
+        padded = jnp.pad(v, ((0, 0),) * 3 + ((0, q.shape[-1] - dv),))
+        return local_attention(q, k, padded, positions, segment_ids, impl=impl, max_documents=max_documents)[..., :dv]
     if impl == "xla":
         return xla_attention(q, k, v, segment_ids, positions)
     if impl == "dot_product":

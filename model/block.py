@@ -1,6 +1,7 @@
-"""One pre-norm decoder layer: attention, then the feed-forward (dense SwiGLU or a mixture of experts).
+"""One pre-norm decoder layer: attention (grouped-query, or multi-head latent: model/mla.py), then
+the feed-forward (dense SwiGLU or a mixture of experts).
 
-A layer returns its output and its router statistics (model/moe.py `STATS`; zeros for a dense
+A layer returns its output and its router statistics (model/router.py `STATS`; zeros for a dense
 layer), so that the layer runners can carry them out of the layer scan into the loss.
 """
 
@@ -13,7 +14,9 @@ from flax import nnx
 from configs.schema import ModelConfig
 from model.layers import MLP, Attention, RMSNorm, constrain
 from model.lora import add_adapters
-from model.moe import STATS, MoE
+from model.mla import MLAttention
+from model.moe import MoE
+from model.router import STATS
 
 Array = jax.Array
 
@@ -23,7 +26,7 @@ class Block(nnx.Module):
         """moe: an MoE feed-forward (None: if `model.moe` is enabled), else the dense SwiGLU."""
         moe = cfg.moe.enabled if moe is None else moe
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = MLAttention(cfg, rngs=rngs) if cfg.attention_type == "mla" else Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
         if cfg.lora.enabled:  # after every base weight, so their random init is the same with or without

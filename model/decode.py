@@ -7,6 +7,11 @@ projections with their rotary embedding (`Attention.project`, `Attention.output`
 the output head are the model's; only the attention over the cache is written here, because the
 training path attends within one sequence and has no cache. `generate` runs prefill and the
 whole decode loop inside one `jit` (a `lax.scan` over new tokens), greedy or sampled.
+
+Multi-head latent attention (model/mla.py) caches what DeepSeek's inference does: per token and
+layer the normed latent and the rotary key (`LatentCache`), never per-head keys or values. Its
+queries are taken into the latent's space instead (`kv_b`'s key part absorbed into them, its
+value part applied after the weighted sum), so no step expands the cache.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ from flax import nnx
 
 from model.attention import masked_attention
 from model.block import Block
+from model.flops import stack_layers
+from model.layers import Attention
+from model.mla import MLAttention
 from model.transformer import BlockGroup, Transformer
 
 Array = jax.Array
@@ -30,42 +38,98 @@ class Cache(NamedTuple):
     v: Array
 
 
-def init_cache(model: Transformer, batch: int, max_len: int) -> Cache:
+class LatentCache(NamedTuple):
+    """Multi-head latent attention's cache: one head of each, whatever `model.num_heads`."""
+
+    latent: Array  # [layers, batch, max_len, 1, kv_lora_rank], normed
+    rope: Array  # [layers, batch, max_len, 1, qk_rope_head_dim], rotary applied
+
+
+AnyCache = Cache | LatentCache
+
+
+def init_cache(model: Transformer, batch: int, max_len: int) -> AnyCache:
     cfg = model.cfg
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.resolved_head_dim)
-    zeros = jnp.zeros(shape, jnp.dtype(cfg.dtype))
-    return Cache(zeros, zeros)
+    zeros = lambda *dims: jnp.zeros((cfg.num_layers, batch, max_len, *dims), jnp.dtype(cfg.dtype))  # noqa: E731
+    if cfg.attention_type == "mla":
+        return LatentCache(zeros(1, cfg.mla.kv_lora_rank), zeros(1, cfg.mla.qk_rope_head_dim))
+    return Cache(zeros(cfg.num_kv_heads, cfg.resolved_head_dim), zeros(cfg.num_kv_heads, cfg.resolved_head_dim))
 
 
-def _attend_cached(q: Array, k: Array, v: Array, q_pos: Array) -> Array:
-    """q [b, t, h, d] at positions q_pos [t] over the whole cache k, v [b, S, kv, d]; a slot is
-    seen iff its position <= the query's (slots past the written ones are never seen)."""
-    visible = jnp.arange(k.shape[1])[None, :] <= q_pos[:, None]  # [t, S]
-    return masked_attention(q, k, v, visible[None, None])
+def _visible(q_pos: Array, slots: int) -> Array:
+    """[1, 1, t, S]: a slot is seen iff its position <= the query's (slots past the written ones
+    are never seen)."""
+    return (jnp.arange(slots)[None, :] <= q_pos[:, None])[None, None]
+
+
+def _write(cache: Array, new: Array, start: Array | int) -> Array:
+    return jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), (0, start, 0, 0))
+
+
+def _attend_gqa(attn: Attention, x: Array, positions: Array, start: Array | int, k_cache: Array,
+                v_cache: Array) -> tuple[Array, Array, Array]:
+    """Normed x [b, t, d] -> the attention output over the cache, and the cache with t new slots."""
+    q, k, v = attn.project(x, jnp.broadcast_to(positions, x.shape[:2]))
+    k_cache, v_cache = _write(k_cache, k, start), _write(v_cache, v, start)
+    return attn.output(masked_attention(q, k_cache, v_cache, _visible(positions, k_cache.shape[1]))), k_cache, v_cache
+
+
+def _attend_mla(attn: MLAttention, x: Array, positions: Array, start: Array | int, latent_cache: Array,
+                rope_cache: Array) -> tuple[Array, Array, Array]:
+    """As `_attend_gqa` for latent attention: the scores are q_nope . (latent @ kv_b's key part)
+    + q_rope . k_rope, computed as (q_nope @ kv_b's key part^T) . latent, and the output as
+    (weights @ latent) @ kv_b's value part."""
+    pos = jnp.broadcast_to(positions, x.shape[:2])
+    q_nope, q_rope = attn.queries(x, pos)
+    latent, k_rope = attn.latents(x, pos)
+    latent_cache = _write(latent_cache, latent[:, :, None], start)
+    rope_cache = _write(rope_cache, k_rope[:, :, None], start)
+    m = attn.cfg.mla
+    w = attn.kv_b[...].astype(x.dtype)  # [rank, heads, nope + v]
+    c, r = latent_cache[:, :, 0], rope_cache[:, :, 0]  # [b, S, rank], [b, S, rope]
+    q_latent = jnp.einsum("bthk,rhk->bthr", q_nope, w[..., :m.qk_nope_head_dim])
+    scores = (jnp.einsum("bthr,bsr->bhts", q_latent, c, preferred_element_type=jnp.float32)
+              + jnp.einsum("bthk,bsk->bhts", q_rope, r, preferred_element_type=jnp.float32)) * m.qk_head_dim**-0.5
+    scores = jnp.where(_visible(positions, c.shape[1]), scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+    out = jnp.einsum("bthr,rhk->bthk", jnp.einsum("bhts,bsr->bthr", probs, c), w[..., m.qk_nope_head_dim:])
+    return attn.output(out), latent_cache, rope_cache
 
 
 def _block(
     block: Block, x: Array, positions: Array, start: Array | int, k_cache: Array, v_cache: Array
 ) -> tuple[Array, Array, Array]:
-    """One decoder layer on new tokens x [b, t, d]; returns x and the updated cache of this layer."""
-    q, k, v = block.attn.project(block.attn_norm(x), jnp.broadcast_to(positions, x.shape[:2]))
-    k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, start, 0, 0))
-    v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, start, 0, 0))
-    x = x + block.attn.output(_attend_cached(q, k_cache, v_cache, positions))
+    """One decoder layer on new tokens x [b, t, d]; returns x and the updated cache of this layer
+    (for latent attention, `k_cache` and `v_cache` are its latent and rotary-key caches)."""
+    attend = _attend_mla if isinstance(block.attn, MLAttention) else _attend_gqa
+    out, k_cache, v_cache = attend(block.attn, block.attn_norm(x), positions, start, k_cache, v_cache)
+    x = x + out
     x = x + block.feed_forward(block.mlp_norm(x))[0]
     return x, k_cache, v_cache
 
 
-def forward(model: Transformer, tokens: Array, cache: Cache, start: Array | int) -> tuple[Array, Cache]:
+def forward(model: Transformer, tokens: Array, cache: AnyCache, start: Array | int) -> tuple[Array, AnyCache]:
     """tokens [batch, t] at positions start..start+t-1 -> (logits [batch, t, vocab] float32, cache).
     The head writes `model.logits_dtype` (bf16 for a bf16 model by default); sampling divides,
     ranks and draws in float32."""
     positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
     x = jnp.take(model.embedding[...], tokens, axis=0).astype(jnp.dtype(model.cfg.dtype))
+    if hasattr(model, "dense_layers"):  # model.moe.first_k_dense_replace: the cache's first layers
+        first, kind = model.cfg.num_layers - stack_layers(model.cfg), type(cache)
+        x, k, v = _scan_blocks(model.dense_layers, x, positions, start, cache[0][:first], cache[1][:first])
+        logits, rest = _forward_stack(model, x, positions, start, kind(cache[0][first:], cache[1][first:]))
+        return logits, kind(jnp.concatenate([k, rest[0]]), jnp.concatenate([v, rest[1]]))
+    return _forward_stack(model, x, positions, start, cache)
+
+
+def _forward_stack(model: Transformer, x: Array, positions: Array, start: Array | int,
+                   cache: AnyCache) -> tuple[Array, AnyCache]:
+    """The main layer stack over embedded x and its slice of the cache, then the head."""
     every = model.cfg.moe.every if isinstance(model.layers, BlockGroup) else 1
+    kind, (k_cache, v_cache) = type(cache), cache
     if every == 1:
-        x, k, v = _scan_blocks(model.layers, x, positions, start, cache.k, cache.v)
-        return model.logits(model.final_norm(x)).astype(jnp.float32), Cache(k, v)
+        x, k, v = _scan_blocks(model.layers, x, positions, start, k_cache, v_cache)
+        return model.logits(model.final_norm(x)).astype(jnp.float32), kind(k, v)
     # Layer groups (model.moe.every): the cache's layers as [groups, every, ...], the group's
     # dense layers first, its MoE layer last.
     graphdef, stacked = nnx.split(model.layers)
@@ -78,8 +142,8 @@ def forward(model: Transformer, tokens: Array, cache: Cache, start: Array | int)
         h, k_moe, v_moe = _block(g.moe, h, positions, start, k_cache[-1], v_cache[-1])
         return h, (jnp.concatenate([k_dense, k_moe[None]]), jnp.concatenate([v_dense, v_moe[None]]))
 
-    x, (k, v) = jax.lax.scan(group, x, (stacked, grouped(cache.k), grouped(cache.v)))
-    return model.logits(model.final_norm(x)).astype(jnp.float32), Cache(k.reshape(cache.k.shape), v.reshape(cache.v.shape))
+    x, (k, v) = jax.lax.scan(group, x, (stacked, grouped(k_cache), grouped(v_cache)))
+    return model.logits(model.final_norm(x)).astype(jnp.float32), kind(k.reshape(k_cache.shape), v.reshape(v_cache.shape))
 
 
 def _scan_blocks(
@@ -127,7 +191,7 @@ def _generate(m: Transformer, prompt: Array, key: Array, max_new_tokens: int, te
     keys = jax.random.split(key, max_new_tokens)
     first = sample(logits[:, -1], keys[0], temperature, top_k)
 
-    def step(carry: tuple[Array, Cache, Array], key: Array) -> tuple[tuple[Array, Cache, Array], Array]:
+    def step(carry: tuple[Array, AnyCache, Array], key: Array) -> tuple[tuple[Array, AnyCache, Array], Array]:
         token, cache, pos = carry
         logits, cache = forward(m, token[:, None], cache, pos)
         nxt = sample(logits[:, -1], key, temperature, top_k)

@@ -1,5 +1,5 @@
 """The Hugging Face weight mapping: config.json and tensors to ours and back (Llama, Mixtral,
-Qwen3-MoE; which tensor is which per architecture: model/hf_arch.py).
+Qwen3-MoE, DeepSeek-V3; which tensor is which per architecture: model/hf_arch.py).
 
 The commands that use it (`python hf.py import|export`) live beside train.py. The two layouts
 hold the same numbers: a Hugging Face projection `W` ([out, in], applied as `x @ W.T`) is our
@@ -55,7 +55,8 @@ def _ours(cfg: ModelConfig, name: str) -> Any:
 def check_compatible(cfg: ModelConfig, hf_dir: str, key: str = "init.from_hf") -> None:
     """`cfg` must describe the network stored in `hf_dir`; ConfigError names the first key that does not."""
     keys = model_keys(read_hf_config(hf_dir, key), key)
-    if keys["moe.num_experts"] and keys.get("moe.every", 1) == 1:  # no dense layer: d_ff is used nowhere
+    if keys["moe.num_experts"] and keys.get("moe.every", 1) == 1 and not keys.get("moe.first_k_dense_replace"):
+        # no dense layer: d_ff is used nowhere
         del keys["d_ff"]
     for name, value in keys.items():
         ours = _ours(cfg, name)
@@ -78,11 +79,12 @@ def _set_path(tree: dict, path: tuple[str, ...], value: Any) -> None:
     tree[path[-1]] = value
 
 
-def _names(path: tuple[str, ...], name: str, shape: tuple[int, ...], every: int) -> np.ndarray:
+def _names(path: tuple[str, ...], name: str, shape: tuple[int, ...], every: int, first: int = 0) -> np.ndarray:
     """The tensor names of one parameter, an array over its stacked dims: [layers] for "{i}",
     [layers, expert] for "{i}" and "{j}", a 0-d array for a single tensor. Under layer groups
     of `every` (model/hf_arch.py `entries`) the layer dims are [group, every - 1] for the dense
-    layers (layer g x every + s) and [group] for the MoE ones (layer g x every + every - 1)."""
+    layers (layer g x every + s) and [group] for the MoE ones (layer g x every + every - 1). After
+    `first` dense layers (`dense_layers`, layers 0..first-1) the `layers` stack starts at layer `first`."""
     group = path[1] if path[:2] in (("layers", "dense"), ("layers", "moe")) else None
     stacked = shape[: ("{i}" in name) * (2 if group == "dense" else 1) + ("{j}" in name)]
     names = np.empty(stacked, dtype=object)
@@ -93,10 +95,16 @@ def _names(path: tuple[str, ...], name: str, shape: tuple[int, ...], every: int)
                 fields["i"], rest = index[0] * every + index[1], index[2:]
             else:
                 fields["i"], rest = index[0] * every + (every - 1 if group else 0), index[1:]
+            fields["i"] += first if path[0] == "layers" else 0
         if "{j}" in name:
             fields["j"] = rest[0]
         names[index] = name.format(**fields)
     return names
+
+
+def _first(cfg: ModelConfig) -> int:
+    """The dense layers before the `layers` stack (model.moe.first_k_dense_replace)."""
+    return cfg.moe.first_k_dense_replace if cfg.moe.enabled else 0
 
 
 def _hf_shape(ours: tuple[int, ...], n_in: int) -> tuple[int, ...]:
@@ -149,7 +157,7 @@ def load_params(
     files, shapes, params = SafetensorsDir(hf_dir, key), param_shapes(cfg), {}
     for path, name, n_in in entries(arch, cfg):
         shape = _get_path(shapes, path).shape
-        names = _names(path, name, shape, cfg.moe.every)
+        names = _names(path, name, shape, cfg.moe.every, _first(cfg))
         for n in names.reshape(-1):  # every tensor present with the right shape, before anything is placed
             files.get(n, _hf_shape(shape[names.ndim:], n_in))
         placement = _get_path(sharding, path) if isinstance(sharding, dict) else sharding
@@ -163,7 +171,7 @@ def to_hf_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
     out = {}
     for path, name, n_in in entries(architecture(cfg), cfg):
         a = np.asarray(jax.device_get(_get_path(params, path)))
-        names = _names(path, name, a.shape, cfg.moe.every)
+        names = _names(path, name, a.shape, cfg.moe.every, _first(cfg))
         out.update({names[index]: _from_ours(a[index], n_in) for index in np.ndindex(names.shape)})
     return out
 

@@ -1,4 +1,5 @@
-"""The Hugging Face architectures we read and write: Llama, Mixtral and Qwen3-MoE.
+"""The Hugging Face architectures we read and write: Llama, Mixtral, Qwen3-MoE and DeepSeek-V3
+(the last in model/hf_deepseek.py).
 
 For each: its config.json <-> our `model.*` keys, and its tensor names beside our parameter
 paths (the conversion of one tensor's layout is model/hf.py's). Mixtral and Qwen3-MoE are
@@ -17,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from configs.schema import ConfigError, ModelConfig
+from model import hf_deepseek
 
 # (our parameter path, Hugging Face tensor name, input dims). "{i}" is the layer index, "{j}"
 # the expert's: each stacks a leading dim of ours. A projection with n input dims is stored by
@@ -56,7 +58,9 @@ TENSORS: dict[str, tuple[Entry, ...]] = {
         (("layers", "mlp", "down"), MLP + ".experts.{j}.down_proj.weight", 1),
     ),
 }
-CLASSES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+CLASSES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+           "deepseek_v3": "DeepseekV3ForCausalLM"}
+ARCHS = (*TENSORS, "deepseek_v3")
 
 # Options whose non-default values change the network in ways ModelConfig cannot express.
 UNSUPPORTED_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -82,9 +86,11 @@ def model_keys(hf: dict[str, Any], key: str) -> dict[str, Any]:
     """A Hugging Face config.json -> our `model.*` values (dotted below `model.`), the keys that
     say which kind of network first. Raises ConfigError naming every option we cannot express."""
     path, arch = f"{key}/config.json", hf.get("model_type")
-    if arch not in TENSORS:
-        raise ConfigError(f"{key}: {path} has model_type={arch!r}; only {', '.join(map(repr, TENSORS))} can be read")
+    if arch not in ARCHS:
+        raise ConfigError(f"{key}: {path} has model_type={arch!r}; only {', '.join(map(repr, ARCHS))} can be read")
     theta, bad = _rope_theta(hf)
+    if arch == "deepseek_v3":
+        return hf_deepseek.model_keys(hf, key, theta, bad)
     bad += [f"{n}={hf[n]!r}" for n, default in UNSUPPORTED_DEFAULTS[arch].items() if hf.get(n, default) != default]
     if bad:
         raise ConfigError(f"{key}: {path} uses options this model cannot express: {', '.join(bad)}")
@@ -115,6 +121,9 @@ def model_keys(hf: dict[str, Any], key: str) -> dict[str, Any]:
 def architecture(cfg: ModelConfig) -> str:
     """The Hugging Face model_type that holds exactly the network `cfg` describes."""
     e = cfg.moe
+    if cfg.attention_type == "mla" or e.router == "sigmoid" or e.first_k_dense_replace:
+        hf_deepseek.check_exportable(cfg)
+        return "deepseek_v3"
     if not e.enabled:
         if cfg.qk_norm:
             raise ConfigError("model.qk_norm=true on a dense model: Hugging Face export writes Llama (no q/k norm) "
@@ -138,6 +147,8 @@ def entries(arch: str, cfg: ModelConfig) -> list[Entry]:
     """The tensors of `arch` that `cfg`'s parameters hold. Under layer groups (`model.moe.every`
     > 1, model/transformer.py BlockGroup) a layer's parameters sit under ("layers", "dense") or
     ("layers", "moe"): the attention's in both, the dense SwiGLU's (Llama's names) in the first."""
+    if arch == "deepseek_v3":
+        return hf_deepseek.entries(cfg)
     out = [e for e in TENSORS[arch] if not (cfg.tie_embeddings and e[0] == ("lm_head",))]
     if not (cfg.moe.enabled and cfg.moe.every > 1):
         return out
@@ -181,6 +192,8 @@ def hf_config(cfg: ModelConfig, source: dict[str, Any] | None = None, dtype: str
         "torch_dtype": dtype,  # transformers 4.x
         "dtype": dtype,  # transformers 5
     }
+    if arch == "deepseek_v3":
+        return out | hf_deepseek.hf_config(cfg)
     if arch == "llama":
         return out | {"attention_bias": False, "mlp_bias": False}
     # num_experts: transformers 4.x's Qwen3-MoE name; 5 maps it to num_local_experts (Mixtral's).

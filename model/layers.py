@@ -11,19 +11,28 @@ is constrained by logical names; which mesh axes those names land on is decided 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
-from configs.schema import ModelConfig
+from configs.schema import REMAT_SAVES, ModelConfig
 from model.attention import attend
 from model.lora import adapt
 from model.quant import fp8_gather, qeinsum
 
 Array = jax.Array
+
+
+def remat(fn: Callable, policy: str, in_scan: bool = True) -> Callable:
+    """Wraps a per-layer function in `jax.checkpoint` with the named `model.remat` policy ('none': as is)."""
+    saves = REMAT_SAVES[policy]
+    if saves is None:
+        return fn
+    # prevent_cse=False is safe (and faster) inside scan, which already blocks CSE across steps.
+    return jax.checkpoint(fn, policy=getattr(jax.checkpoint_policies, saves), prevent_cse=not in_scan)
 
 
 def constrain(x: Array, axes: Sequence[str | None]) -> Array:

@@ -14,11 +14,10 @@ slots. Under expert parallelism the trainer binds a dispatcher
 (`model.kernels`, built in sharding/experts.py) that moves the rows to the experts' devices;
 it calls the same `capacity_keep` and `expert_rows` as the local path, so the math is one.
 
-The layer also returns its router statistics, [aux, z, dropped, imbalance] (see `STATS`):
-the Switch load-balancing loss E x sum_e f_e P_e (f_e: the share of assignments to expert e,
-P_e: its mean router probability), the z-loss mean(logsumexp(logits)^2), the share of dropped
-assignments, and the most-loaded expert's assignments over the mean. They are computed over the
-whole batch the layer sees, outside any dispatcher, so they do not depend on the layout.
+The routing itself (softmax or DeepSeek-V3's sigmoid with its load-steered bias) and the
+layer's router statistics (the balance loss, the z-loss, the dropped share, the imbalance, the
+bias's load signal: `STATS`) are in model/router.py. They are computed over the whole batch the
+layer sees, outside any dispatcher, so they do not depend on the layout.
 """
 
 from __future__ import annotations
@@ -34,9 +33,9 @@ from configs.schema import ModelConfig
 from model import kernels
 from model.kernels import DispatchFn
 from model.layers import MLP, constrain, param
+from model.router import RouterBias, route, router_stats
 
 Array = jax.Array
-STATS = ("aux_loss", "z_loss", "dropped", "imbalance")
 # (rows [m, k] sorted by group, weights [G, k, n], group sizes [G] int32) -> [m, n]; rows past
 # the groups (sum of sizes .. m), and their gradients, may come back as anything: `expert_rows` masks them.
 GroupedMatmul = Callable[[Array, Array, Array], Array]
@@ -121,30 +120,6 @@ def combine(y_blkd: Array, weights: Array, kept: Array) -> Array:
     return jnp.einsum("blkd,blk->bld", y_blkd, w)
 
 
-def route(logits: Array, k: int, router: str, renormalize: bool) -> tuple[Array, Array]:
-    """Router logits [..., E] float32 -> (expert ids [..., k], weights [..., k] float32)."""
-    if router == "softmax_topk":  # Mixtral: softmax over the chosen logits
-        top, ids = jax.lax.top_k(logits, k)
-        return ids, jax.nn.softmax(top, axis=-1)
-    weights, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)  # Qwen3-MoE
-    if renormalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return ids, weights
-
-
-def router_stats(logits: Array, ids: Array, kept: Array) -> Array:
-    """[aux, z, dropped share, imbalance] float32 over all tokens of logits [b, l, E]."""
-    num_experts = logits.shape[-1]
-    probs = jax.nn.softmax(logits, axis=-1)
-    counts = jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=jnp.float32), axis=(0, 1, 2))  # [E]
-    share = counts / jnp.sum(counts)
-    aux = num_experts * jnp.sum(share * jnp.mean(probs, axis=(0, 1)))
-    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
-    dropped = 1.0 - jnp.mean(kept.astype(jnp.float32))
-    imbalance = jnp.max(counts) / jnp.mean(counts)
-    return jnp.stack([aux, z, dropped, imbalance])
-
-
 class MoE(nnx.Module):
     """Router + `num_experts` SwiGLU experts (+ `shared_experts` always-on ones)."""
 
@@ -158,17 +133,21 @@ class MoE(nnx.Module):
         self.down = param(rngs, init, (e.num_experts, f, d), ("expert", "mlp", "embed"))
         if e.shared_experts:
             self.shared = MLP(cfg, rngs=rngs, d_ff=e.shared_experts * f)
+        if e.router_bias:
+            self.router_bias = RouterBias(jnp.zeros((e.num_experts,), jnp.float32), eager_sharding=False,
+                                          out_sharding=(None,))
         self.cfg = e
 
     def __call__(self, x: Array) -> tuple[Array, Array]:
-        """x [b, l, d] -> (y [b, l, d], router stats [len(STATS)] float32)."""
+        """x [b, l, d] -> (y [b, l, d], router stats [len(model.router.STATS)] float32)."""
         e, dt = self.cfg, x.dtype
         logits = jnp.einsum("bld,de->ble", x.astype(jnp.float32), self.router[...].astype(jnp.float32))
         logits = constrain(logits, ("batch", "length", None))
-        ids, weights = route(logits, e.experts_per_token, e.router, e.renormalize)
+        bias = self.router_bias[...] if e.router_bias else None
+        ids, weights = route(logits, e, bias)
         dispatch = kernels.current().dispatch or local_dispatch
         y, kept = dispatch(x, ids, weights, self.gate[...].astype(dt), self.up[...].astype(dt),
                            self.down[...].astype(dt), e.capacity_factor)
         if e.shared_experts:
             y = y + self.shared(x)
-        return constrain(y, ("batch", "length", "embed")), router_stats(logits, ids, kept)
+        return constrain(y, ("batch", "length", "embed")), router_stats(logits, ids, kept, e.router, bias)

@@ -3,38 +3,35 @@
 The blocks are created once with `nnx.vmap` as one stacked module (every parameter gains a
 leading `layers` axis) and applied by a *layer runner*. With `model.moe.every` = k > 1 the
 stacked unit is a `BlockGroup` of k layers (k - 1 dense ones stacked on `sublayers`, then an
-MoE one), so the stack stays one scan over num_layers / k identical groups. The default runner scans over the
+MoE one), so the stack stays one scan over num_layers / k identical groups. With
+`model.moe.first_k_dense_replace` = k the first k layers are dense: a second, smaller stack
+(`dense_layers`, stacked on `sublayers`) applied by its own scan before the layer runner, as a
+prefix of the embedding (the pipeline stages split the MoE stack only). The default runner scans over the
 stack, so compile time stays flat in depth; the trainer may hand in another one (a pipeline
 schedule) without the model knowing about meshes or devices. A runner returns the hidden states
-and the layers' router statistics (model/moe.py `STATS`), summed over the layers (and averaged
-over the microbatches a pipeline splits the batch into); dense layers add zeros.
+and the layers' router statistics (model/router.py `STATS`), summed over the layers (and averaged
+over the microbatches a pipeline splits the batch into); dense layers add zeros. With
+`model.mtp_depth` > 0 the model also holds multi-token prediction modules (`mtp`, model/mtp.py),
+which only the training loss runs.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable, Protocol
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from configs.schema import REMAT_SAVES, ModelConfig
+from configs.schema import ModelConfig
 from model.block import Block
-from model.flops import moe_layer_count
-from model.layers import RMSNorm, constrain, param
-from model.moe import STATS
+from model.flops import moe_layer_count, stack_layers
+from model.layers import RMSNorm, constrain, param, remat
+from model.mtp import MTPModule
+from model.router import STATS
 
 Array = jax.Array
-
-
-def remat(fn: Callable, policy: str) -> Callable:
-    """Wraps a per-layer function in `jax.checkpoint` with the named policy ('none': as is)."""
-    saves = REMAT_SAVES[policy]
-    if saves is None:
-        return fn
-    # prevent_cse=False is safe (and faster) inside scan, which already blocks CSE across steps.
-    return jax.checkpoint(fn, policy=getattr(jax.checkpoint_policies, saves), prevent_cse=False)
 
 
 class LayerRunner(Protocol):
@@ -125,15 +122,24 @@ class Transformer(nnx.Module):
 
         grouped = cfg.moe.enabled and cfg.moe.every > 1
 
-        @nnx.split_rngs(splits=cfg.num_layers // cfg.moe.every if grouped else cfg.num_layers)
+        @nnx.split_rngs(splits=stack_layers(cfg) // cfg.moe.every if grouped else stack_layers(cfg))
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_stack(rngs: nnx.Rngs) -> Block | BlockGroup:
             return BlockGroup(cfg, rngs=rngs) if grouped else Block(cfg, rngs=rngs)
 
         self.layers = make_stack(rngs)
+        if cfg.moe.enabled and cfg.moe.first_k_dense_replace:
+            @nnx.split_rngs(splits=cfg.moe.first_k_dense_replace)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "sublayers"})
+            def make_dense(rngs: nnx.Rngs) -> Block:
+                return Block(cfg, rngs=rngs, moe=False)
+
+            self.dense_layers = make_dense(rngs)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, init, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+        if cfg.mtp_depth:  # created last, so the other parameters draw what they draw without them
+            self.mtp = nnx.List([MTPModule(cfg, rngs=rngs) for _ in range(cfg.mtp_depth)])
 
     def features(
         self,
@@ -153,10 +159,12 @@ class Transformer(nnx.Module):
         runner: LayerRunner | None = None,
     ) -> tuple[Array, Array]:
         """As `features`, with the router statistics averaged over the MoE layers ([len(STATS)]
-        float32: model/moe.py; zeros for a dense model)."""
+        float32: model/router.py; zeros for a dense model)."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         x = self.embed(tokens)
+        if hasattr(self, "dense_layers"):  # dense: no router statistics
+            x = scan_layers(self.dense_layers, x, positions, segment_ids, remat_policy=self.cfg.remat)[0]
         if runner is None:
             x, stats = scan_layers(self.layers, x, positions, segment_ids, remat_policy=self.cfg.remat)
         else:

@@ -25,7 +25,7 @@ from flax import linen as nn
 from flax import nnx
 
 from model import LayerRunner
-from model.moe import STATS
+from model.router import STATS
 from pipeline.registry import Phase, Schedule, register
 from pipeline.stages import from_microbatches, to_microbatches, to_stages
 from sharding.rules import Rules

@@ -51,13 +51,13 @@ def balanced_order(length: int, shards: int) -> np.ndarray:
 def ring_attention(q: Array, k: Array, v: Array, positions: Array, segment_ids: Array | None, *,
                    axis: str, shards: int, mask_fn: MaskFn, piece: int = 512) -> Array:
     """Attention of the local queries over every device's keys on the `axis` ring; runs inside
-    shard_map with q [b, t, h, d], k, v [b, t, kv, d], positions and segment_ids [b, t] local.
+    shard_map with q, k [b, t, h or kv, d], v [b, t, kv, dv], positions and segment_ids [b, t] local.
 
     Each key/value block is taken `piece` keys at a time under remat, so a device holds scores
     of [heads, t, piece], never [heads, t, t], and the backward pass keeps only the running
     max, sum and output per piece (at 131,072 tokens over 16 devices t is 8,192)."""
     b, t, h, d = q.shape
-    kvh = k.shape[2]
+    kvh, dv = k.shape[2], v.shape[-1]
     qg = q.reshape(b, t, kvh, h // kvh, d)
     perm = [(i, (i + 1) % shards) for i in range(shards)]
     piece = t if t <= piece else math.gcd(t, piece)
@@ -85,7 +85,7 @@ def ring_attention(q: Array, k: Array, v: Array, positions: Array, segment_ids: 
         return jax.lax.scan(add, acc, pieces)[0]
 
     start = (jnp.full((b, kvh, h // kvh, t), jnp.finfo(jnp.float32).min), jnp.zeros((b, kvh, h // kvh, t)),
-             jnp.zeros((b, kvh, h // kvh, t, d)))
+             jnp.zeros((b, kvh, h // kvh, t, dv)))
     acc = block(start, (k, v, positions, segment_ids))
 
     def step(carry: tuple, _: None) -> tuple[tuple, None]:
@@ -97,7 +97,7 @@ def ring_attention(q: Array, k: Array, v: Array, positions: Array, segment_ids: 
         (acc, _), _ = jax.lax.scan(step, (acc, (k, v, positions, segment_ids)), None, length=shards - 1)
     m, l, o = acc
     out = (o / l[..., None]).astype(q.dtype)  # [b, kv, g, t, d]
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dv)
 
 
 def _specs(rules: Rules) -> tuple[PartitionSpec, PartitionSpec, PartitionSpec]:

@@ -13,7 +13,8 @@ import pytest
 from configs import Config, ConfigError, all_keys, dump_config, load_config
 from conftest import ROOT
 
-PRESETS = ["tiny", "lora-tiny", "llama3-1b", "llama3-3b", "llama3-8b", "llama3-70b"]
+PRESETS = ["tiny", "lora-tiny", "llama3-1b", "llama3-3b", "llama3-8b", "llama3-70b", "tiny-deepseek", "deepseek-v3",
+           "moonlight-16b"]
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -101,10 +102,10 @@ def test_missing_config_file():
 def test_an_unknown_preset_gets_the_nearest_one_and_the_list():
     with pytest.raises(ConfigError) as err:
         load_config("tiny-moee")
-    assert str(err.value) == ("config file not found: tiny-moee (did you mean tiny-moe?); presets: dpo-tiny, "
-                              "llama3-1b, llama3-3b, llama3-70b, llama3-8b, llama3-8b-128k, llama3-8b-dpo, "
-                              "llama3-8b-sft, lora-tiny, mixtral-8x7b, sft-tiny, tiny, tiny-moe")
-    with pytest.raises(ConfigError, match=r"^config file not found: nope.yaml; presets: dpo-tiny, llama3-1b, .*, tiny-moe$"):
+    assert str(err.value) == ("config file not found: tiny-moee (did you mean tiny-moe?); presets: deepseek-v3, "
+                              "dpo-tiny, llama3-1b, llama3-3b, llama3-70b, llama3-8b, llama3-8b-128k, llama3-8b-dpo, "
+                              "llama3-8b-sft, lora-tiny, mixtral-8x7b, moonlight-16b, sft-tiny, tiny, tiny-deepseek, tiny-moe")
+    with pytest.raises(ConfigError, match=r"^config file not found: nope.yaml; presets: deepseek-v3, dpo-tiny, .*, tiny-moe$"):
         load_config("nope.yaml")  # nothing near it: the list alone
 
 
@@ -139,6 +140,7 @@ EXPLICIT: dict[str, tuple[Any, list[str]]] = {
     "model.dtype": ("bfloat16", []),
     "model.remat": ("save_dots", []),
     "model.attention": ("dot_product", []),
+    "model.attention_type": ("mla", ["model.num_kv_heads=8"]),
     "model.quant": ("fp8", []),
     "model.grad_reduce": ("bfloat16", []),
     "model.gather_dtype": ("fp8", []),

@@ -13,6 +13,7 @@ from flax import nnx
 from jax.extend import core as jcore
 
 from configs import ModelConfig, load_config
+from configs.mla import MLAConfig
 from configs.schema import MoEConfig
 from configs.lora import LoraConfig
 from configs.schema import LOGICAL_AXES
@@ -83,10 +84,12 @@ def test_the_model_names_exactly_the_logical_axes_a_rules_table_may_use(monkeypa
     monkeypatch.setattr(nn, "with_logical_constraint", recording)
     param_names: set[str] = set()
     # A dense model and mixtures of experts (expert weights name the `expert` dim; groups of
-    # `moe.every` layers stack their dense layers on `sublayers`), one with LoRA adapters
-    # (`lora_rank`).
+    # `moe.every` layers stack their dense layers on `sublayers`); latent attention names `latent`;
+    # one with LoRA adapters (`lora_rank`).
     for cfg in (small(tie_embeddings=False), small(moe=MoEConfig(num_experts=4, shared_experts=1)),
-                small(qk_norm=True, moe=MoEConfig(num_experts=4, every=2)), small(lora=LoraConfig(rank=2))):
+                small(qk_norm=True, moe=MoEConfig(num_experts=4, every=2)),
+                small(attention_type="mla", num_kv_heads=small().num_heads, mla=MLAConfig(q_lora_rank=8)),
+                small(lora=LoraConfig(rank=2))):
         graphdef, state = nnx.split(abstract_transformer(cfg))
         x = jax.ShapeDtypeStruct((2, cfg.seq_len), jnp.int32)
         jax.eval_shape(lambda st, t: nnx.merge(graphdef, st)(t), state, x)

@@ -42,7 +42,10 @@ from trainer.tiers import LocalTier
 RESUME_KEYS = (
     "model.num_layers", "model.d_model", "model.num_heads", "model.num_kv_heads", "model.resolved_head_dim",
     "model.d_ff", "model.vocab_size", "model.tie_embeddings", "model.seq_len",
-    "model.qk_norm", "model.moe.num_experts", "model.moe.d_ff", "model.moe.shared_experts", "model.moe.every",
+    "model.qk_norm", "model.attention_type", "model.mla.q_lora_rank", "model.mla.kv_lora_rank",
+    "model.mla.qk_rope_head_dim", "model.mla.qk_nope_head_dim", "model.mla.v_head_dim", "model.mtp_depth",
+    "model.moe.num_experts", "model.moe.d_ff", "model.moe.shared_experts", "model.moe.every",
+    "model.moe.first_k_dense_replace",
     "model.lora.rank", "model.lora.targets",
     "train.global_batch", "run.seed", "data.source", "data.path", "data.mixture", "data.tokenizer",
     "data.packing", "data.eval_fraction",
@@ -141,6 +144,11 @@ def check_resumable(cfg: Config) -> None:
         raise ConfigError(
             f"init.from_hf={cfg.init.from_hf!r} differs from {old.init.from_hf!r}, the frozen base of the LoRA "
             f"checkpoints in run.dir={cfg.run.dir} (they hold the adapters alone); resume with the same base"
+        )
+    if old.model.moe.router_bias != cfg.model.moe.router_bias:
+        raise ConfigError(
+            f"model.moe.router={cfg.model.moe.router} {'adds' if cfg.model.moe.router_bias else 'drops'} the sigmoid "
+            f"router's bias, a parameter the checkpoints of run.dir={cfg.run.dir} do not match; use a new run.dir"
         )
     if (old.optim.clip > 0) != (cfg.optim.clip > 0):
         raise ConfigError(

@@ -17,6 +17,7 @@ import jax
 
 import pipeline
 from configs import Config, ConfigError
+from model import stack_layers
 from model.moe import megablox_tile
 from planner.hardware import check_quant, hardware_of_kind
 from sharding import Rules, axes_size, logical_to_spec, mesh_axes, resolve_mesh_shape
@@ -34,6 +35,7 @@ DIM_KEYS = {
     "mlp": "model.d_ff",
     "layers": "model.num_layers",
     "expert": "model.moe.num_experts",
+    "latent": "model.mla.kv_lora_rank or model.mla.q_lora_rank",
 }
 
 
@@ -124,6 +126,9 @@ def check_pipeline(cfg: Config, stages: int, micro: int, per_replica: int) -> No
     """The pipeline's stages, repeats and microbatches (`per_replica`: the rows each batch shard
     gets per micro-batch), then the schedule's own constraints."""
     repeats, schedule = cfg.pipeline.repeats, pipeline.get(cfg.pipeline.schedule)
+    if schedule.computes_grads and cfg.model.mtp_depth:
+        raise ConfigError(f"model.mtp_depth={cfg.model.mtp_depth}: pipeline.schedule={cfg.pipeline.schedule} computes "
+                          "the loss stage by stage without the multi-token prediction modules; use pipeline.schedule=gpipe")
     if stages == 1:
         if repeats > 1:
             raise ConfigError(f"pipeline.repeats={repeats} needs mesh.pipeline > 1")
@@ -133,11 +138,12 @@ def check_pipeline(cfg: Config, stages: int, micro: int, per_replica: int) -> No
     if schedule.computes_grads and cfg.train.objective == "dpo":  # its own gradient code has the LM loss only
         raise ConfigError(f"pipeline.schedule={cfg.pipeline.schedule} computes the language-model loss itself; "
                           "train.objective=dpo pipelines with pipeline.schedule=gpipe")
-    layers = cfg.model.num_layers
+    layers = stack_layers(cfg.model)  # the dense first layers run before the stages
     if layers % (stages * repeats):
-        raise ConfigError(
-            f"model.num_layers={layers} is not divisible by mesh.pipeline={stages} x pipeline.repeats={repeats}"
-        )
+        dense = cfg.model.num_layers - layers
+        first = f" - model.moe.first_k_dense_replace={dense}" if dense else ""
+        raise ConfigError(f"model.num_layers={cfg.model.num_layers}{first} is not divisible by "
+                          f"mesh.pipeline={stages} x pipeline.repeats={repeats}")
     schedule.check(cfg, stages, repeats, micro)
     if micro < stages:
         raise ConfigError(

@@ -50,6 +50,8 @@ class Compute:
     moe: MoEConfig | None = None  # an MoE model's router losses join the training loss
     objective: str = "lm"  # train.objective: lm, sft (masked targets) or dpo (preference pairs)
     dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)  # the DPO loss (train.objective=dpo)
+    mtp_depth: int = 0  # multi-token prediction depths whose loss joins the training loss (model/mtp.py)
+    mtp_loss_coef: float = 0.0  # its weight there (model.mtp_loss_coef)
 
 
 def build_compute(cfg: Config, layout: Layout, graphdef: nnx.GraphDef, platform: str,
@@ -70,6 +72,8 @@ def build_compute(cfg: Config, layout: Layout, graphdef: nnx.GraphDef, platform:
         moe=m.moe if m.moe.enabled else None,
         objective=cfg.train.objective,
         dpo=cfg.dpo,
+        mtp_depth=m.mtp_depth,
+        mtp_loss_coef=m.mtp_loss_coef,
     )
 
 

@@ -25,7 +25,7 @@ import numpy as np
 from configs import Config, dump_config
 from configs.schema import nan_steps
 from data import batch_shape, describe, eval_batches, global_batches, make_iterator
-from model import flops_per_token, hf
+from model import flops_per_token, hf, stack_layers
 from model.lora import join, trainable
 from planner.hardware import peak_flops_of_kind
 from sharding import distributed
@@ -39,7 +39,7 @@ from trainer.compute import attention_notes
 from trainer.metrics import MetricsLogger, log
 from trainer.observe import instrument
 from trainer.program import Program, RunSpec, make_program, prepare
-from trainer.state import TrainState, frozen_base, init_state, param_count, state_from_params
+from trainer.state import TrainState, frozen_base, init_state, param_count, random_params, state_from_params
 from trainer.stragglers import StepClock, injected_sleep
 from trainer.tiers import LocalTier
 from trainer.xla_env import set_cpu_device_count, use_compile_cache
@@ -139,6 +139,8 @@ def make_session(spec: RunSpec, devices: list, schedule_note: str = "") -> Sessi
         restored = ckpt.restore_latest(program.abstract_state(), iterator, warn=log)
         if restored is None and from_hf:
             params = hf.load_params(cfg.init.from_hf, cfg.model, program.state_sh.params)
+            if cfg.model.mtp_depth:  # no Hugging Face checkpoint holds them: they start from the random init
+                params["mtp"] = random_params(cfg.model, cfg.run.seed, program.state_sh.params, "mtp")
             start, state = 0, state_from_params(params, program.tx, program.state_sh, cfg.model, cfg.run.seed)
             log(f"initialized the parameters from {cfg.init.from_hf} (init.from_hf)")
         elif restored is None:
@@ -158,7 +160,7 @@ def make_session(spec: RunSpec, devices: list, schedule_note: str = "") -> Sessi
         if layout.pipelined:
             log(
                 f"pipeline: {layout.stages} stages x {layout.repeats} repeat(s), {layout.microbatches} microbatches, "
-                f"{cfg.model.num_layers // (layout.stages * layout.repeats)} layers per stage and repeat; "
+                f"{stack_layers(cfg.model) // (layout.stages * layout.repeats)} layers per stage and repeat; "
                 f"bubble fraction {layout.bubble:.3f}"
             )
     except BaseException:

@@ -126,6 +126,9 @@ class MetricsLogger:
         if "reward_accuracy" in r:  # train.objective=dpo (trainer/preference.py)
             parts.append(f"margin {r['reward_margin']:.3f} chosen {r['reward_chosen']:.3f} "
                          f"rejected {r['reward_rejected']:.3f} accuracy {r['reward_accuracy']:.2f}")
+        if "mtp_loss" in r:  # multi-token prediction (model/mtp.py): the mean over its depths
+            lm = "" if "moe_aux_loss" in r else f"lm_loss {r['lm_loss']:.4f} "
+            parts.append(f"{lm}mtp_loss {r['mtp_loss']:.4f}")
         if "tokens_per_s" in r:
             eta = (self.total_steps - r["step"]) * r["step_s"]
             parts += [f"{r['tokens_per_s']:,.0f} tok/s", f"{r['step_s']:.3f} s/step", f"data wait {r['data_wait_s']:.3f} s"]

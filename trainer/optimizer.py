@@ -13,6 +13,11 @@ decay schedule, global-norm clipping and the weight-decay mask shared by all of 
 - `lion`: the sign of an interpolated momentum; its steps are larger, so it wants an `optim.lr`
   3-10x below AdamW's.
 
+An MoE with the sigmoid router keeps a per-expert routing bias among its parameters
+(model/router.py): its gradient is the experts' load above the mean, and its update is the sign
+of that times `model.moe.router_bias_update_rate`, apart from the optimizer, its clipping and
+its weight decay.
+
 The optimizer state is sharded by the rules like AdamW's: every moment shaped like its parameter
 shards like it (trainer/state.py); adafactor's row and column statistics, whose shapes differ,
 are replicated (they are a vector per matrix).
@@ -27,6 +32,7 @@ import optax
 from optax.contrib import MuonDimensionNumbers
 
 from configs.schema import OptimConfig
+from model.router import BIAS_NAME
 
 STACK_DIMS = ("layers", "sublayers", "expert")  # dims that stack independent matrices: Muon's batch dims
 
@@ -70,12 +76,16 @@ def decay_mask(axes: dict) -> dict:
 def muon_dims(names: tuple[str, ...]) -> MuonDimensionNumbers | None:
     """Which dims of a parameter Muon orthogonalizes over, from its logical names; None: AdamW.
     Every block matrix reads or writes the residual stream (`embed`): q, k, v, gate and up
-    reduce over it, o and down output to it; the stacking dims are batch dims. The embedding,
-    output head and norms (no `layers` dim, or one dim besides it) go to AdamW."""
+    reduce over it, o and down output to it; the stacking dims are batch dims. Multi-head latent
+    attention's up-projections (q_b, kv_b) reduce over their `latent` dim instead. The blocks of
+    multi-token prediction modules (no `layers` dim) are block matrices too. The embedding, output
+    head (`vocab`) and norms (one dim besides the stacking ones) go to AdamW; the dense first
+    layers (`first_k_dense_replace`) are stacked on `sublayers` alone."""
     dims = [i for i, n in enumerate(names) if n not in STACK_DIMS]
-    if "layers" not in names or "embed" not in names or len(dims) < 2:
+    stream = "embed" if "embed" in names else "latent"
+    if "vocab" in names or stream not in names or len(dims) < 2:
         return None
-    embed = names.index("embed")
+    embed = names.index(stream)
     others = tuple(d for d in dims if d != embed)
     if dims[0] == embed:
         return MuonDimensionNumbers(reduction_axis=(embed,), output_axis=others)
@@ -104,8 +114,31 @@ def _adafactor(cfg: OptimConfig, axes: dict, schedule: optax.Schedule) -> optax.
     )
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int, axes: dict) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """(the optimizer `optim.name` names, with clipping first; the schedule of `optim.lr`)."""
+def is_router_bias(path: tuple) -> bool:
+    """Whether a key path names a routing bias (model/router.py)."""
+    return bool(path) and getattr(path[-1], "key", None) == BIAS_NAME
+
+
+def without_router_bias(tree: dict) -> dict:
+    """`tree` with the routing biases' leaves zero: the gradients the optimizer trains on."""
+    return jax.tree_util.tree_map_with_path(lambda p, x: x * 0 if is_router_bias(p) else x, tree)
+
+
+def with_router_bias(tx: optax.GradientTransformation, axes: dict, rate: float) -> optax.GradientTransformation:
+    """`tx` for every parameter but the routing biases, which move by `rate` against the sign of
+    their gradient (the load above the mean: DeepSeek-V3's auxiliary-loss-free balancing)."""
+    labels = jax.tree_util.tree_map_with_path(lambda p, _: "bias" if is_router_bias(p) else "rest", axes,
+                                              is_leaf=lambda x: isinstance(x, tuple))
+    if "bias" not in jax.tree.leaves(labels):
+        return tx
+    bias = optax.chain(optax.scale_by_sign(), optax.scale(-rate)) if rate > 0 else optax.set_to_zero()
+    return optax.partition({"bias": bias, "rest": tx}, labels)
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int, axes: dict,
+                   router_bias_rate: float = 0.0) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """(the optimizer `optim.name` names, with clipping first; the schedule of `optim.lr`);
+    a model's routing biases, if any, get their own update at `router_bias_rate`."""
     schedule = lr_schedule(cfg, total_steps)
     if cfg.name == "muon":
         tx = _muon(cfg, total_steps, axes, schedule)
@@ -116,4 +149,5 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, axes: dict) -> tuple[opta
     else:
         tx = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                          mask=decay_mask(axes))
-    return (optax.chain(optax.clip_by_global_norm(cfg.clip), tx) if cfg.clip > 0 else tx), schedule
+    tx = optax.chain(optax.clip_by_global_norm(cfg.clip), tx) if cfg.clip > 0 else tx
+    return with_router_bias(tx, axes, router_bias_rate), schedule

@@ -78,7 +78,8 @@ def make_dpo_loss_fn(graphdef: nnx.GraphDef, compute: Compute, dpo: DPOConfig) -
         losses, chosen, rejected = preference_loss(policy, batch["ref_logps"], dpo.beta, dpo.loss)
         total = jnp.sum(losses)
         if moe is not None:
-            total = total + (moe.aux_loss_coef * router[0] + moe.router_z_loss_coef * router[1]) * losses.shape[0]
+            # router[4] is zero; it joins the sum so that its gradient, the load, reaches the routing bias.
+            total = total + (moe.aux_loss_coef * router[0] + moe.router_z_loss_coef * router[1] + router[4]) * losses.shape[0]
         stats = jnp.stack([jnp.sum(chosen), jnp.sum(rejected), jnp.sum(chosen - rejected),
                            jnp.sum((chosen > rejected).astype(jnp.float32))])
         return total, (jnp.asarray(losses.shape[0], jnp.float32), stats)

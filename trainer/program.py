@@ -92,7 +92,8 @@ def sharded_optimizer(spec: RunSpec, mesh: Mesh | AbstractMesh) -> tuple[optax.G
                                                                            TrainState]:
     """The optimizer, its learning-rate schedule, and the state's shardings on `mesh` (a real one,
     or an abstract one for counting bytes without devices)."""
-    tx, schedule = make_optimizer(spec.cfg.optim, spec.cfg.train.steps, trainable(spec.model.axes))
+    tx, schedule = make_optimizer(spec.cfg.optim, spec.cfg.train.steps, trainable(spec.model.axes),
+                                  spec.cfg.model.moe.router_bias_update_rate)
     params = shardings(spec.model.axes, spec.layout.param_rules, mesh)
     # Under LoRA, DPO's reference is the base the adapters sit on (their B zeroed): no copy to hold.
     reference = spec.cfg.train.objective == "dpo" and not spec.cfg.model.lora.enabled

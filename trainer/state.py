@@ -98,6 +98,13 @@ def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, sh
     return jax.jit(init, out_shardings=shardings)()
 
 
+def random_params(cfg: ModelConfig, seed: int, shardings: dict, part: str) -> dict:
+    """The random init (`seed`) of one top-level part of the parameters (`mtp`: what a Hugging Face
+    checkpoint lacks), each shard created on its device; XLA drops the rest of the init."""
+    return jax.jit(lambda: nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed))))[part],
+                   out_shardings=shardings[part])()
+
+
 def state_from_params(params: dict, tx: optax.GradientTransformation, shardings: TrainState,
                       cfg: ModelConfig | None = None, seed: int = 0) -> TrainState:
     """Step 0 with the given (already sharded) parameters, e.g. imported ones, and a new optimizer

@@ -17,18 +17,20 @@ from flax import nnx
 from model.kernels import use_kernels
 from model.lora import join, split, switched_off
 from model.loss import GradFn, LossFn, head_loss, model_inputs
-from model.moe import STATS
+from model.mtp import mtp_losses, mtp_targets
+from model.router import STATS
 from pipeline.stages import to_microbatches
 from trainer.compute import Compute
-from trainer.optimizer import schedule_count
+from trainer.optimizer import schedule_count, without_router_bias
 from trainer.preference import DPO_METRICS, make_dpo_loss_fn, make_reference_fn
 from trainer.state import TrainState
 
 Array = jax.Array
 
 
-# The MoE metrics of a step (model/moe.py STATS, averaged over layers), each a per-token mean.
-MOE_METRICS = ("lm_loss",) + tuple(f"moe_{name}" for name in STATS)
+# The MoE metrics of a step (model/router.py STATS, averaged over layers), each a per-token mean;
+# the last, `bias_load`, is zero by construction (only its gradient means something): not one.
+MOE_METRICS = ("lm_loss",) + tuple(f"moe_{name}" for name in STATS[:4])
 
 
 def make_loss_fn(graphdef: nnx.GraphDef, compute: Compute = Compute(), *, router_losses: bool = False) -> LossFn:
@@ -44,7 +46,9 @@ def make_loss_fn(graphdef: nnx.GraphDef, compute: Compute = Compute(), *, router
     model, a sequence split's load-balanced order, the loss chunk. `router_losses` with an MoE
     model (`compute.moe`): the loss sum gains the router losses, each a per-token mean of this
     batch times its target count (so that micro-batches weigh by tokens as the cross-entropy
-    does), and aux carries the MoE metrics; without them the loss is the cross-entropy alone (eval)."""
+    does), and aux carries the MoE metrics; without them the loss is the cross-entropy alone (eval).
+    The same for multi-token prediction (`model.mtp_depth`, model/mtp.py): with `router_losses`
+    the loss gains `compute.mtp_loss_coef` x its mean loss x the target count, and aux its mean loss."""
     cast, order, moe = compute.cast, compute.order, compute.moe if router_losses else None
 
     def loss_fn(params: dict, batch: dict[str, Array]) -> tuple[Array, Array]:
@@ -52,6 +56,9 @@ def make_loss_fn(graphdef: nnx.GraphDef, compute: Compute = Compute(), *, router
         b = model_inputs(batch)
         inputs, targets, weights = b["inputs"], b["targets"], b["weights"]
         positions, seg_in = b.get("positions"), b.get("segment_ids")
+        depth = compute.mtp_depth if router_losses else 0
+        # Tokens ahead are found in sequence order, before any reorder below.
+        extra = mtp_targets(inputs, targets, weights, depth) if depth else {}
         if order is not None:
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
@@ -59,15 +66,29 @@ def make_loss_fn(graphdef: nnx.GraphDef, compute: Compute = Compute(), *, router
             # permuted as a whole: inputs, targets, weights, positions and segments alike.
             inputs, targets, weights, positions = (a[:, order] for a in (inputs, targets, weights, positions))
             seg_in = None if seg_in is None else seg_in[:, order]
+            extra = {k: a[:, :, order] for k, a in extra.items()}
         with use_kernels(compute.kernels):
             x, stats = model.features_and_stats(inputs, positions, seg_in, runner=compute.runner)
+            mtp = mtp_losses(model, x, positions, seg_in, extra, compute.loss_chunk).mean() if depth else None
         ce, count = head_loss(model, x, targets, weights, compute.loss_chunk), jnp.sum(weights)
-        if moe is None:
+        if moe is None and mtp is None:
             return ce, count
-        router = moe.aux_loss_coef * stats[0] + moe.router_z_loss_coef * stats[1]
-        return ce + router * count, (count, jnp.concatenate([ce[None], stats * count]))
+        loss, metrics = ce, [ce[None]]
+        if moe is not None:
+            # stats[4] is zero; it joins the loss so that its gradient, the load, reaches the routing bias.
+            loss = loss + (moe.aux_loss_coef * stats[0] + moe.router_z_loss_coef * stats[1] + stats[4]) * count
+            metrics.append(stats[:4] * count)
+        if mtp is not None:
+            loss = loss + compute.mtp_loss_coef * mtp * count
+            metrics.append((mtp * count)[None])
+        return loss, (count, jnp.concatenate(metrics))
 
     return loss_fn
+
+
+def aux_metrics(compute: Compute) -> tuple[str, ...]:
+    """The names of the per-token means a training loss function's aux carries, in order."""
+    return (MOE_METRICS if compute.moe is not None else ("lm_loss",)) + (("mtp_loss",) if compute.mtp_depth else ())
 
 
 def accumulate(
@@ -113,15 +134,16 @@ def accumulate_stats(
 
 
 def objective_metrics(compute: Compute, aux: Any) -> dict[str, Array]:
-    """The metrics of the step's objective from its summed aux: the MoE router's per-token means;
+    """The metrics of the step's objective from its summed aux: the MoE router's and multi-token
+    prediction's per-token means;
     the trained (assistant) tokens of SFT; DPO's per-pair means of the rewards, margin, accuracy."""
     if compute.objective == "dpo":
         pairs = jnp.maximum(aux[0], 1.0)
         return {name: value / pairs for name, value in zip(DPO_METRICS, aux[1])}
     out = {"trained_tokens": jax.tree.leaves(aux)[0]} if compute.objective == "sft" else {}
-    if isinstance(aux, tuple):  # MoE: the router's per-token means
+    if isinstance(aux, tuple):  # MoE or multi-token prediction: their per-token means
         count = jnp.maximum(aux[0], 1.0)
-        out.update({name: value / count for name, value in zip(MOE_METRICS, aux[1])})
+        out.update({name: value / count for name, value in zip(aux_metrics(compute), aux[1])})
     return out
 
 
@@ -157,7 +179,7 @@ def make_train_step(
         over = (lambda a, b: loss_fn(join(a, frozen), b)) if adapters else loss_fn  # noqa: E731
         grad_fn = _adapter_grads(compute.grad_fn, frozen) if adapters and compute.grad_fn else compute.grad_fn
         loss, grads, aux = accumulate_stats(over, train, batch, compute.grad_accum, grad_fn)
-        grad_norm = optax.tree.norm(grads)
+        grad_norm = optax.tree.norm(without_router_bias(grads))  # the bias's gradient is its load
         updates, opt_state = tx.update(grads, state.opt_state, train)
         params = optax.apply_updates(train, updates)
         # A non-finite loss or gradient skips the update: parameters and optimizer state stay
