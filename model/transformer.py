@@ -175,10 +175,12 @@ class Transformer(nnx.Module):
         """tokens [batch, length] int -> embeddings [batch, length, embed] in the compute dtype
         (its own method: the 1F1B schedules embed one microbatch at a time)."""
         dtype = jnp.dtype(self.cfg.dtype)
-        # The table keeps its stored layout: under FSDP the partitioner gathers the tokens (small
-        # integers), looks up each device's slice of `embed` and trades the rows by an all-to-all
-        # of the activations, instead of gathering the whole table and reducing its whole gradient.
-        x = jnp.take(self.embedding[...].astype(dtype), tokens, axis=0)
+        # Cast, then gather the table's FSDP shards (the compute layout of `embed`), so the
+        # gather moves the compute dtype and the lookup's result comes out batch-sharded
+        # instead of being rematerialized by the partitioner (which it is, with a warning, when the
+        # table keeps both its `vocab` split over tensor and its `embed` split over fsdp).
+        table = constrain(self.embedding[...].astype(dtype), ("vocab", "embed"))
+        x = jnp.take(table, tokens, axis=0)
         return constrain(x, ("batch", "length", "embed"))
 
     def logits(self, x: Array, tied_grads: bool = True) -> Array:
