@@ -18,41 +18,22 @@ import pytest
 from flax import nnx
 
 import trainer
-from configs import load_config
-from conftest import ROOT
 from data import open_source, process_dataset
-from data.examples import dpo_rows, sft_rows, write
-from data.prepare import prepare
 from model import Transformer, lora
 from trainer.preference import make_dpo_loss_fn, make_reference_fn
 from trainer.program import abstract_program
 from trainer.state import init_state, tree_bytes
+from test_post_training import STEPS, column, corpora  # noqa: F401  (corpora: a fixture)
+from test_post_training import config as post_config
 
-STEPS = 3
-COMMON = [f"train.steps={STEPS}", "train.log_every=1", "optim.warmup_steps=1", "checkpoint.every=100",
-          "model.num_layers=2", "model.seq_len=32", "train.global_batch=8", "eval.every=0"]
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[q,k,v,o,gate,up,down]"]
 LAYOUT = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
 DPO_KEYS = ("loss", "reward_margin", "reward_chosen", "reward_rejected", "reward_accuracy")
 
 
-@pytest.fixture(scope="module")
-def corpora(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("post")
-    write(str(root / "sft.jsonl"), sft_rows(64))
-    write(str(root / "dpo.jsonl"), dpo_rows(32))
-    for objective in ("sft", "dpo"):
-        prepare([str(root / f"{objective}.jsonl")], str(root / objective), progress=False, objective=objective)
-    return {k: str(root / k) for k in ("sft", "dpo")}
-
-
 def config(objective: str, corpora: dict[str, str], run_dir, *extra: str):
-    return load_config(os.path.join(ROOT, "configs", f"{objective}-tiny.yaml"),
-                       [f"run.dir={run_dir}", f"data.path={corpora[objective]}", *COMMON, *extra])
-
-
-def column(history: list[dict], key: str) -> np.ndarray:
-    return np.array([r[key] for r in history if key in r])
+    """test_post_training's short runs, without held-out eval."""
+    return post_config(objective, corpora, run_dir, "eval.every=0", *extra)
 
 
 def _log_softmax64(logits) -> np.ndarray:
