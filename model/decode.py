@@ -56,10 +56,14 @@ def init_cache(model: Transformer, batch: int, max_len: int) -> AnyCache:
     return Cache(zeros(cfg.num_kv_heads, cfg.resolved_head_dim), zeros(cfg.num_kv_heads, cfg.resolved_head_dim))
 
 
-def _visible(q_pos: Array, slots: int) -> Array:
-    """[1, 1, t, S]: a slot is seen iff its position <= the query's (slots past the written ones
-    are never seen)."""
-    return (jnp.arange(slots)[None, :] <= q_pos[:, None])[None, None]
+def _visible(positions: Array, start: Array | int, slots: int) -> Array:
+    """[b or 1, 1, t, S]: a slot is seen iff its position is in [0, the query's]. Positions are
+    the slots' own ([t]), or per row [b, t] the slot less the row's left padding: a padding slot
+    has a negative position and is never seen, nor is a slot past the written ones."""
+    q_slot = start + jnp.arange(positions.shape[-1], dtype=jnp.int32)
+    pos = jnp.atleast_2d(positions)
+    slot_pos = jnp.arange(slots)[None, None, :] - (q_slot[None, :] - pos)[:, :, None]  # [b, t, S]
+    return ((slot_pos >= 0) & (slot_pos <= pos[:, :, None]))[:, None]
 
 
 def _write(cache: Array, new: Array, start: Array | int) -> Array:
@@ -71,7 +75,7 @@ def _attend_gqa(attn: Attention, x: Array, positions: Array, start: Array | int,
     """Normed x [b, t, d] -> the attention output over the cache, and the cache with t new slots."""
     q, k, v = attn.project(x, jnp.broadcast_to(positions, x.shape[:2]))
     k_cache, v_cache = _write(k_cache, k, start), _write(v_cache, v, start)
-    return attn.output(masked_attention(q, k_cache, v_cache, _visible(positions, k_cache.shape[1]))), k_cache, v_cache
+    return attn.output(masked_attention(q, k_cache, v_cache, _visible(positions, start, k_cache.shape[1]))), k_cache, v_cache
 
 
 def _attend_mla(attn: MLAttention, x: Array, positions: Array, start: Array | int, latent_cache: Array,
@@ -90,7 +94,7 @@ def _attend_mla(attn: MLAttention, x: Array, positions: Array, start: Array | in
     q_latent = jnp.einsum("bthk,rhk->bthr", q_nope, w[..., :m.qk_nope_head_dim])
     scores = (jnp.einsum("bthr,bsr->bhts", q_latent, c, preferred_element_type=jnp.float32)
               + jnp.einsum("bthk,bsk->bhts", q_rope, r, preferred_element_type=jnp.float32)) * m.qk_head_dim**-0.5
-    scores = jnp.where(_visible(positions, c.shape[1]), scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(_visible(positions, start, c.shape[1]), scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
     out = jnp.einsum("bthr,rhk->bthk", jnp.einsum("bhts,bsr->bthr", probs, c), w[..., m.qk_nope_head_dim:])
     return attn.output(out), latent_cache, rope_cache
@@ -108,11 +112,15 @@ def _block(
     return x, k_cache, v_cache
 
 
-def forward(model: Transformer, tokens: Array, cache: AnyCache, start: Array | int) -> tuple[Array, AnyCache]:
-    """tokens [batch, t] at positions start..start+t-1 -> (logits [batch, t, vocab] float32, cache).
-    The head writes `model.logits_dtype` (bf16 for a bf16 model by default); sampling divides,
-    ranks and draws in float32."""
+def forward(model: Transformer, tokens: Array, cache: AnyCache, start: Array | int,
+            pad: Array | None = None) -> tuple[Array, AnyCache]:
+    """tokens [batch, t] into cache slots start..start+t-1 -> (logits [batch, t, vocab] float32,
+    cache). `pad` [batch]: each row's left padding, slots it never attends to; its positions start
+    after them. The head writes `model.logits_dtype` (bf16 for a bf16 model by default); sampling
+    divides, ranks and draws in float32."""
     positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    if pad is not None:
+        positions = positions[None, :] - pad[:, None]
     x = jnp.take(model.embedding[...], tokens, axis=0).astype(jnp.dtype(model.cfg.dtype))
     if hasattr(model, "dense_layers"):  # model.moe.first_k_dense_replace: the cache's first layers
         first, kind = model.cfg.num_layers - stack_layers(model.cfg), type(cache)
@@ -174,26 +182,31 @@ def sample(logits: Array, key: Array, temperature: float, top_k: int) -> Array:
 
 
 def generate(
-    model: Transformer, prompt: Array, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0, seed: int = 0
+    model: Transformer, prompt: Array, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0, seed: int = 0,
+    pad: Array | None = None,
 ) -> Array:
-    """prompt [batch, t] int -> the next `max_new_tokens` tokens [batch, max_new_tokens]."""
-    return _generate(model, jnp.asarray(prompt, jnp.int32), jax.random.key(seed), max_new_tokens, float(temperature),
-                     int(top_k))
+    """prompt [batch, t] int -> the next `max_new_tokens` tokens [batch, max_new_tokens]. `pad`
+    [batch]: how many of each row's first tokens are left padding (prompts of different lengths in
+    one batch, so one program serves them all); each row then decodes as it would alone."""
+    pad = jnp.zeros(len(prompt), jnp.int32) if pad is None else jnp.asarray(pad, jnp.int32)
+    return _generate(model, jnp.asarray(prompt, jnp.int32), pad, jax.random.key(seed), max_new_tokens,
+                     float(temperature), int(top_k))
 
 
 # One jitted function for every call (the sampling settings static): calls with the same model
 # structure, shapes and settings run one compiled program, whatever the parameters, prompt or
 # seed; a jit made inside `generate` would trace and compile again on every call.
-@functools.partial(nnx.jit, static_argnums=(3, 4, 5))
-def _generate(m: Transformer, prompt: Array, key: Array, max_new_tokens: int, temperature: float, top_k: int) -> Array:
+@functools.partial(nnx.jit, static_argnums=(4, 5, 6))
+def _generate(m: Transformer, prompt: Array, pad: Array, key: Array, max_new_tokens: int, temperature: float,
+              top_k: int) -> Array:
     batch, length = prompt.shape
-    logits, cache = forward(m, prompt, init_cache(m, batch, length + max_new_tokens), 0)
+    logits, cache = forward(m, prompt, init_cache(m, batch, length + max_new_tokens), 0, pad)
     keys = jax.random.split(key, max_new_tokens)
     first = sample(logits[:, -1], keys[0], temperature, top_k)
 
     def step(carry: tuple[Array, AnyCache, Array], key: Array) -> tuple[tuple[Array, AnyCache, Array], Array]:
         token, cache, pos = carry
-        logits, cache = forward(m, token[:, None], cache, pos)
+        logits, cache = forward(m, token[:, None], cache, pos, pad)
         nxt = sample(logits[:, -1], key, temperature, top_k)
         return (nxt, cache, pos + 1), nxt
 

@@ -92,6 +92,20 @@ def test_greedy_with_the_cache_equals_argmax_of_full_recompute(model):
     assert len(set(new[0].tolist())) > 1  # not stuck on one token, which a broken cache tends to give
 
 
+def test_left_padded_rows_decode_as_each_row_alone(model):
+    """Prompts of different lengths in one batch, left-padded (`pad`): each row's tokens equal
+    its own unpadded greedy decoding, which the test above holds to full recompute."""
+    short, long = PROMPT[0, 2:], PROMPT[1]
+    batch = np.stack([np.concatenate([np.full(2, 99, np.int32), short]), long])
+    padded = np.asarray(generate(model, batch, 6, pad=np.array([2, 0])))
+    alone = [np.asarray(generate(model, row[None], 6))[0] for row in (short, long)]
+    np.testing.assert_array_equal(padded[0], alone[0])
+    np.testing.assert_array_equal(padded[1], alone[1])
+    # The padding is really hidden: read as tokens, the same row decodes otherwise.
+    unmasked = np.asarray(generate(model, batch, 6))[0]
+    assert not np.array_equal(unmasked, alone[0])
+
+
 def test_sampling_is_seeded_and_top_k_1_is_greedy(model):
     programs = _generate.jitted_fn._cache_size()
     a = np.asarray(generate(model, PROMPT, 8, temperature=2.0, seed=1))

@@ -169,6 +169,9 @@ def test_decoding_caches_the_latent_and_matches_the_full_forward():
     for _ in range(6):
         seq = np.concatenate([seq, np.asarray(jnp.argmax(model(jnp.asarray(seq))[:, -1], -1))[:, None]], 1)
     np.testing.assert_array_equal(new, seq[:, 5:])
+    # A row left-padded by 2 (`pad`) decodes as its unpadded prompt does.
+    padded = jnp.concatenate([jnp.full((B, 2), 99, jnp.int32), prompt], axis=1)
+    np.testing.assert_array_equal(np.asarray(generate(model, padded, 6, pad=np.full(B, 2))), new)
 
 
 def test_mla_config_errors_name_the_key():

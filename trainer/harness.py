@@ -6,8 +6,9 @@ Scoring requests are packed into rows of `train.global_batch` (the batch the run
 divides) and right-padded to a few fixed lengths (powers of two up to `model.seq_len`), so the
 scoring step compiles once per length, not once per request; a row longer than `model.seq_len`
 keeps its last tokens, as the harness's own models do. Generation is greedy decoding with the
-key/value cache of model/decode.py, batched by prompt length (the decode step has no padding
-mask), its length rounded up to a power of two and the tokens past the request's cut.
+key/value cache of model/decode.py, prompts left-padded to the same lengths (padding slots never
+attended to), the decoding length rounded up to a power of two and the tokens past the request's
+cut: one program per (prompt length, decoding length) bucket.
 `lm_eval` is imported here, in trainer/tasks.py and in eval.py only (the optional `eval` extra).
 """
 
@@ -168,14 +169,16 @@ class MeshLM(TemplateLM):
         prompts = [self.tok_encode(ctx)[-self.ev.seq_len:] or [self.eot_token_id] for ctx, _ in todo]
         wanted = [int(kwargs.get("max_gen_toks", 256)) for _, kwargs in todo]
         for i, new in enumerate(wanted):  # decoding lengths rounded up to a power of two: fewer programs
-            by_shape[(len(prompts[i]), max(SHORTEST, 1 << (new - 1).bit_length()))].append(i)
+            length = next(n for n in buckets_for(self.ev.seq_len, False) if n >= len(prompts[i]))
+            by_shape[(length, max(SHORTEST, 1 << (new - 1).bit_length()))].append(i)
         out = [""] * len(todo)
         model = nnx.merge(self.ev.graphdef, self.ev.params)
-        for (_, new), members in sorted(by_shape.items()):
+        for (length, new), members in sorted(by_shape.items()):
             for chunk in _chunks(members, self.ev.rows):
-                batch = np.asarray([prompts[i] for i in chunk] + [prompts[chunk[0]]] * (self.ev.rows - len(chunk)),
-                                   np.int32)
-                tokens = np.asarray(generate(model, batch, new))
+                rows = [prompts[i] for i in chunk] + [prompts[chunk[0]]] * (self.ev.rows - len(chunk))
+                pad = np.asarray([length - len(r) for r in rows], np.int32)
+                batch = np.asarray([[self.eot_token_id] * p + r for p, r in zip(pad, rows)], np.int32)
+                tokens = np.asarray(generate(model, batch, new, pad=pad))
                 for j, i in enumerate(chunk):
                     out[i] = self.cut(tokens[j, : wanted[i]].tolist(), todo[i][1].get("until"))
         self.requests_done += len(todo)
