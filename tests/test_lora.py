@@ -34,11 +34,9 @@ from model import Transformer, hf, lora  # noqa: E402
 from model.transformer import transformer_from_params  # noqa: E402
 from sharding import logical_axes  # noqa: E402
 from trainer.checkpoint import restore_params  # noqa: E402
+from test_hf import CPU0, TOKENS, TOL, make_hf, rel_diff, their_logits  # noqa: E402
 
-TOL = 1e-4
 STEPS = 4
-TOKENS = np.random.RandomState(0).randint(0, 264, (2, 12))
-CPU0 = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", f"model.lora.targets=[{','.join(LORA_TARGETS)}]"]
 TRAIN = ["train.log_every=1", f"train.steps={STEPS}", f"optim.decay_steps={STEPS}", "optim.warmup_steps=1", "optim.lr=1e-2",
          "checkpoint.every=2"]
@@ -46,32 +44,15 @@ COMMON = [*TRAIN, *LORA]
 LAYOUT = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
 
 
-def rel_diff(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.abs(a - b).max() / np.abs(b).max())
-
-
 def logits(model_cfg, params: dict) -> np.ndarray:  # noqa: ANN001 (a ModelConfig)
     return np.asarray(transformer_from_params(model_cfg, params)(jnp.asarray(TOKENS)))
-
-
-def their_logits(model) -> np.ndarray:  # noqa: ANN001 (a torch module)
-    with torch.no_grad():
-        return model(torch.tensor(TOKENS)).logits.numpy()
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A random 2-layer Llama (every weight random, norms included) saved by transformers."""
     path = str(tmp_path_factory.mktemp("hf"))
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=264, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
-                                      tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
-    model.save_pretrained(path)
+    make_hf(path, tied=False, kv_heads=2)
     return path
 
 
@@ -289,7 +270,7 @@ def test_merged_export_loads_in_transformers_with_our_logits(runs, tmp_path):
     hf_cli.export(cfg.run.dir, str(tmp_path / "merged"))
     model, info = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "merged"), output_loading_info=True)
     assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    assert rel_diff(their_logits(model.eval()), ours) < TOL
+    assert rel_diff(their_logits(model.eval(), TOKENS), ours) < TOL
 
 
 def test_peft_adapter_loads_onto_the_base_with_our_logits(runs, hf_dir, tmp_path):
@@ -299,9 +280,9 @@ def test_peft_adapter_loads_onto_the_base_with_our_logits(runs, hf_dir, tmp_path
     hf_cli.export(cfg.run.dir, str(tmp_path / "adapter"), form="peft")
     assert sorted(os.listdir(tmp_path / "adapter")) == ["adapter_config.json", "adapter_model.safetensors"]
     base = transformers.LlamaForCausalLM.from_pretrained(hf_dir).eval()
-    assert rel_diff(their_logits(base), ours) > 100 * TOL  # the adapters change the logits
+    assert rel_diff(their_logits(base, TOKENS), ours) > 100 * TOL  # the adapters change the logits
     model = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
-    assert rel_diff(their_logits(model), ours) < TOL
+    assert rel_diff(their_logits(model, TOKENS), ours) < TOL
 
 
 def test_an_unknown_export_format_names_the_flag(tmp_path):
