@@ -10,7 +10,7 @@ alone: the frozen base is read again from where the run started (`frozen_base`).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -88,12 +88,22 @@ def _holds_reference(shardings: TrainState | None) -> bool:
     return shardings is not None and shardings.ref_params is not None
 
 
+def _random_init(cfg: ModelConfig, seed: int) -> dict:
+    """The model's random parameters (`seed`) as a pure dict; traced inside a jit, so each caller's
+    out_shardings create every shard on its device and XLA drops the parts it does not return."""
+    return nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed))))
+
+
+def _drawn(cfg: ModelConfig, seed: int, pick: Callable[[dict], dict], shardings: Any) -> dict:
+    """`pick` of the random init, placed by `shardings`."""
+    return jax.jit(lambda: pick(_random_init(cfg, seed)), out_shardings=shardings)()
+
+
 def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, shardings: TrainState) -> TrainState:
     """Step 0 with random parameters (`seed`), each shard created on its device."""
 
     def init() -> TrainState:
-        params = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed))))
-        return _step_zero(params, tx, _holds_reference(shardings))
+        return _step_zero(_random_init(cfg, seed), tx, _holds_reference(shardings))
 
     return jax.jit(init, out_shardings=shardings)()
 
@@ -101,8 +111,7 @@ def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, sh
 def random_params(cfg: ModelConfig, seed: int, shardings: dict, part: str) -> dict:
     """The random init (`seed`) of one top-level part of the parameters (`mtp`: what a Hugging Face
     checkpoint lacks), each shard created on its device; XLA drops the rest of the init."""
-    return jax.jit(lambda: nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed))))[part],
-                   out_shardings=shardings[part])()
+    return _drawn(cfg, seed, lambda params: params[part], shardings[part])
 
 
 def state_from_params(params: dict, tx: optax.GradientTransformation, shardings: TrainState,
@@ -111,8 +120,7 @@ def state_from_params(params: dict, tx: optax.GradientTransformation, shardings:
     state. Parameters without the adapters `cfg` asks for get new ones, initialized from `seed` as
     `init_state` does (the base weights' random init is left to the compiler to drop)."""
     if cfg is not None and cfg.lora.enabled and not split(params)[0]:
-        new = lambda: split(nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))))[0]  # noqa: E731
-        params = join(jax.jit(new, out_shardings=split(shardings.params)[0])(), params)
+        params = join(_drawn(cfg, seed, lambda init: split(init)[0], split(shardings.params)[0]), params)
     return jax.jit(lambda p: _step_zero(p, tx, _holds_reference(shardings)), out_shardings=shardings)(params)
 
 
@@ -123,7 +131,7 @@ def frozen_base(cfg: ModelConfig, from_hf: str, seed: int, shardings: jax.shardi
     if from_hf:
         return hf.load_params(from_hf, cfg, shardings)
     sh = split(shardings)[1] if isinstance(shardings, dict) else shardings
-    return jax.jit(lambda: split(nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))))[1], out_shardings=sh)()
+    return _drawn(cfg, seed, lambda init: split(init)[1], sh)
 
 
 def param_count(shapes: dict) -> int:
