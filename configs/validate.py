@@ -120,6 +120,8 @@ def _check_model(cfg: Config) -> None:
 
 def _check_lora(cfg: Config) -> None:
     lo, moe = cfg.model.lora, cfg.model.moe
+    _require(lo.enabled or lo.dropout == 0, "model.lora.dropout",
+             f"{lo.dropout} drops the adapters' input, and model.lora.rank=0 gives no adapters")
     if not lo.enabled:
         return
     _require(bool(lo.targets), "model.lora.targets", f"names no projection; choose from {', '.join(LORA_TARGETS)}")

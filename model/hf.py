@@ -202,5 +202,5 @@ def peft_config(cfg: ModelConfig, base: str) -> dict[str, Any]:
     names = {path[-1]: name for path, name, _ in entries(architecture(cfg), cfg)}
     modules = sorted({names[t].removesuffix(".weight").rsplit(".", 1)[-1] for t in cfg.lora.targets})
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": cfg.lora.rank,
-            "lora_alpha": cfg.lora.alpha, "lora_dropout": 0.0, "target_modules": modules, "bias": "none",
+            "lora_alpha": cfg.lora.alpha, "lora_dropout": cfg.lora.dropout, "target_modules": modules, "bias": "none",
             "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True}

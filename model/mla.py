@@ -27,7 +27,7 @@ from flax import nnx
 
 from configs.schema import ModelConfig
 from model.attention import attend
-from model.layers import RMSNorm, constrain, param, project, rotary
+from model.layers import RMSNorm, constrain, param, project, project_adapted, rotary
 
 Array = jax.Array
 
@@ -54,10 +54,10 @@ class MLAttention(nnx.Module):
         self.o = param(rngs, init, (h, m.v_head_dim, d), ("heads", "head_dim", "embed"))
         self.cfg = cfg
 
-    def __call__(self, x: Array, positions: Array, segment_ids: Array | None) -> Array:
+    def __call__(self, x: Array, positions: Array, segment_ids: Array | None, noise: Array | None = None) -> Array:
         q, k, v = self.project(x, positions)
         return self.output(attend(q, k, v, positions, segment_ids, impl=self.cfg.attention,
-                                  max_documents=self.cfg.max_documents))
+                                  max_documents=self.cfg.max_documents), noise)
 
     def rope(self, x: Array, positions: Array) -> Array:
         """The rotary embedding of x [b, l, heads, qk_rope_head_dim]. Interleaved pairs are
@@ -97,7 +97,8 @@ class MLAttention(nnx.Module):
         k = constrain(jnp.concatenate([kv[..., :nope], k_rope], axis=-1), ("batch", "length", "kv_heads", "head_dim"))
         return q, k, constrain(kv[..., nope:], ("batch", "length", "kv_heads", "head_dim"))
 
-    def output(self, out: Array) -> Array:
-        """Attention output [b, l, heads, v_head_dim] -> [b, l, d]."""
+    def output(self, out: Array, noise: Array | None = None) -> Array:
+        """Attention output [b, l, heads, v_head_dim] -> [b, l, d] (`o`'s LoRA adapter, if any, under
+        the layer's dropout `noise`)."""
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
-        return project("blhk,hkd->bld", out, self.o, self.cfg)
+        return project_adapted(self, "o", "blhk,hkd->bld", out, noise)
