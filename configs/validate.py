@@ -42,8 +42,6 @@ def _check_objective(cfg: Config) -> None:
     _require(cfg.model.loss_chunk == 0, "model.loss_chunk", "train.objective=dpo computes whole-row log-probs; set 0")
     _require(cfg.model.mtp_depth == 0, "model.mtp_depth", f"{cfg.model.mtp_depth} with train.objective=dpo: the DPO "
              "loss is the main head's log-probs, so the prediction modules would get no gradient; set 0")
-    _require(cfg.eval.every == 0, "eval.every", "train.objective=dpo has no held-out eval yet; set 0 (the step "
-             "logs the rewards and their accuracy)")
 
 
 def _check_profile(cfg: Config) -> None:

@@ -1,9 +1,10 @@
 """Post-training combinations: LoRA (with dropout) DPO on a mixture of experts, multi-token
-prediction under SFT, and DPO with MTP refused.
+prediction under SFT, DPO with MTP refused, and DPO's held-out eval.
 
 Anchors: DPO's first step, where the LoRA policy is its reference (B = 0) and the rewards are 0
 exactly; the depth-1 MTP weights of a real SFT batch against the NumPy product of the
-assistant-token weights; the one-device run for the 8-device layouts.
+assistant-token weights; the held-out DPO metrics against a float64 NumPy computation from the
+checkpoint's weights; the one-device run for the 8-device layouts.
 """
 
 from __future__ import annotations
@@ -12,12 +13,18 @@ import os
 
 import jax
 import numpy as np
+import pytest
 
 import trainer
 from conftest import ROOT
-from data import open_source, process_dataset
+from data import eval_batches, open_source, process_dataset
+from data.examples import dpo_rows, write
+from data.prepare import prepare
+from model import lora
 from model.loss import model_inputs
 from model.mtp import mtp_targets
+from model.transformer import transformer_from_params
+from trainer.checkpoint import restore_params
 from trainer.program import abstract_program
 from test_post_training import STEPS, column, corpora  # noqa: F401  (corpora: a fixture)
 from test_post_training import config as post_config
@@ -87,3 +94,56 @@ def test_sft_with_mtp_on_8_devices_gives_the_one_device_run(corpora, tmp_path):
     assert len(mtp) == STEPS and abs(mtp[0] - np.log(264)) < 0.5 and mtp[-1] < mtp[0] - 0.05, mtp
     for key in ("loss", "lm_loss", "mtp_loss", "trained_tokens"):
         np.testing.assert_allclose(column(other, key), column(one, key), rtol=2e-5, err_msg=key)
+
+
+@pytest.fixture(scope="module")
+def held_out_pairs(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A prepared DPO corpus with a held-out split (a quarter of the pairs, by hash)."""
+    root = tmp_path_factory.mktemp("dpo-eval")
+    write(str(root / "dpo.jsonl"), dpo_rows(64))
+    prepare([str(root / "dpo.jsonl")], str(root / "dpo"), progress=False, objective="dpo", eval_fraction=0.25)
+    return str(root / "dpo")
+
+
+def _dpo_numpy(cfg, params: dict, batch: dict) -> dict[str, float]:  # noqa: ANN001 (a Config)
+    """The DPO sigmoid loss and rewards of a batch of pairs in float64 NumPy, the policy `params`
+    against the base (the adapters switched off), no dropout."""
+    tokens, mask = batch["tokens"].reshape(-1, batch["tokens"].shape[-1]), batch["loss_mask"].reshape(-1, batch["tokens"].shape[-1])
+
+    def logps(p: dict) -> np.ndarray:
+        z = np.asarray(transformer_from_params(cfg.model, p)(tokens[:, :-1]), np.float64)
+        z = z - z.max(-1, keepdims=True)
+        z = z - np.log(np.exp(z).sum(-1, keepdims=True))
+        picked = np.take_along_axis(z, tokens[:, 1:, None], axis=-1)[..., 0]
+        return (picked * (mask[:, 1:] != 0)).sum(-1).reshape(-1, 2)
+
+    rewards = cfg.dpo.beta * (logps(params) - logps(lora.switched_off(params)))
+    margin = rewards[:, 0] - rewards[:, 1]
+    return {"loss": np.mean(np.log1p(np.exp(-margin))), "reward_chosen": rewards[:, 0].mean(),
+            "reward_rejected": rewards[:, 1].mean(), "reward_margin": margin.mean(),
+            "reward_accuracy": np.mean(rewards[:, 0] > rewards[:, 1])}
+
+
+def test_dpo_evaluates_held_out_pairs(corpora, held_out_pairs, tmp_path):
+    """LoRA DPO (under dropout) with eval.every: the held-out pairs' loss and rewards, logged as
+    eval metrics, are NumPy's from the saved weights; on 8 devices the same."""
+    def run(name: str, devices: int, *layout: str) -> tuple:
+        cfg = config("dpo", corpora, tmp_path / name, f"data.path={held_out_pairs}", "optim.lr=3e-2",
+                     f"optim.decay_steps={STEPS}", *LORA, "eval.every=2", "eval.batches=1", *layout)
+        return cfg, [r for r in trainer.run(cfg, devices=jax.devices()[:devices]) if "eval_loss" in r]
+
+    cfg, one = run("one", 1, "mesh.data=1")
+    assert [r["step"] for r in one] == [2, STEPS]
+    source = open_source(cfg)
+    assert source.eval is not None and 0 < len(source.eval) < len(source.train[0][0])
+    batch = eval_batches(source, cfg.train.global_batch, 1, cfg.run.seed, 0, 1)[0]
+    _, step, params = restore_params(cfg.run.dir, device=jax.devices()[0])
+    assert step == STEPS
+    theirs = _dpo_numpy(cfg, params, batch)
+    assert abs(theirs["reward_margin"]) > 1e-3  # the policy has left its reference
+    for key, value in theirs.items():
+        np.testing.assert_allclose(one[-1][f"eval_{key}"], value, rtol=1e-4, atol=1e-6, err_msg=key)
+    _, eight = run("eight", 8, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+    for key in theirs:
+        np.testing.assert_allclose([r[f"eval_{key}"] for r in eight], [r[f"eval_{key}"] for r in one], rtol=2e-5,
+                                   atol=1e-6, err_msg=key)

@@ -22,7 +22,7 @@ from model.router import STATS
 from pipeline.stages import to_microbatches
 from trainer.compute import Compute
 from trainer.optimizer import schedule_count, without_router_bias
-from trainer.preference import DPO_METRICS, make_dpo_loss_fn, make_reference_fn
+from trainer.preference import DPO_METRICS, make_dpo_eval_fn, make_dpo_loss_fn, make_reference_fn
 from trainer.state import TrainState
 
 Array = jax.Array
@@ -85,6 +85,16 @@ def make_loss_fn(graphdef: nnx.GraphDef, compute: Compute = Compute(), *, router
         return loss, (count, jnp.concatenate(metrics))
 
     return loss_fn
+
+
+def make_eval_fn(graphdef: nnx.GraphDef, compute: Compute) -> Callable[[dict, Any, dict[str, Array]], Any]:
+    """The held-out evaluation, (params, ref_params, batch) -> the LM loss's (sum, target count), or
+    under DPO (trainer/preference.py) the pairs' (loss sum, (pairs, DPO metric sums)); neither
+    with router losses or LoRA dropout."""
+    if compute.objective == "dpo":
+        return make_dpo_eval_fn(graphdef, compute, compute.dpo)
+    loss_fn = make_loss_fn(graphdef, compute)
+    return lambda params, ref_params, batch: loss_fn(params, batch)
 
 
 def aux_metrics(compute: Compute) -> tuple[str, ...]:
