@@ -27,7 +27,7 @@ class LoraConfig:
     """Dropout on each adapter's input in training steps (PEFT's lora_dropout); never in eval or generation."""
     targets: list[Literal["q", "k", "v", "o", "gate", "up", "down"]] = field(
         default_factory=lambda: ["q", "k", "v", "o"])
-    """The projections that get an adapter (gate, up, down: dense SwiGLU layers only)."""
+    """The projections that get an adapter (gate, up, down: dense SwiGLU only; MLA: o, and q without a q latent)."""
 
     @property
     def enabled(self) -> bool:

@@ -130,10 +130,13 @@ def _check_lora(cfg: Config) -> None:
     _require(not (mlp and moe.enabled and moe.every == 1), "model.lora.targets",
              f"{', '.join(mlp)} adapt dense SwiGLU layers, and with model.moe.every=1 every layer is an MoE; "
              "adapt q, k, v, o")
-    attn = [t for t in lo.targets if t in ("q", "k", "v", "o")]
-    _require(not (attn and cfg.model.attention_type == "mla"), "model.lora.targets",
-             f"{', '.join(attn)} adapt grouped-query attention's projections; multi-head latent attention "
-             "(model.attention_type=mla) has no adapters: adapt gate, up, down")
+    if cfg.model.attention_type == "mla":
+        # MLA's keys and values come from one shared latent (kv_a, kv_b): there is no k or v projection.
+        latent_q = cfg.model.mla.q_lora_rank > 0
+        bad = [t for t in lo.targets if t in ("k", "v") or (t == "q" and latent_q)]
+        _require(not bad, "model.lora.targets",
+                 f"{', '.join(bad)}: multi-head latent attention (model.attention_type=mla) has an adaptable o, and q "
+                 "where model.mla.q_lora_rank=0; its keys and values come from a shared latent")
 
 
 def _check_mla(cfg: Config) -> None:

@@ -30,7 +30,7 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
         if cfg.lora.enabled:  # after every base weight, so their random init is the same with or without
-            add_adapters(self.attn, ("q", "k", "v", "o"), cfg, rngs)
+            add_adapters(self.attn, ("q", "k", "v", "o") if cfg.attention_type != "mla" else ("q", "o"), cfg, rngs)
             if not moe:
                 add_adapters(self.mlp, ("gate", "up", "down"), cfg, rngs)
 

@@ -189,7 +189,7 @@ def to_peft_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
         held = _get_path(adapters, path)
         a, b = (np.asarray(jax.device_get(held[target + s]), np.float32) for s in lora.SUFFIXES)
         n_in = lora.INPUT_DIMS[target]
-        stacked = _names(path + (target,), name, a.shape[:a.ndim - n_in - 1] + (0,), cfg.moe.every)
+        stacked = _names(path + (target,), name, a.shape[:a.ndim - n_in - 1] + (0,), cfg.moe.every, _first(cfg))
         for index in np.ndindex(stacked.shape):
             stem = "base_model.model." + stacked[index].removesuffix(".weight")
             out[stem + ".lora_A.weight"] = np.ascontiguousarray(a[index].reshape(-1, cfg.lora.rank).T)

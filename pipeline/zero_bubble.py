@@ -65,7 +65,8 @@ class ZeroBubbleStep(OneFOneBStep):
         m_w, on_w = passes("W", t, self.ids, S, self.repeats, self.M)
         x_w = stash_get(c["stash"], (m_w + self.ids) % self.stash_len)
         weights_all = jax.vmap(self.stage_backward_weights, spmd_axis_name="pipeline")
-        g_p = weights_all(self.staged, x_w, self.stage_micro(m_w, jnp.zeros_like(m_w)), stash_get(c["cots"], m_w % S), on_w)
+        mb = self.stage_micro(m_w, jnp.zeros_like(m_w))
+        g_p = weights_all(self.staged, x_w, mb, stash_get(c["cots"], m_w % S), on_w)
         c["g_staged"] = jax.tree.map(add_f32, c["g_staged"], g_p)
 
     def init_carry(self, x: jax.ShapeDtypeStruct) -> Carry:

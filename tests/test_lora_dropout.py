@@ -111,10 +111,14 @@ def test_the_loss_without_noise_has_no_dropout():
     off = dataclasses.replace(on, lora=dataclasses.replace(on.lora, dropout=0.0))
     params = nnx.to_pure_dict(nnx.state(Transformer(on, rngs=nnx.Rngs(0))))
     params = jax.tree_util.tree_map_with_path(  # B random: the adapters count
-        lambda path, a: jax.random.normal(jax.random.key(0), a.shape) * 0.05 if str(path[-1].key).endswith("_lora_b") else a,
+        lambda path, a: jax.random.normal(jax.random.key(0), a.shape) * 0.05 if str(path[-1].key).endswith("_lora_b")
+        else a,
         params)
     tokens = jax.random.randint(jax.random.key(2), (8, cfg.seq_len + 1), 0, cfg.vocab_size)
-    loss = lambda c, batch: jax.jit(make_loss_fn(nnx.graphdef(Transformer(c, rngs=nnx.Rngs(0)))))(params, batch)[0]  # noqa: E731
+
+    def loss(c, batch: dict):  # noqa: ANN001, ANN202 (a ModelConfig; a scalar)
+        return jax.jit(make_loss_fn(nnx.graphdef(Transformer(c, rngs=nnx.Rngs(0)))))(params, batch)[0]
+
     assert loss(on, {"tokens": tokens}) == loss(off, {"tokens": tokens})
     noisy = {"tokens": tokens, "noise": step_noise(0, jnp.int32(1), tokens)}
     assert abs(float(loss(on, noisy)) - float(loss(on, {"tokens": tokens}))) > 1e-3

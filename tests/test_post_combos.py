@@ -91,7 +91,8 @@ def held_out_pairs(tmp_path_factory: pytest.TempPathFactory) -> str:
 def _dpo_numpy(cfg, params: dict, batch: dict) -> dict[str, float]:  # noqa: ANN001 (a Config)
     """The DPO sigmoid loss and rewards of a batch of pairs in float64 NumPy, the policy `params`
     against the base (the adapters switched off), no dropout."""
-    tokens, mask = batch["tokens"].reshape(-1, batch["tokens"].shape[-1]), batch["loss_mask"].reshape(-1, batch["tokens"].shape[-1])
+    width = batch["tokens"].shape[-1]
+    tokens, mask = batch["tokens"].reshape(-1, width), batch["loss_mask"].reshape(-1, width)
 
     def logps(p: dict) -> np.ndarray:
         z = np.asarray(transformer_from_params(cfg.model, p)(tokens[:, :-1]), np.float64)

@@ -131,7 +131,8 @@ class EvalHook(Hook):
     def metrics(self, state: TrainState) -> tuple[float, dict[str, float]]:
         """(the mean loss, the objective's other means by name) over the held-out batches."""
         outs = jax.device_get([self.loss_fn(state.params, state.ref_params, batch) for batch in self.batches])
-        sums = np.sum([np.concatenate([np.ravel(a) for a in jax.tree.leaves(o)]) for o in outs], axis=0, dtype=np.float64)
+        flat = [np.concatenate([np.ravel(a) for a in jax.tree.leaves(o)]) for o in outs]
+        sums = np.sum(flat, axis=0, dtype=np.float64)
         count = max(sums[1], 1.0)  # target tokens, or pairs
         return float(sums[0] / count), {name: float(v / count) for name, v in zip(self.names, sums[2:])}
 

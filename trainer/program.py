@@ -152,7 +152,8 @@ def make_program(spec: RunSpec, devices: list) -> Program:
     compute = build_compute(cfg, layout, model.graphdef, devices[0].platform, cast)
     step = jax.jit(make_train_step(model.graphdef, tx, schedule, compute=compute),
                    in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=(0,))
-    eval_loss = jax.jit(make_eval_fn(model.graphdef, compute), in_shardings=(state_sh.params, state_sh.ref_params, batch_sh))
+    eval_loss = jax.jit(make_eval_fn(model.graphdef, compute),
+                        in_shardings=(state_sh.params, state_sh.ref_params, batch_sh))
     return Program(spec, mesh, tx, state_sh, batch_sh, compute, step, eval_loss)
 
 
