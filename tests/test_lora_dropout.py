@@ -176,8 +176,10 @@ def test_dropout_changes_the_training_losses(runs):
 @pytest.mark.parametrize("name, devices, layout", [
     ("layout", 8, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]),
     ("context", 8, ["mesh.data=2", "mesh.context=2", "mesh.tensor=2"]),
-    ("gpipe", 2, ["mesh.data=1", "mesh.pipeline=2", "pipeline.microbatches=4"]),
-    ("1f1b", 2, ["mesh.data=1", "mesh.pipeline=2", "pipeline.microbatches=4", "pipeline.schedule=1f1b"]),
+    # Circular: stage s runs layer groups s and S + s, whose global indices the masks must use.
+    ("gpipe", 2, ["mesh.data=1", "mesh.pipeline=2", "pipeline.microbatches=4", "pipeline.repeats=2"]),
+    ("interleaved_1f1b", 2, ["mesh.data=1", "mesh.pipeline=2", "pipeline.microbatches=4", "pipeline.repeats=2",
+                             "pipeline.schedule=interleaved_1f1b"]),
     ("accumulated", 1, ["mesh.data=1", "train.grad_accum=4"]),
 ])
 def test_other_layouts_draw_the_one_device_masks(runs, name, devices, layout):
