@@ -23,9 +23,11 @@ class LoraConfig:
     """The adapters' rank r; > 0 freezes every base weight and trains the adapters only."""
     alpha: Annotated[float, Range(gt=0)] = 16.0
     """The adapters' output is scaled by alpha / rank (as PEFT's lora_alpha)."""
+    dropout: Annotated[float, Range(ge=0, lt=1)] = 0.0
+    """Dropout on each adapter's input in training steps (PEFT's lora_dropout); never in eval or generation."""
     targets: list[Literal["q", "k", "v", "o", "gate", "up", "down"]] = field(
         default_factory=lambda: ["q", "k", "v", "o"])
-    """The projections that get an adapter (gate, up, down: dense SwiGLU layers only)."""
+    """The projections that get an adapter (gate, up, down: dense SwiGLU only; MLA: o, and q without a q latent)."""
 
     @property
     def enabled(self) -> bool:

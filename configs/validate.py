@@ -40,8 +40,8 @@ def _check_objective(cfg: Config) -> None:
     _require(d.packing == "concat", "data.packing", "train.objective=dpo pads each sequence of a pair to "
              "model.seq_len + 1 and packs nothing; leave data.packing=concat")
     _require(cfg.model.loss_chunk == 0, "model.loss_chunk", "train.objective=dpo computes whole-row log-probs; set 0")
-    _require(cfg.eval.every == 0, "eval.every", "train.objective=dpo has no held-out eval yet; set 0 (the step "
-             "logs the rewards and their accuracy)")
+    _require(cfg.model.mtp_depth == 0, "model.mtp_depth", f"{cfg.model.mtp_depth} with train.objective=dpo: the DPO "
+             "loss is the main head's log-probs, so the prediction modules would get no gradient; set 0")
 
 
 def _check_profile(cfg: Config) -> None:
@@ -120,6 +120,8 @@ def _check_model(cfg: Config) -> None:
 
 def _check_lora(cfg: Config) -> None:
     lo, moe = cfg.model.lora, cfg.model.moe
+    _require(lo.enabled or lo.dropout == 0, "model.lora.dropout",
+             f"{lo.dropout} drops the adapters' input, and model.lora.rank=0 gives no adapters")
     if not lo.enabled:
         return
     _require(bool(lo.targets), "model.lora.targets", f"names no projection; choose from {', '.join(LORA_TARGETS)}")
@@ -128,10 +130,13 @@ def _check_lora(cfg: Config) -> None:
     _require(not (mlp and moe.enabled and moe.every == 1), "model.lora.targets",
              f"{', '.join(mlp)} adapt dense SwiGLU layers, and with model.moe.every=1 every layer is an MoE; "
              "adapt q, k, v, o")
-    attn = [t for t in lo.targets if t in ("q", "k", "v", "o")]
-    _require(not (attn and cfg.model.attention_type == "mla"), "model.lora.targets",
-             f"{', '.join(attn)} adapt grouped-query attention's projections; multi-head latent attention "
-             "(model.attention_type=mla) has no adapters: adapt gate, up, down")
+    if cfg.model.attention_type == "mla":
+        # MLA's keys and values come from one shared latent (kv_a, kv_b): there is no k or v projection.
+        latent_q = cfg.model.mla.q_lora_rank > 0
+        bad = [t for t in lo.targets if t in ("k", "v") or (t == "q" and latent_q)]
+        _require(not bad, "model.lora.targets",
+                 f"{', '.join(bad)}: multi-head latent attention (model.attention_type=mla) has an adaptable o, and q "
+                 "where model.mla.q_lora_rank=0; its keys and values come from a shared latent")
 
 
 def _check_mla(cfg: Config) -> None:

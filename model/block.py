@@ -30,17 +30,20 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
         if cfg.lora.enabled:  # after every base weight, so their random init is the same with or without
-            add_adapters(self.attn, ("q", "k", "v", "o"), cfg, rngs)
+            add_adapters(self.attn, ("q", "k", "v", "o") if cfg.attention_type != "mla" else ("q", "o"), cfg, rngs)
             if not moe:
                 add_adapters(self.mlp, ("gate", "up", "down"), cfg, rngs)
 
-    def feed_forward(self, x: Array) -> tuple[Array, Array]:
+    def feed_forward(self, x: Array, noise: Array | None = None) -> tuple[Array, Array]:
         """The feed-forward of normed x [b, l, d] -> (out [b, l, d], router stats float32)."""
         if isinstance(self.mlp, MoE):
             return self.mlp(x)
-        return self.mlp(x), jnp.zeros(len(STATS), jnp.float32)
+        return self.mlp(x, noise), jnp.zeros(len(STATS), jnp.float32)
 
-    def __call__(self, x: Array, positions: Array, segment_ids: Array | None) -> tuple[Array, Array]:
-        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
-        y, stats = self.feed_forward(self.mlp_norm(x))
+    def __call__(self, x: Array, positions: Array, segment_ids: Array | None,
+                 noise: Array | None = None) -> tuple[Array, Array]:
+        """`noise` [b, l] uint32: this layer's, for its LoRA adapters' dropout (model/lora.py);
+        None outside a training step."""
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids, noise)
+        y, stats = self.feed_forward(self.mlp_norm(x), noise)
         return constrain(x + y, ("batch", "length", "embed")), stats

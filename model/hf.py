@@ -189,7 +189,7 @@ def to_peft_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
         held = _get_path(adapters, path)
         a, b = (np.asarray(jax.device_get(held[target + s]), np.float32) for s in lora.SUFFIXES)
         n_in = lora.INPUT_DIMS[target]
-        stacked = _names(path + (target,), name, a.shape[:a.ndim - n_in - 1] + (0,), cfg.moe.every)
+        stacked = _names(path + (target,), name, a.shape[:a.ndim - n_in - 1] + (0,), cfg.moe.every, _first(cfg))
         for index in np.ndindex(stacked.shape):
             stem = "base_model.model." + stacked[index].removesuffix(".weight")
             out[stem + ".lora_A.weight"] = np.ascontiguousarray(a[index].reshape(-1, cfg.lora.rank).T)
@@ -202,5 +202,5 @@ def peft_config(cfg: ModelConfig, base: str) -> dict[str, Any]:
     names = {path[-1]: name for path, name, _ in entries(architecture(cfg), cfg)}
     modules = sorted({names[t].removesuffix(".weight").rsplit(".", 1)[-1] for t in cfg.lora.targets})
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": cfg.lora.rank,
-            "lora_alpha": cfg.lora.alpha, "lora_dropout": 0.0, "target_modules": modules, "bias": "none",
+            "lora_alpha": cfg.lora.alpha, "lora_dropout": cfg.lora.dropout, "target_modules": modules, "bias": "none",
             "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True}

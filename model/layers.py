@@ -68,10 +68,10 @@ def project(spec: str, x: Array, p: nnx.Param, cfg: ModelConfig) -> Array:
     return gathered(x, w)
 
 
-def project_adapted(module: nnx.Module, name: str, spec: str, x: Array) -> Array:
+def project_adapted(module: nnx.Module, name: str, spec: str, x: Array, noise: Array | None = None) -> Array:
     """`project` by the module's weight `name`, plus its LoRA adapter's output if it has one
-    (model/lora.py)."""
-    return adapt(module, name, spec, x, project(spec, x, getattr(module, name), module.cfg), module.cfg)
+    (model/lora.py; `noise`: the layer's, for the adapter's dropout in a training step)."""
+    return adapt(module, name, spec, x, project(spec, x, getattr(module, name), module.cfg), module.cfg, noise)
 
 
 class RMSNorm(nnx.Module):
@@ -112,27 +112,27 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(hd, cfg.norm_eps, rngs=rngs, axis="head_dim")
         self.cfg = cfg
 
-    def __call__(self, x: Array, positions: Array, segment_ids: Array | None) -> Array:
-        q, k, v = self.project(x, positions)
+    def __call__(self, x: Array, positions: Array, segment_ids: Array | None, noise: Array | None = None) -> Array:
+        q, k, v = self.project(x, positions, noise)
         return self.output(attend(q, k, v, positions, segment_ids, impl=self.cfg.attention,
-                                  max_documents=self.cfg.max_documents))
+                                  max_documents=self.cfg.max_documents), noise)
 
-    def project(self, x: Array, positions: Array) -> tuple[Array, Array, Array]:
+    def project(self, x: Array, positions: Array, noise: Array | None = None) -> tuple[Array, Array, Array]:
         """x [b, l, d] -> q [b, l, heads, hd], k and v [b, l, kv_heads, hd], rotary applied.
         Split from __call__ so KV-cache decoding (model/decode.py) reuses it."""
-        q = project_adapted(self, "q", "bld,dhk->blhk", x)
-        k = project_adapted(self, "k", "bld,dhk->blhk", x)
-        v = project_adapted(self, "v", "bld,dhk->blhk", x)
+        q = project_adapted(self, "q", "bld,dhk->blhk", x, noise)
+        k = project_adapted(self, "k", "bld,dhk->blhk", x, noise)
+        v = project_adapted(self, "v", "bld,dhk->blhk", x, noise)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = constrain(rotary(q, positions, self.cfg.rope_theta), ("batch", "length", "heads", "head_dim"))
         k = constrain(rotary(k, positions, self.cfg.rope_theta), ("batch", "length", "kv_heads", "head_dim"))
         return q, k, constrain(v, ("batch", "length", "kv_heads", "head_dim"))
 
-    def output(self, out: Array) -> Array:
+    def output(self, out: Array, noise: Array | None = None) -> Array:
         """Attention output [b, l, heads, hd] -> [b, l, d]."""
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
-        return project_adapted(self, "o", "blhk,hkd->bld", out)
+        return project_adapted(self, "o", "blhk,hkd->bld", out, noise)
 
 
 class MLP(nnx.Module):
@@ -146,8 +146,8 @@ class MLP(nnx.Module):
         self.down = param(rngs, init, (f, cfg.d_model), ("mlp", "embed"))
         self.cfg = cfg
 
-    def __call__(self, x: Array) -> Array:
-        gate = project_adapted(self, "gate", "bld,df->blf", x)
-        up = project_adapted(self, "up", "bld,df->blf", x)
+    def __call__(self, x: Array, noise: Array | None = None) -> Array:
+        gate = project_adapted(self, "gate", "bld,df->blf", x, noise)
+        up = project_adapted(self, "up", "bld,df->blf", x, noise)
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-        return project_adapted(self, "down", "blf,fd->bld", hidden)
+        return project_adapted(self, "down", "blf,fd->bld", hidden, noise)

@@ -10,6 +10,14 @@ The adapters are parameters named `<target>_lora_a` / `<target>_lora_b` beside t
 the module (`attn/q_lora_a`). `split` and `join` separate them from the base weights in the pure
 parameter dict: the trainer differentiates and optimizes the adapters only (trainer/state.py,
 trainer/step.py). `merged` folds them into their weights for export (hf.py).
+
+Dropout (`model.lora.dropout` = p, PEFT's semantics: y + alpha / rank * B(A(dropout(x)))) runs
+only where a training step hands the layers *noise*: one uint32 per token of the step,
+`token_noise(seed, step, shape)` over the step's whole logical batch. Each layer mixes its global
+index in (`for_layer`), each adapter its target, and each element of x its feature index
+(`keep_mask`): the mask is a pure function of (seed, step, layer, target, row, position,
+feature), so no layout, micro-batch split or sequence order changes it. Without noise (eval,
+generation, export) an adapter sees x whole.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from configs.lora import LORA_TARGETS
 from configs.schema import ModelConfig
 
 Array = jax.Array
@@ -29,6 +38,42 @@ SUFFIXES = ("_lora_a", "_lora_b")
 # How many leading dims of each target's weight its input fills (q [embed, heads, head_dim]: one;
 # o [heads, head_dim, embed]: two).
 INPUT_DIMS = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
+
+
+# Odd constants of the murmur3 finalizer and the golden ratio, for `mix`.
+_M1, _M2, _GOLDEN = 0x85EBCA6B, 0xC2B2AE35, 0x9E3779B9
+
+
+def mix(h: Array) -> Array:
+    """murmur3's 32-bit finalizer: every input bit flips about half of the output bits."""
+    h = h.astype(jnp.uint32)
+    h = (h ^ (h >> 16)) * jnp.uint32(_M1)
+    h = (h ^ (h >> 13)) * jnp.uint32(_M2)
+    return h ^ (h >> 16)
+
+
+def token_noise(seed: int, step: Array, shape: tuple[int, ...]) -> Array:
+    """One uint32 per token of a step's batch, `shape` [rows..., length]: threefry bits of the
+    key (seed, step) over the whole logical shape (partitionable threefry: a sharded draw gives
+    the same values)."""
+    return jax.random.bits(jax.random.fold_in(jax.random.key(seed), step), shape, jnp.uint32)
+
+
+def for_layer(noise: Array | None, layer: Array | int) -> Array | None:
+    """The noise of layer `layer` (a global index, or a sublayer's within its group)."""
+    if noise is None:
+        return None
+    index = jnp.asarray(layer, jnp.int32).astype(jnp.uint32)  # a negative index wraps, apart from the rest
+    return mix(noise ^ mix(index * jnp.uint32(_GOLDEN) + jnp.uint32(1)))
+
+
+def keep_mask(noise: Array, target: str, shape: tuple[int, ...], rate: float) -> Array:
+    """Which elements of an adapter's input x (`shape` [b, l, features...]) dropout keeps, each
+    with probability 1 - rate, from the layer's noise [b, l] and the adapter's target."""
+    salted = mix(noise ^ jnp.uint32((LORA_TARGETS.index(target) + 1) * _GOLDEN % 2**32))
+    feature = jnp.arange(math.prod(shape[2:]), dtype=jnp.uint32).reshape(shape[2:])
+    h = mix(salted.reshape(*shape[:2], *(1,) * (len(shape) - 2)) + feature * jnp.uint32(_M1))
+    return h >= jnp.uint32(round(rate * 2**32))
 
 
 def scale(cfg: ModelConfig) -> float:
@@ -63,13 +108,18 @@ def adapter_specs(spec: str) -> tuple[str, str]:
     return f"{x_dims},{w_in}r->{rest}r", f"{rest}r,r{w_out}->{out}"
 
 
-def adapt(module: nnx.Module, name: str, spec: str, x: Array, y: Array, cfg: ModelConfig) -> Array:
+def adapt(module: nnx.Module, name: str, spec: str, x: Array, y: Array, cfg: ModelConfig,
+          noise: Array | None = None) -> Array:
     """y (the projection `name` of x by `spec`) plus its adapter's output, if it has one; the
-    adapter runs in x's dtype."""
+    adapter runs in x's dtype, on x under dropout where the layer's `noise` is given."""
     a = getattr(module, name + SUFFIXES[0], None)
     if a is None:
         return y
     b = getattr(module, name + SUFFIXES[1])
+    rate = cfg.lora.dropout
+    if noise is not None and rate > 0:
+        keep = keep_mask(noise, name, x.shape, rate)
+        x = jnp.where(keep, x / jnp.asarray(1 - rate, x.dtype), jnp.zeros((), x.dtype))
     spec_a, spec_b = adapter_specs(spec)
     low = jnp.einsum(spec_a, x, a[...].astype(x.dtype)) * jnp.asarray(scale(cfg), x.dtype)
     return y + jnp.einsum(spec_b, low, b[...].astype(x.dtype)).astype(y.dtype)

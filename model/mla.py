@@ -16,7 +16,8 @@ kv_a_layernorm are `q_norm` and `kv_norm`, and `model.mla.rope_interleave` is it
 The attention itself is the model's (model/attention.py `attend`), with every kernel and sharded
 kernel, so the data, fsdp, tensor, context and pipeline layouts run it unchanged; the latent dims
 are named `latent` (stored sharded over fsdp by default, whole in compute). Decoding keeps only
-the latent and the rotary key per token (model/decode.py).
+the latent and the rotary key per token (model/decode.py). LoRA adapters (model/lora.py) may sit
+on `o` and, without a query latent, on `q`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from flax import nnx
 
 from configs.schema import ModelConfig
 from model.attention import attend
-from model.layers import RMSNorm, constrain, param, project, rotary
+from model.layers import RMSNorm, constrain, param, project, project_adapted, rotary
 
 Array = jax.Array
 
@@ -54,10 +55,10 @@ class MLAttention(nnx.Module):
         self.o = param(rngs, init, (h, m.v_head_dim, d), ("heads", "head_dim", "embed"))
         self.cfg = cfg
 
-    def __call__(self, x: Array, positions: Array, segment_ids: Array | None) -> Array:
-        q, k, v = self.project(x, positions)
+    def __call__(self, x: Array, positions: Array, segment_ids: Array | None, noise: Array | None = None) -> Array:
+        q, k, v = self.project(x, positions, noise)
         return self.output(attend(q, k, v, positions, segment_ids, impl=self.cfg.attention,
-                                  max_documents=self.cfg.max_documents))
+                                  max_documents=self.cfg.max_documents), noise)
 
     def rope(self, x: Array, positions: Array) -> Array:
         """The rotary embedding of x [b, l, heads, qk_rope_head_dim]. Interleaved pairs are
@@ -67,14 +68,15 @@ class MLAttention(nnx.Module):
             x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
         return rotary(x, positions, self.cfg.rope_theta)
 
-    def queries(self, x: Array, positions: Array) -> tuple[Array, Array]:
+    def queries(self, x: Array, positions: Array, noise: Array | None = None) -> tuple[Array, Array]:
         """x [b, l, d] -> each head's position-free query [b, l, heads, qk_nope_head_dim] and
-        rotary query [b, l, heads, qk_rope_head_dim], rotary applied."""
+        rotary query [b, l, heads, qk_rope_head_dim], rotary applied (`q`'s LoRA adapter, if any,
+        under the layer's dropout `noise`)."""
         if self.cfg.mla.q_lora_rank:
             latent = constrain(project("bld,dr->blr", x, self.q_a, self.cfg), ("batch", "length", "latent"))
             q = project("blr,rhk->blhk", self.q_norm(latent), self.q_b, self.cfg)
         else:
-            q = project("bld,dhk->blhk", x, self.q, self.cfg)
+            q = project_adapted(self, "q", "bld,dhk->blhk", x, noise)
         q = constrain(q, ("batch", "length", "heads", "head_dim"))
         nope = self.cfg.mla.qk_nope_head_dim
         return q[..., :nope], self.rope(q[..., nope:], positions)
@@ -86,9 +88,9 @@ class MLAttention(nnx.Module):
         rank = self.cfg.mla.kv_lora_rank
         return self.kv_norm(both[..., :rank]), self.rope(both[..., None, rank:], positions)[:, :, 0]
 
-    def project(self, x: Array, positions: Array) -> tuple[Array, Array, Array]:
+    def project(self, x: Array, positions: Array, noise: Array | None = None) -> tuple[Array, Array, Array]:
         """x [b, l, d] -> q, k [b, l, heads, qk_head_dim] and v [b, l, heads, v_head_dim]."""
-        q_nope, q_rope = self.queries(x, positions)
+        q_nope, q_rope = self.queries(x, positions, noise)
         latent, k_rope = self.latents(x, positions)
         kv = project("blr,rhk->blhk", latent, self.kv_b, self.cfg)
         nope = self.cfg.mla.qk_nope_head_dim
@@ -97,7 +99,8 @@ class MLAttention(nnx.Module):
         k = constrain(jnp.concatenate([kv[..., :nope], k_rope], axis=-1), ("batch", "length", "kv_heads", "head_dim"))
         return q, k, constrain(kv[..., nope:], ("batch", "length", "kv_heads", "head_dim"))
 
-    def output(self, out: Array) -> Array:
-        """Attention output [b, l, heads, v_head_dim] -> [b, l, d]."""
+    def output(self, out: Array, noise: Array | None = None) -> Array:
+        """Attention output [b, l, heads, v_head_dim] -> [b, l, d] (`o`'s LoRA adapter, if any, under
+        the layer's dropout `noise`)."""
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
-        return project("blhk,hkd->bld", out, self.o, self.cfg)
+        return project_adapted(self, "o", "blhk,hkd->bld", out, noise)

@@ -23,6 +23,7 @@ from flax import nnx
 from configs.schema import ModelConfig
 from model.block import Block
 from model.layers import RMSNorm, constrain, param, project, remat
+from model.lora import for_layer
 from model.loss import head_loss
 
 Array = jax.Array
@@ -42,12 +43,13 @@ class MTPModule(nnx.Module):
         self.norm = RMSNorm(d, cfg.norm_eps, rngs=rngs)
         self.cfg = cfg
 
-    def __call__(self, h: Array, embedded: Array, positions: Array, segment_ids: Array | None) -> Array:
+    def __call__(self, h: Array, embedded: Array, positions: Array, segment_ids: Array | None,
+                 noise: Array | None = None) -> Array:
         """h [b, l, d] from the depth before and the embeddings of the tokens k ahead [b, l, d]
         -> this depth's hidden states [b, l, d] (before `norm`)."""
         both = jnp.concatenate([self.enorm(embedded), self.hnorm(h)], axis=-1)
         x = constrain(project("bld,de->ble", both, self.eh_proj, self.cfg), ("batch", "length", "embed"))
-        return self.block(x, positions, segment_ids)[0]
+        return self.block(x, positions, segment_ids, noise)[0]
 
 
 def _ahead(a: Array, k: int) -> Array:
@@ -70,9 +72,10 @@ def mtp_targets(inputs: Array, targets: Array, weights: Array, depth: int) -> di
 
 
 def mtp_losses(model: nnx.Module, x: Array, positions: Array | None, segment_ids: Array | None,
-               extra: dict[str, Array], loss_chunk: int = 0) -> Array:
+               extra: dict[str, Array], loss_chunk: int = 0, noise: Array | None = None) -> Array:
     """Each depth's mean cross-entropy [depth] float32, from the main model's final normed hidden
-    states x [b, l, d] and `mtp_targets`' arrays (in the order x's positions are in)."""
+    states x [b, l, d] and `mtp_targets`' arrays (in the order x's positions are in); `noise`: a
+    training step's LoRA dropout noise (model/lora.py)."""
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
     means, h = [], x
@@ -80,7 +83,9 @@ def mtp_losses(model: nnx.Module, x: Array, positions: Array | None, segment_ids
         graphdef, state = nnx.split(module)
 
         def run(state: nnx.State, h: Array, embedded: Array) -> Array:
-            return nnx.merge(graphdef, state)(h, embedded, positions, segment_ids)
+            # LoRA dropout's noise (model/lora.py): depth k's block mixes in index -(k + 1) - 2^16,
+            # apart from every layer of the stack's and its dense prefix's.
+            return nnx.merge(graphdef, state)(h, embedded, positions, segment_ids, for_layer(noise, -(k + 1) - 2**16))
 
         # Under `model.remat` as the layer stack is: the backward pass recomputes what the policy drops.
         h = remat(run, model.cfg.remat, in_scan=False)(state, h, model.embed(extra["mtp_inputs"][k]))

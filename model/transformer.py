@@ -28,6 +28,7 @@ from configs.schema import ModelConfig
 from model.block import Block
 from model.flops import moe_layer_count, stack_layers
 from model.layers import RMSNorm, constrain, param, remat
+from model.lora import for_layer
 from model.mtp import MTPModule
 from model.router import STATS
 
@@ -36,25 +37,28 @@ Array = jax.Array
 
 class LayerRunner(Protocol):
     def __call__(
-        self, layers: Block, x: Array, positions: Array, segment_ids: Array | None
+        self, layers: Block, x: Array, positions: Array, segment_ids: Array | None, noise: Array | None = None
     ) -> tuple[Array, Array]: ...
 
 
 def scan_layers(
-    layers: Block, x: Array, positions: Array, segment_ids: Array | None, *, remat_policy: str
+    layers: Block, x: Array, positions: Array, segment_ids: Array | None, *, remat_policy: str,
+    noise: Array | None = None, first: Array | int = 0,
 ) -> tuple[Array, Array]:
     """Applies the stacked blocks in order with one `lax.scan` (one compiled layer body, so
     compile time stays flat in depth); returns the output and the router statistics summed over
-    the layers."""
+    the layers. `noise` [b, l] uint32: the step's LoRA dropout noise (model/lora.py), which each
+    layer mixes with its global index, `first` + its place in this stack."""
     graphdef, stacked = nnx.split(layers)
 
-    def body(carry: tuple[Array, Array], layer_state: nnx.State) -> tuple[tuple[Array, Array], None]:
-        h, total = carry
-        h, stats = nnx.merge(graphdef, layer_state)(h, positions, segment_ids)
+    def body(carry: tuple[Array, Array], xs: tuple[nnx.State, Array]) -> tuple[tuple[Array, Array], None]:
+        (h, total), (layer_state, i) = carry, xs
+        h, stats = nnx.merge(graphdef, layer_state)(h, positions, segment_ids, for_layer(noise, i))
         return (h, total + stats), None
 
     init = (x, jnp.zeros(len(STATS), jnp.float32))
-    (x, stats), _ = jax.lax.scan(remat(body, remat_policy), init, stacked)
+    index = first + jnp.arange(jax.tree.leaves(stacked)[0].shape[0], dtype=jnp.int32)
+    (x, stats), _ = jax.lax.scan(remat(body, remat_policy), init, (stacked, index))
     return x, stats
 
 
@@ -70,15 +74,19 @@ class BlockGroup(nnx.Module):
 
         self.dense = make_dense(rngs)
         self.moe = Block(cfg, rngs=rngs, moe=True)
+        self.cfg = cfg
 
-    def __call__(self, x: Array, positions: Array, segment_ids: Array | None) -> tuple[Array, Array]:
+    def __call__(self, x: Array, positions: Array, segment_ids: Array | None,
+                 noise: Array | None = None) -> tuple[Array, Array]:
+        """`noise`: the group's; its layers mix in their places in it (0 .. k - 1)."""
         graphdef, stacked = nnx.split(self.dense)
 
-        def body(h: Array, layer_state: nnx.State) -> tuple[Array, None]:
-            return nnx.merge(graphdef, layer_state)(h, positions, segment_ids)[0], None  # dense: no router stats
+        def body(h: Array, xs: tuple[nnx.State, Array]) -> tuple[Array, None]:
+            layer_state, i = xs  # dense: no router stats
+            return nnx.merge(graphdef, layer_state)(h, positions, segment_ids, for_layer(noise, i))[0], None
 
-        x, _ = jax.lax.scan(body, x, stacked)
-        return self.moe(x, positions, segment_ids)
+        x, _ = jax.lax.scan(body, x, (stacked, jnp.arange(self.cfg.moe.every - 1, dtype=jnp.int32)))
+        return self.moe(x, positions, segment_ids, for_layer(noise, self.cfg.moe.every - 1))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
@@ -157,18 +165,21 @@ class Transformer(nnx.Module):
         positions: Array | None = None,
         segment_ids: Array | None = None,
         runner: LayerRunner | None = None,
+        noise: Array | None = None,
     ) -> tuple[Array, Array]:
         """As `features`, with the router statistics averaged over the MoE layers ([len(STATS)]
-        float32: model/router.py; zeros for a dense model)."""
+        float32: model/router.py; zeros for a dense model). `noise` [batch, length] uint32: a
+        training step's LoRA dropout noise (model/lora.py; None: no dropout)."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         x = self.embed(tokens)
-        if hasattr(self, "dense_layers"):  # dense: no router statistics
-            x = scan_layers(self.dense_layers, x, positions, segment_ids, remat_policy=self.cfg.remat)[0]
+        if hasattr(self, "dense_layers"):  # dense: no router statistics; indices -k .. -1, before the stack's
+            x = scan_layers(self.dense_layers, x, positions, segment_ids, remat_policy=self.cfg.remat, noise=noise,
+                            first=-self.cfg.moe.first_k_dense_replace)[0]
         if runner is None:
-            x, stats = scan_layers(self.layers, x, positions, segment_ids, remat_policy=self.cfg.remat)
+            x, stats = scan_layers(self.layers, x, positions, segment_ids, remat_policy=self.cfg.remat, noise=noise)
         else:
-            x, stats = runner(self.layers, x, positions, segment_ids)
+            x, stats = runner(self.layers, x, positions, segment_ids, noise)
         return self.final_norm(x), stats / max(1, moe_layer_count(self.cfg))
 
     def embed(self, tokens: Array) -> Array:

@@ -59,14 +59,18 @@ def make_scheduled_grad_fn(
         if "positions" not in inputs:
             inputs["positions"] = jnp.broadcast_to(jnp.arange(inputs["inputs"].shape[1], dtype=jnp.int32),
                                                    inputs["inputs"].shape)
+        if "noise" in batch:  # LoRA dropout's (model/lora.py), travelling with the microbatches
+            inputs["noise"] = batch["noise"]
         micro = jax.tree.map(lambda a: to_microbatches(a, microbatches), inputs)
 
         def embed_fn(o: dict, mb: dict) -> Array:
             return model(o).embed(mb["inputs"])
 
         def stage_fn(p: dict, x: Array, mb: dict) -> Array:
+            first = mb["group"] * jax.tree.leaves(p)[0].shape[0] if "group" in mb else 0  # LoRA dropout's layer index
             return scan_layers(nnx.merge(layers_graphdef, p), x, mb["positions"], mb.get("segment_ids"),
-                               remat_policy=remat_policy)[0]  # dense only: MoE refuses the 1F1B schedules
+                               remat_policy=remat_policy, noise=mb.get("noise"),
+                               first=first)[0]  # dense only: MoE refuses the 1F1B schedules
 
         def head_fn(o: dict, x: Array, mb: dict) -> tuple[Array, Array]:
             m = model(o)

@@ -120,6 +120,13 @@ class OneFOneBStep:
         """Microbatch m's inputs: one [mb, ...] for a scalar m, per stage [S, mb, ...] for m [S]."""
         return jax.tree.map(lambda a: a[jnp.clip(m, 0, self.M - 1)], self.micro)
 
+    def stage_micro(self, m: Array, r: Array) -> Micro:
+        """Each stage's microbatch inputs [S, mb, ...] for stages running microbatches m [S] of
+        repeats r [S]; with LoRA dropout noise also the layer group each runs ("group": r S + s),
+        whose layers' global indices the noise mixes in."""
+        mb = self.pick(m)
+        return {**mb, "group": r * self.stages + self.ids} if "noise" in self.micro else mb
+
     def chunk(self, tree: Any, r: Array) -> Any:
         """Repeat r's layer group of a stage's [R, K, ...] parameters."""
         R = self.repeats
@@ -173,7 +180,7 @@ class OneFOneBStep:
         # Stage 0 takes a fresh microbatch in repeat 0, else the last stage's output (rolled in).
         inp = c["fwd"].at[0].set(jnp.where(r_f[0] == 0, self.embed_fn(self.outer, self.pick(m_f[0])), c["fwd"][0]))
         c["stash"] = stash_put(c["stash"], inp, jnp.full((S,), t % self.stash_len), on_f)
-        out = jax.vmap(self.stage_forward, spmd_axis_name="pipeline")(self.staged, r_f, inp, self.pick(m_f))
+        out = jax.vmap(self.stage_forward, spmd_axis_name="pipeline")(self.staged, r_f, inp, self.stage_micro(m_f, r_f))
         c["fwd"] = jnp.roll(out, 1, axis=0)
         return out, (u, on_f, m_f, r_f)
 
@@ -216,7 +223,7 @@ class OneFOneBStep:
         returns the input gradients."""
         _, on_b, m_b, r_b = bwd
         backward_all = jax.vmap(self.stage_backward, spmd_axis_name="pipeline")
-        g_p, g_in = backward_all(self.staged, r_b, x_b, self.pick(m_b), g_out, on_b)
+        g_p, g_in = backward_all(self.staged, r_b, x_b, self.stage_micro(m_b, r_b), g_out, on_b)
         c["g_staged"] = jax.tree.map(add_f32, c["g_staged"], g_p)
         return g_in
 

@@ -54,7 +54,7 @@ class ZeroBubbleStep(OneFOneBStep):
         output cotangent is kept (c["cots"])."""
         _, on_b, m_b, _ = bwd
         input_all = jax.vmap(self.stage_backward_input, spmd_axis_name="pipeline")
-        g_in = input_all(self.staged, x_b, self.pick(m_b), g_out)
+        g_in = input_all(self.staged, x_b, self.stage_micro(m_b, jnp.zeros_like(m_b)), g_out)
         c["cots"] = stash_put(c["cots"], g_out, m_b % self.stages, on_b)
         return g_in
 
@@ -65,7 +65,8 @@ class ZeroBubbleStep(OneFOneBStep):
         m_w, on_w = passes("W", t, self.ids, S, self.repeats, self.M)
         x_w = stash_get(c["stash"], (m_w + self.ids) % self.stash_len)
         weights_all = jax.vmap(self.stage_backward_weights, spmd_axis_name="pipeline")
-        g_p = weights_all(self.staged, x_w, self.pick(m_w), stash_get(c["cots"], m_w % S), on_w)
+        mb = self.stage_micro(m_w, jnp.zeros_like(m_w))
+        g_p = weights_all(self.staged, x_w, mb, stash_get(c["cots"], m_w % S), on_w)
         c["g_staged"] = jax.tree.map(add_f32, c["g_staged"], g_p)
 
     def init_carry(self, x: jax.ShapeDtypeStruct) -> Carry:

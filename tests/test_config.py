@@ -155,6 +155,7 @@ EXPLICIT: dict[str, tuple[Any, list[str]]] = {
     "run.trackers": (["tensorboard", "mlflow"], []),
     "eval.tasks": (["stdlib_words", "hellaswag"], []),
     "model.lora.targets": (["q", "v", "down"], ["model.lora.rank=4"]),
+    "model.lora.dropout": (0.1, ["model.lora.rank=4"]),
     "dist.coordinator": ("10.0.0.1:1234", []),
     "checkpoint.local_dir": ("/local/ckpt", ["checkpoint.local_every=10"]),
     "checkpoint.local_every": (10, ["checkpoint.local_dir=/local/ckpt"]),

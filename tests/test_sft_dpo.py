@@ -222,8 +222,9 @@ def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
                               "wrote; set data.source=prepared and data.path"),
     (["train.objective=sft", "data.source=prepared", "data.path=/a"],
      "data.packing: train.objective=sft needs document packing, which keeps conversations apart"),
-    (["train.objective=dpo", "data.source=prepared", "data.path=/a", "eval.every=10"],
-     "eval.every: train.objective=dpo has no held-out eval yet; set 0 (the step logs the rewards and their accuracy)"),
+    (["train.objective=dpo", "data.source=prepared", "data.path=/a", "model.mtp_depth=1"],
+     "model.mtp_depth: 1 with train.objective=dpo: the DPO loss is the main head's log-probs, so the prediction "
+     "modules would get no gradient; set 0"),
     (["train.objective=dpo", "data.source=prepared", "data.path=/a", "eval.every=0", "model.loss_chunk=16"],
      "model.loss_chunk: train.objective=dpo computes whole-row log-probs; set 0"),
 ])

@@ -52,6 +52,7 @@ class Compute:
     dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)  # the DPO loss (train.objective=dpo)
     mtp_depth: int = 0  # multi-token prediction depths whose loss joins the training loss (model/mtp.py)
     mtp_loss_coef: float = 0.0  # its weight there (model.mtp_loss_coef)
+    noise_seed: int | None = None  # LoRA dropout's seed (run.seed; None: no dropout, model/lora.py)
 
 
 def build_compute(cfg: Config, layout: Layout, graphdef: nnx.GraphDef, platform: str,
@@ -74,6 +75,7 @@ def build_compute(cfg: Config, layout: Layout, graphdef: nnx.GraphDef, platform:
         dpo=cfg.dpo,
         mtp_depth=m.mtp_depth,
         mtp_loss_coef=m.mtp_loss_coef,
+        noise_seed=cfg.run.seed if m.lora.enabled and m.lora.dropout > 0 else None,
     )
 
 

@@ -31,6 +31,7 @@ from trainer.faults import TooManyBadSteps
 from trainer.goodput import Goodput
 from trainer.metrics import MetricsLogger, log
 from trainer.observe import PROFILE_DIR
+from trainer.preference import DPO_METRICS
 from trainer.program import Program
 from trainer.state import TrainState
 
@@ -109,11 +110,13 @@ class CheckpointHook(Hook):
 
 class EvalHook(Hook):
     """The per-token mean loss over all the held-out batches (their loss sums over their token
-    counts, not a mean of batch means), logged."""
+    counts, not a mean of batch means), logged; under DPO the per-pair means of the held-out
+    pairs' loss and rewards (trainer/preference.py DPO_METRICS)."""
 
     def __init__(self, cfg: Config, program: Program, eval_rows: list[dict[str, np.ndarray]], logger: MetricsLogger,
                  goodput: Goodput):
         self.every, self.last, self.logger, self.goodput = cfg.eval.every, cfg.train.steps, logger, goodput
+        self.names = DPO_METRICS if cfg.train.objective == "dpo" else ()
         self.loss_fn = program.compile_eval()
         self.batches = [to_global(rows, program.batch_sh, cfg.train.global_batch) for rows in eval_rows]
 
@@ -122,12 +125,16 @@ class EvalHook(Hook):
 
     def run(self, step: int, state: TrainState, stopping: bool) -> None:
         with self.goodput.phase("eval"):
-            self.logger.write_eval(step, self.loss(state))
+            loss, extra = self.metrics(state)
+            self.logger.write_eval(step, loss, extra)
 
-    def loss(self, state: TrainState) -> float:
-        sums = np.array(jax.device_get([self.loss_fn(state.params, batch) for batch in self.batches]), np.float64)
-        total, count = sums.sum(axis=0)
-        return float(total / max(count, 1.0))
+    def metrics(self, state: TrainState) -> tuple[float, dict[str, float]]:
+        """(the mean loss, the objective's other means by name) over the held-out batches."""
+        outs = jax.device_get([self.loss_fn(state.params, state.ref_params, batch) for batch in self.batches])
+        flat = [np.concatenate([np.ravel(a) for a in jax.tree.leaves(o)]) for o in outs]
+        sums = np.sum(flat, axis=0, dtype=np.float64)
+        count = max(sums[1], 1.0)  # target tokens, or pairs
+        return float(sums[0] / count), {name: float(v / count) for name, v in zip(self.names, sums[2:])}
 
 
 class ProfileHook(Hook):

@@ -91,11 +91,16 @@ class MetricsLogger:
             self._print(record)
         return record
 
-    def write_eval(self, step: int, loss: float) -> dict[str, Any]:
-        """Records a held-out loss and its perplexity."""
-        record = {"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}
+    def write_eval(self, step: int, loss: float, extra: dict[str, float] | None = None) -> dict[str, Any]:
+        """Records a held-out loss and its perplexity, or with `extra` (DPO's rewards) those instead."""
+        if extra:
+            record = {"step": step, "eval_loss": loss, **{f"eval_{k}": v for k, v in extra.items()}}
+            shown = " | ".join(f"{k} {v:.4f}" for k, v in extra.items())
+        else:
+            record = {"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}
+            shown = f"perplexity {record['eval_perplexity']:.2f}"
         self._append(record)
-        log(f"eval at step {step}: loss {loss:.4f} | perplexity {record['eval_perplexity']:.2f}")
+        log(f"eval at step {step}: loss {loss:.4f} | {shown}")
         return record
 
     def write_tasks(self, step: int, scores: dict[str, float]) -> dict[str, Any]:

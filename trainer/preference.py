@@ -10,7 +10,8 @@ with the batch as "ref_logps" [pairs, 2], so micro-batching and the gradient cod
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from flax import nnx
 
 from configs.post import DPOConfig
 from model.kernels import use_kernels
+from model.lora import switched_off
 from model.loss import LossFn
 from model.preference import preference_loss, sequence_logps
 from pipeline.stages import from_microbatches, to_microbatches
@@ -41,10 +43,12 @@ def _logps(graphdef: nnx.GraphDef, compute: Compute, params: dict, batch: dict[s
     mask = batch["loss_mask"].reshape(tokens.shape)
     inputs, targets, weights = tokens[:, :-1], tokens[:, 1:], mask[:, 1:].astype(jnp.float32)
     positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
+    noise = batch["noise"].reshape(inputs.shape) if "noise" in batch else None  # the policy's LoRA dropout
     if compute.order is not None:  # a sum over tokens: the sequence split's order changes nothing
         inputs, targets, weights, positions = (a[:, compute.order] for a in (inputs, targets, weights, positions))
+        noise = None if noise is None else noise[:, compute.order]
     with use_kernels(compute.kernels):
-        x, stats = model.features_and_stats(inputs, positions, None, runner=compute.runner)
+        x, stats = model.features_and_stats(inputs, positions, None, runner=compute.runner, noise=noise)
     logps = sequence_logps(model, x, targets, weights)
     if mean:
         logps = logps / jnp.maximum(jnp.sum(weights, axis=-1), 1.0)
@@ -85,3 +89,17 @@ def make_dpo_loss_fn(graphdef: nnx.GraphDef, compute: Compute, dpo: DPOConfig) -
         return total, (jnp.asarray(losses.shape[0], jnp.float32), stats)
 
     return loss_fn
+
+
+def make_dpo_eval_fn(graphdef: nnx.GraphDef, compute: Compute, dpo: DPOConfig) -> Callable[[dict, Any, dict], Any]:
+    """The held-out DPO evaluation: (params, ref_params (None under LoRA: the base), batch of
+    pairs) -> (sum of the pairs' losses, (pairs, [the sums of DPO_METRICS])), the DPO loss alone
+    (no router losses) and, without the training step's noise, no LoRA dropout."""
+    reference = make_reference_fn(graphdef, compute, dpo)
+    loss_fn = make_dpo_loss_fn(graphdef, dataclasses.replace(compute, moe=None), dpo)
+
+    def dpo_eval(params: dict, ref_params: dict | None, batch: dict[str, Array]) -> Any:
+        ref = switched_off(params) if ref_params is None else ref_params
+        return loss_fn(params, {**batch, "ref_logps": reference(ref, batch)})
+
+    return dpo_eval

@@ -42,7 +42,7 @@ from trainer.compute import Compute, build_compute
 from trainer.layout import Layout, plan_layout
 from trainer.optimizer import make_optimizer
 from trainer.state import AbstractModel, TrainState, abstract_model, abstract_state, state_shardings
-from trainer.step import make_loss_fn, make_train_step
+from trainer.step import make_eval_fn, make_train_step
 from trainer.tiers import check_local_dir
 from trainer.trackers import check_trackers
 
@@ -111,7 +111,7 @@ class Program:
     batch_sh: NamedSharding
     compute: Compute  # how the step computes (trainer/compute.py)
     step: Callable  # jitted, state donated
-    eval_loss: Callable  # jitted (params, batch) -> (loss sum, target tokens), no update
+    eval_loss: Callable  # jitted (params, ref_params, batch) -> trainer.step.make_eval_fn's sums, no update
 
     def abstract_state(self) -> TrainState:
         return abstract_state(self.tx, self.spec.model.shapes, self.state_sh)
@@ -139,7 +139,8 @@ class Program:
 
     def compile_eval(self) -> jax.stages.Compiled:
         with self.tracing():
-            return self.eval_loss.lower(self.abstract_state().params, self.abstract_batch()).compile()
+            state = self.abstract_state()
+            return self.eval_loss.lower(state.params, state.ref_params, self.abstract_batch()).compile()
 
 
 def make_program(spec: RunSpec, devices: list) -> Program:
@@ -151,7 +152,8 @@ def make_program(spec: RunSpec, devices: list) -> Program:
     compute = build_compute(cfg, layout, model.graphdef, devices[0].platform, cast)
     step = jax.jit(make_train_step(model.graphdef, tx, schedule, compute=compute),
                    in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=(0,))
-    eval_loss = jax.jit(make_loss_fn(model.graphdef, compute=compute), in_shardings=(state_sh.params, batch_sh))
+    eval_loss = jax.jit(make_eval_fn(model.graphdef, compute),
+                        in_shardings=(state_sh.params, state_sh.ref_params, batch_sh))
     return Program(spec, mesh, tx, state_sh, batch_sh, compute, step, eval_loss)
 
 

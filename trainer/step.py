@@ -15,14 +15,14 @@ import optax
 from flax import nnx
 
 from model.kernels import use_kernels
-from model.lora import join, split, switched_off
+from model.lora import join, split, switched_off, token_noise
 from model.loss import GradFn, LossFn, head_loss, model_inputs
 from model.mtp import mtp_losses, mtp_targets
 from model.router import STATS
 from pipeline.stages import to_microbatches
 from trainer.compute import Compute
 from trainer.optimizer import schedule_count, without_router_bias
-from trainer.preference import DPO_METRICS, make_dpo_loss_fn, make_reference_fn
+from trainer.preference import DPO_METRICS, make_dpo_eval_fn, make_dpo_loss_fn, make_reference_fn
 from trainer.state import TrainState
 
 Array = jax.Array
@@ -55,7 +55,7 @@ def make_loss_fn(graphdef: nnx.GraphDef, compute: Compute = Compute(), *, router
         model = nnx.merge(graphdef, params if cast is None else cast(params))
         b = model_inputs(batch)
         inputs, targets, weights = b["inputs"], b["targets"], b["weights"]
-        positions, seg_in = b.get("positions"), b.get("segment_ids")
+        positions, seg_in, noise = b.get("positions"), b.get("segment_ids"), batch.get("noise")
         depth = compute.mtp_depth if router_losses else 0
         # Tokens ahead are found in sequence order, before any reorder below.
         extra = mtp_targets(inputs, targets, weights, depth) if depth else {}
@@ -66,10 +66,11 @@ def make_loss_fn(graphdef: nnx.GraphDef, compute: Compute = Compute(), *, router
             # permuted as a whole: inputs, targets, weights, positions and segments alike.
             inputs, targets, weights, positions = (a[:, order] for a in (inputs, targets, weights, positions))
             seg_in = None if seg_in is None else seg_in[:, order]
+            noise = None if noise is None else noise[:, order]
             extra = {k: a[:, :, order] for k, a in extra.items()}
         with use_kernels(compute.kernels):
-            x, stats = model.features_and_stats(inputs, positions, seg_in, runner=compute.runner)
-            mtp = mtp_losses(model, x, positions, seg_in, extra, compute.loss_chunk).mean() if depth else None
+            x, stats = model.features_and_stats(inputs, positions, seg_in, runner=compute.runner, noise=noise)
+            mtp = mtp_losses(model, x, positions, seg_in, extra, compute.loss_chunk, noise).mean() if depth else None
         ce, count = head_loss(model, x, targets, weights, compute.loss_chunk), jnp.sum(weights)
         if moe is None and mtp is None:
             return ce, count
@@ -84,6 +85,16 @@ def make_loss_fn(graphdef: nnx.GraphDef, compute: Compute = Compute(), *, router
         return loss, (count, jnp.concatenate(metrics))
 
     return loss_fn
+
+
+def make_eval_fn(graphdef: nnx.GraphDef, compute: Compute) -> Callable[[dict, Any, dict[str, Array]], Any]:
+    """The held-out evaluation, (params, ref_params, batch) -> the LM loss's (sum, target count), or
+    under DPO (trainer/preference.py) the pairs' (loss sum, (pairs, DPO metric sums)); neither
+    with router losses or LoRA dropout."""
+    if compute.objective == "dpo":
+        return make_dpo_eval_fn(graphdef, compute, compute.dpo)
+    loss_fn = make_loss_fn(graphdef, compute)
+    return lambda params, ref_params, batch: loss_fn(params, batch)
 
 
 def aux_metrics(compute: Compute) -> tuple[str, ...]:
@@ -147,6 +158,12 @@ def objective_metrics(compute: Compute, aux: Any) -> dict[str, Array]:
     return out
 
 
+def step_noise(seed: int, step: Array, tokens: Array) -> Array:
+    """LoRA dropout's noise for a step's batch (model/lora.py): one uint32 per input token of the
+    whole batch, [rows..., length] (tokens [rows..., length + 1]), before any micro-batch split."""
+    return token_noise(seed, step, (*tokens.shape[:-1], tokens.shape[-1] - 1))
+
+
 def _adapter_grads(grad_fn: GradFn, frozen: dict) -> GradFn:
     """A schedule's gradient function (which differentiates every parameter it is given) over
     the adapters alone, the base weights joined in as they are; their gradients are dropped."""
@@ -174,6 +191,8 @@ def make_train_step(
         if reference is not None:
             ref = switched_off(state.params) if state.ref_params is None else state.ref_params
             batch = {**batch, "ref_logps": reference(ref, batch)}
+        if compute.noise_seed is not None:  # after the reference, which runs without dropout
+            batch = {**batch, "noise": step_noise(compute.noise_seed, state.step, batch["tokens"])}
         adapters, frozen = split(state.params)
         train, frozen = (adapters, frozen) if adapters else (state.params, {})
         over = (lambda a, b: loss_fn(join(a, frozen), b)) if adapters else loss_fn  # noqa: E731
