@@ -9,6 +9,7 @@ the functions are compiled for abstract inputs.
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +30,8 @@ def main() -> None:
     x = jax.ShapeDtypeStruct((args.batch, cfg.seq_len, cfg.d_model), jnp.bfloat16)
     t = jax.ShapeDtypeStruct((args.batch, cfg.seq_len), jnp.int32)
 
-    def loss(chunk: int):
-        def f(params, x, t):
+    def loss(chunk: int) -> Callable[[nnx.State, jax.Array, jax.Array], jax.Array]:
+        def f(params: nnx.State, x: jax.Array, t: jax.Array) -> jax.Array:
             model = nnx.merge(graphdef, params)
             w = jnp.ones(t.shape, jnp.float32)
             if chunk:

@@ -15,6 +15,7 @@ import glob
 import hashlib
 import os
 import sysconfig
+from typing import Any
 
 import numpy as np
 
@@ -48,7 +49,7 @@ def held_out(content: bytes, fraction: float) -> bool:
 
 
 def text_documents(
-    files: list[str], tokenizer, eval_fraction: float
+    files: list[str], tokenizer: Any, eval_fraction: float
 ) -> tuple[StreamDocuments, StreamDocuments | None]:
     """(train, eval) documents of the given files; eval is None when no file is held out."""
     splits: tuple[list, list] = ([], [])
