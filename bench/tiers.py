@@ -1,12 +1,19 @@
 """What the local checkpoint tier costs and saves, on a real 4-process job (2 fake CPU devices each).
 
-    python -m bench.tiers [--out DIR]
+    python -m bench.tiers [--repeat N] [--every 0,2,5,10] [--only cost|recovery] [--out DIR]
 
-Two jobs of the tiny preset: the persistent tier alone (checkpoint.every=10), and with a local
-tier too, saving every 2 steps. Each trains until step 17, when process 1 is
-killed and its local directory removed (its host is gone) and the job is restarted whole, as a
-scheduler would, and runs to step 40. Printed: the wall seconds per step before the kill (saves
-included; the console lines' arrival times from step 5 to step 15), the share of the restarted
+Cost: jobs of the tiny preset run 40 steps with a persistent save at the end alone
+(checkpoint.every=40), without a local tier and with one saving every 2, 5 and 10 steps
+(`--every`; 0 is no local tier), the variants taken in turn, `--repeat` times (default 3).
+Printed per variant, medians over the repeats: the wall seconds per step from step 5 to step 35
+(the console lines' arrival times, saves included), its growth over the job without a local tier,
+and the blocking seconds of one local save (the loop's own timing of the save call, from
+summary.json).
+
+Recovery: two jobs, the persistent tier alone (checkpoint.every=10) and with a local tier saving
+every 2 steps. Each trains until step 17, when process 1 is killed and its local directory removed
+(its host is gone) and the job is restarted whole, as a scheduler would, and runs to step 40.
+Printed: the wall seconds per step before the kill (steps 5 to 15), the share of the restarted
 run's step time spent blocked in saves (its summary.json: checkpoint over checkpoint + steps),
 the step resumed from, the steps computed again, and the restart's time to its first new step
 (process start, restore and any fetch from a peer, compile).
@@ -19,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import sysconfig
 import tempfile
 from dataclasses import dataclass
@@ -45,14 +53,52 @@ def stamp(t: Train, step: int) -> float:
     return t.seen_at(rf"^step +{step}/")
 
 
-def job(root: str, name: str, *extra: str) -> Row:
+def command(root: str, name: str, every: int, local_every: int, steps: int = 40) -> list[str]:
     run_dir, local_dir = os.path.join(root, name, "run"), os.path.join(root, name, "local")
-    cmd = ["--config", TINY, f"run.dir={run_dir}", DATA, "train.log_every=1", "train.steps=40", "checkpoint.every=10",
-           f"checkpoint.local_dir={local_dir}" if extra else "checkpoint.local_dir=", *extra]
+    local = [f"checkpoint.local_dir={local_dir}", f"checkpoint.local_every={local_every}"] if local_every else [
+        "checkpoint.local_dir="]
+    return ["--config", TINY, f"run.dir={run_dir}", DATA, "train.log_every=1", f"train.steps={steps}",
+            f"checkpoint.every={every}", *local]
+
+
+def last_invocation(cmd: list[str]) -> dict:
+    with open(os.path.join(cmd[2].split("=", 1)[1], "summary.json")) as f:
+        return json.load(f)["invocations"][-1]
+
+
+def cost(root: str, name: str, local_every: int) -> tuple[float, float | None]:
+    """(wall s/step over steps 5..35, blocking seconds per local save or None) of one 40-step job."""
+    cmd = command(root, name, 40, local_every)
+    job = processes(N, *cmd, heartbeat=5)
+    assert [p.finish(600) for p in job] == [0] * N, job[0].output
+    step_s = (stamp(job[0], 35) - stamp(job[0], 5)) / 30
+    local = last_invocation(cmd).get("saves", {}).get("local")
+    return step_s, local["blocking_s"] / local["count"] if local else None
+
+
+def cost_table(root: str, repeat: int, every: list[int]) -> None:
+    runs: dict[int, list[tuple[float, float | None]]] = {e: [] for e in every}
+    for r in range(repeat):  # the variants in turn, so that a change of the host's load hits them all
+        for e in every:
+            runs[e].append(cost(root, f"cost-{e}-{r}", e))
+    base = statistics.median(s for s, _ in runs[0]) if 0 in runs else None
+    print(f"| local tier ({N} processes, medians of {repeat}) | s/step, steps 5-35 | step time vs no local tier "
+          "| blocking per local save, ms |")
+    print("| --- | --- | --- | --- |")
+    for e in every:
+        step_s = statistics.median(s for s, _ in runs[e])
+        label = f"checkpoint.local_every={e}" if e else "none"
+        blocked = f"{1000 * statistics.median(b for _, b in runs[e]):.0f}" if e else "-"
+        growth = f"{100 * (step_s / base - 1):+.1f}%" if e and base else "-"
+        print(f"| {label} | {step_s:.3f} | {growth} | {blocked} |")
+
+
+def recovery(root: str, name: str, local_every: int) -> Row:
+    cmd = command(root, name, 10, local_every)
     first = processes(N, *cmd, heartbeat=5)
     first[0].wait_for(rf"^step +{KILL_AFTER}/", timeout=300)
     first[1].kill()
-    if extra:
+    if local_every:
         shutil.rmtree(process_dir(load_config(TINY, cmd[2:]), layout_tag({"data": 8}, N), 1))
     for p in first:
         p.kill()
@@ -62,26 +108,35 @@ def job(root: str, name: str, *extra: str) -> Row:
     again[0].wait_for(r"^step +\d+/", timeout=300)
     recovered = again[0].seen_at(r"^step +\d+/") - again[0].started
     assert [p.finish(600) for p in again] == [0] * N, again[0].output
-    with open(os.path.join(run_dir, "summary.json")) as f:
-        seconds = json.load(f)["invocations"][-1]["seconds"]
+    seconds = last_invocation(cmd)["seconds"]
     saving = seconds["checkpoint"] / (seconds["checkpoint"] + seconds["productive"] + seconds["recompute"])
     last = max(int(m.group(1)) for line in first[0].lines if (m := re.match(r"^step +(\d+)/", line)))
-    tiers = f"persistent + local ({extra[0]})" if extra else "persistent only"
+    tiers = f"persistent + local (checkpoint.local_every={local_every})" if local_every else "persistent only"
     return Row(tiers, step_s, saving, resumed, last - resumed, recovered)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="", help="keep the run directories here (default: a temp dir)")
-    opts = parser.parse_args()
-    root = opts.out or tempfile.mkdtemp(prefix="bench-tiers-")
-    rows = [job(root, "one"), job(root, "two", "checkpoint.local_every=2")]
+def recovery_table(root: str) -> None:
+    rows = [recovery(root, "one", 0), recovery(root, "two", 2)]
     print(f"| tiers ({N} processes) | s/step, steps 5-15 | time blocked in saves, restarted run | killed after step "
           "| resumed from | steps recomputed | restart to first new step, s |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r.tiers} | {r.step_s:.3f} | {100 * r.saving:.1f}% | {r.resumed + r.lost} | {r.resumed} | {r.lost} "
               f"| {r.recovered_s:.1f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="", help="keep the run directories here (default: a temp dir)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each cost variant (default 3)")
+    parser.add_argument("--every", default="0,2,5,10", help="checkpoint.local_every of the cost jobs, 0: none")
+    parser.add_argument("--only", choices=("cost", "recovery"), help="print one of the two tables")
+    opts = parser.parse_args()
+    root = opts.out or tempfile.mkdtemp(prefix="bench-tiers-")
+    if opts.only != "recovery":
+        cost_table(root, opts.repeat, [int(e) for e in opts.every.split(",")])
+    if opts.only != "cost":
+        recovery_table(root)
     if not opts.out:
         shutil.rmtree(root, ignore_errors=True)
 
