@@ -1,6 +1,7 @@
 """What the local checkpoint tier costs and saves, on a real 4-process job (2 fake CPU devices each).
 
     python -m bench.tiers [--repeat N] [--every 0,2,5,10] [--only cost|recovery] [--out DIR]
+    python -m bench.tiers --breakdown
 
 Cost: jobs of the tiny preset run 40 steps with a persistent save at the end alone
 (checkpoint.every=40), without a local tier and with one saving every 2, 5 and 10 steps
@@ -9,6 +10,12 @@ Printed per variant, medians over the repeats: the wall seconds per step from st
 (the console lines' arrival times, saves included), its growth over the job without a local tier,
 and the blocking seconds of one local save (the loop's own timing of the save call, from
 summary.json).
+
+Breakdown: one cost job saving locally every 2 steps, whose processes record the timings Orbax
+takes of its own saves (bench/orbax_events); printed for process 0, per local save: the loop's
+blocking time, Orbax's blocking part, its parts on the loop's thread (the copy off the devices,
+the synchronous Grain position item, the barriers) and the rest; means over the run's local
+saves, the first (Orbax's one-time set-up) included.
 
 Recovery: two jobs, the persistent tier alone (checkpoint.every=10) and with a local tier saving
 every 2 steps. Each trains until step 17, when process 1 is killed and its local directory removed
@@ -93,6 +100,41 @@ def cost_table(root: str, repeat: int, every: list[int]) -> None:
         print(f"| {label} | {step_s:.3f} | {growth} | {blocked} |")
 
 
+EVENTS = {  # Orbax's jax.monitoring events of a save's blocking part, as the breakdown names them
+    "/jax/orbax/write/async/blocking_duration_secs": "Orbax's blocking part of the save",
+    "/jax/orbax/write/blocking_d2h_duration_secs": "copy off the devices",
+    "/jax/orbax/write/blocking_sync_item_duration_secs": "Grain position item (synchronous: two all-gathers, a file)",
+    "/jax/checkpoint/sync_global_devices_duration_sec": "barriers",
+}
+
+
+def breakdown(root: str) -> None:
+    cmd = command(root, "breakdown", 40, 2)
+    events_dir = os.path.join(root, "events")
+    os.makedirs(events_dir, exist_ok=True)
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = [os.path.join(here, "orbax_events"), os.path.dirname(here), os.environ.get("PYTHONPATH", "")]
+    env = {"BENCH_EVENTS_DIR": events_dir, "PYTHONPATH": os.pathsep.join(path)}
+    job = processes(N, *cmd, heartbeat=5, env={i: env for i in range(N)})
+    assert [p.finish(600) for p in job] == [0] * N, job[0].output
+    local = last_invocation(cmd)["saves"]["local"]
+    saves, end = local["count"], stamp(job[0], 39)  # logged after the last local save (38), before step 40
+    with open(os.path.join(events_dir, f"events-{job[0].proc.pid}.jsonl")) as f:
+        events = [e for line in f if (e := json.loads(line))["t"] < end and e["name"] in EVENTS and e["main"]]
+    print(f"| part of one local save (process 0 of {N}, {saves} saves, checkpoint.local_every=2) | ms per save "
+          "| events per save |")
+    print("| --- | --- | --- |")
+    loop_ms = 1000 * local["blocking_s"] / saves
+    print(f"| the loop's blocking time (summary.json) | {loop_ms:.0f} | 1 |")
+    parts = 0.0
+    for name, label in EVENTS.items():
+        seconds = [e["s"] for e in events if e["name"] == name]
+        ms = 1000 * sum(seconds) / saves
+        parts += ms if name != "/jax/orbax/write/async/blocking_duration_secs" else 0.0
+        print(f"| {label} | {ms:.0f} | {len(seconds) / saves:.0f} |")
+    print(f"| the rest (threads, directories, Orbax's bookkeeping) | {loop_ms - parts:.0f} | - |")
+
+
 def recovery(root: str, name: str, local_every: int) -> Row:
     cmd = command(root, name, 10, local_every)
     first = processes(N, *cmd, heartbeat=5)
@@ -130,12 +172,15 @@ def main() -> None:
     parser.add_argument("--out", default="", help="keep the run directories here (default: a temp dir)")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each cost variant (default 3)")
     parser.add_argument("--every", default="0,2,5,10", help="checkpoint.local_every of the cost jobs, 0: none")
+    parser.add_argument("--breakdown", action="store_true", help="print where one local save's blocking time goes")
     parser.add_argument("--only", choices=("cost", "recovery"), help="print one of the two tables")
     opts = parser.parse_args()
     root = opts.out or tempfile.mkdtemp(prefix="bench-tiers-")
-    if opts.only != "recovery":
+    if opts.breakdown:
+        breakdown(root)
+    elif opts.only != "recovery":
         cost_table(root, opts.repeat, [int(e) for e in opts.every.split(",")])
-    if opts.only != "cost":
+    if opts.only != "cost" and not opts.breakdown:
         recovery_table(root)
     if not opts.out:
         shutil.rmtree(root, ignore_errors=True)
