@@ -272,7 +272,7 @@ def save_replicas_whole() -> None:
 
 
 def coordination_barriers() -> None:
-    """With several processes, Orbax's barriers (about six in each save of either tier) wait at
+    """With several processes, Orbax's barriers (eight in a local save, on the loop's thread) wait at
     the coordination service that jax.distributed started, instead of each running an all-gather
     compiled for the devices: one round trip to the coordinator, no program on the devices. Orbax's
     switch is an absl flag, read only once absl flags count as parsed; nothing here parses them, so

@@ -5,10 +5,11 @@ start to its end; interpreter start-up and imports are not counted). The rest is
 init (distributed start-up, checks, building or restoring the state), compile, first
 execution (the first step's time beyond a steady step: the compiler's one-time set-up of a
 program's first run, worth several steps of a small model), checkpoint (the blocking part of
-saves and the final wait; each tier's saves are also counted apart, with their blocking seconds), eval, data wait (the loop waiting for a batch), profile (finishing
-a trace), and recompute: steps this invocation ran again because an
-earlier one had reached them before it stopped (the highest step in metrics.jsonl beyond the
-checkpoint resumed from), estimated at this invocation's mean step time.
+saves and the final wait; each tier's saves are also counted apart, with their blocking
+seconds), eval, data wait (the loop waiting for a batch), profile (finishing a trace), and
+recompute: steps this invocation ran again because an earlier one had reached them before it
+stopped (the highest step in metrics.jsonl beyond the checkpoint resumed from), estimated at this
+invocation's mean step time.
 
 The loop marks boundaries with `lap` (the time since the previous lap, less the phases inside
 it, goes to one bucket) and times nested parts with `phase`. `finish` writes summary.json,
