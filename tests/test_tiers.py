@@ -17,6 +17,7 @@ import trainer
 from bench.procs import TINY, processes
 from configs import ConfigError, load_config
 from conftest import stdlib_glob
+from trainer.goodput import describe
 from trainer.stragglers import SLOW_ENV
 from trainer.tiers import layout_tag, local_root, process_dir
 
@@ -96,6 +97,20 @@ def ran_9(tmp_path_factory):
     cmd = args(run_dir, local_dir, "train.steps=9", "checkpoint.keep=3")
     history = trainer.run(load_config(TINY, cmd[2:]))
     return run_dir, local_dir, {r["step"]: r["loss"] for r in history}
+
+
+def test_the_summary_counts_each_tiers_saves_and_their_blocking_time(ran_9):
+    """Local every 3, persistent every 4 and at the end, of 9 steps: local saves at 3 and 6,
+    persistent ones at 4, 8 and 9; each tier's blocking seconds are its own."""
+    run_dir = ran_9[0]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    saves = summary["invocations"][-1]["saves"]
+    assert {t: r["count"] for t, r in saves.items()} == {"local": 2, "persistent": 3}, saves
+    checkpoint_s = summary["invocations"][-1]["seconds"]["checkpoint"]
+    assert 0 < saves["local"]["blocking_s"] and 0 < saves["persistent"]["blocking_s"], saves
+    assert saves["local"]["blocking_s"] + saves["persistent"]["blocking_s"] <= checkpoint_s, (saves, checkpoint_s)
+    line, = [s for s in describe(summary) if s.startswith("saves:")]
+    assert re.fullmatch(r"saves: local 2x, \d+ ms blocking each; persistent 3x, \d+ ms blocking each", line), line
 
 
 def test_a_newer_persistent_step_wins_over_an_older_local_one(tmp_path, ran_9, capsys):

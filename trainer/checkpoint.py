@@ -28,6 +28,7 @@ import grain
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import flags
 from jax.experimental import multihost_utils
 
 from configs import Config, ConfigError, load_config
@@ -270,6 +271,18 @@ def save_replicas_whole() -> None:
             absl_log.removeFilter(_not_the_override_notice)
 
 
+def coordination_barriers() -> None:
+    """With several processes, Orbax's barriers (eight in a local save, on the loop's thread) wait at
+    the coordination service that jax.distributed started, instead of each running an all-gather
+    compiled for the devices: one round trip to the coordinator, no program on the devices. Orbax's
+    switch is an absl flag, read only once absl flags count as parsed; nothing here parses them, so
+    they are marked parsed with their defaults, as data.pipeline does for Grain's workers
+    (process-wide: a process runs one training)."""
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    flags.FLAGS.experimental_orbax_use_distributed_barrier = True
+
+
 def _not_the_override_notice(record: logging.LogRecord) -> bool:
     """Drops Orbax's warning that a type's handler was replaced (`Type handler registry type
     ... overriding ...`): here the replacement is the point, and the line is not about the run."""
@@ -283,6 +296,8 @@ class Checkpointer:
     def __init__(self, directory: str, cfg: CheckpointConfig):
         if jax.process_count() == 1:
             save_replicas_whole()
+        else:
+            coordination_barriers()
         self.directory = os.path.abspath(directory)
         self.every = cfg.every
         self.fresh_if_unreadable = cfg.fresh_if_unreadable

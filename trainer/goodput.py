@@ -5,10 +5,11 @@ start to its end; interpreter start-up and imports are not counted). The rest is
 init (distributed start-up, checks, building or restoring the state), compile, first
 execution (the first step's time beyond a steady step: the compiler's one-time set-up of a
 program's first run, worth several steps of a small model), checkpoint (the blocking part of
-saves and the final wait), eval, data wait (the loop waiting for a batch), profile (finishing
-a trace), and recompute: steps this invocation ran again because an
-earlier one had reached them before it stopped (the highest step in metrics.jsonl beyond the
-checkpoint resumed from), estimated at this invocation's mean step time.
+saves and the final wait; each tier's saves are also counted apart, with their blocking
+seconds), eval, data wait (the loop waiting for a batch), profile (finishing a trace), and
+recompute: steps this invocation ran again because an earlier one had reached them before it
+stopped (the highest step in metrics.jsonl beyond the checkpoint resumed from), estimated at this
+invocation's mean step time.
 
 The loop marks boundaries with `lap` (the time since the previous lap, less the phases inside
 it, goes to one bucket) and times nested parts with `phase`. `finish` writes summary.json,
@@ -60,6 +61,7 @@ class Goodput:
         self.first_step_s: float | None = None  # the invocation's first step, dispatch to completion (the loop)
         self.cleanup: list[Callable[[], None]] = []  # run by `finish` first (e.g. stop an open trace)
         self.tier = ""  # the checkpoint tier this invocation resumed from ("local", "persistent"; "": none)
+        self.saves: dict[str, dict[str, float]] = {}  # tier -> {"count", "blocking_s"} of this invocation's saves
 
     def lap(self, name: str) -> None:
         now = time.perf_counter()
@@ -75,6 +77,16 @@ class Goodput:
             elapsed = time.perf_counter() - t0
             self.seconds[name] += elapsed
             self._inner += elapsed
+
+    @contextlib.contextmanager
+    def save(self, tier: str) -> Iterator[None]:
+        """The blocking part of one save to `tier`: in the checkpoint bucket, and counted per tier."""
+        t0 = time.perf_counter()
+        with self.phase("checkpoint"):
+            yield
+        row = self.saves.setdefault(tier, {"count": 0, "blocking_s": 0.0})
+        row["count"] += 1
+        row["blocking_s"] += time.perf_counter() - t0
 
     def begin(self, run_dir: str, start: int) -> None:
         """After the state is built (init ends here), before metrics of this invocation exist."""
@@ -136,6 +148,7 @@ class Goodput:
             # What resuming cost this invocation: start-up and restore, compile, the first run of the
             # program, and the steps run again since the restored step.
             "restart_s": sum(seconds[k] for k in RESTART) if self.tier else 0.0,
+            "saves": {t: dict(self.saves[t]) for t in TIERS if t in self.saves},
             "devices": logger.num_devices,
             "wall_s": wall,
             "seconds": seconds,
@@ -245,6 +258,11 @@ def describe(summary: dict[str, Any]) -> list[str]:
             f"over {n} invocations of this run.dir: goodput {_pct(summary['goodput'])} of "
             f"{summary['wall_s']:.1f} s wall, {summary['recomputed_steps']} steps recomputed"
         )
+    saves = inv.get("saves") or {}
+    if "local" in saves:  # what the local tier's frequent saves cost the loop, beside the rare persistent ones
+        lines.append("saves: " + "; ".join(
+            f"{t} {r['count']}x, {1000 * r['blocking_s'] / r['count']:.0f} ms blocking each"
+            for t in TIERS if (r := saves.get(t))))
     tiers = summary.get("restarts_by_tier") or {}
     if tiers:
         lines.append("restarts: " + "; ".join(

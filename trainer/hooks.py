@@ -100,10 +100,11 @@ class CheckpointHook(Hook):
         if self.book.streak and not stopping:  # never save a state reached only through bad steps
             return
         # A step the persistent tier saves is not saved locally too: one copy off the devices per step.
-        with self.goodput.phase("checkpoint"):
-            if self._persistent(step, stopping):
+        if self._persistent(step, stopping):
+            with self.goodput.save("persistent"):
                 self.ckpt.save(step, state, self.iterator)
-            else:
+        else:
+            with self.goodput.save("local"):
                 self.ckpt.local.save(step, state, self.iterator)
         self.book.saved = step
 
