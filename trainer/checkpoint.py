@@ -14,15 +14,10 @@ to `run.dir/library.log` (`LibraryLog`), not the console.
 from __future__ import annotations
 
 import copy
-import gc
 import logging
 import os
-import sys
-import threading
 import time
-import traceback
-from types import TracebackType
-from typing import Any, Callable, TextIO
+from typing import Callable
 
 import grain
 import jax
@@ -36,6 +31,7 @@ from configs.schema import CheckpointConfig
 from model import lora
 from model.transformer import param_shapes
 from trainer.state import TrainState, frozen_base
+from trainer.library_log import LibraryLog, library_log_path
 from trainer.tiers import LocalTier
 
 # Keys a resumed run must share with the run that wrote the checkpoints: they fix the shapes
@@ -167,80 +163,6 @@ def _everywhere(ok: bool) -> bool:
 
 class NoReadableCheckpoint(ConfigError):
     """run.dir has checkpoints and none of them can be read."""
-
-
-LIBRARY_LOG = "library.log"
-
-
-def library_log_path(run_dir: str) -> str:
-    """run.dir/library.log (library.pN.log for process N > 0: each process has its own leftovers)."""
-    index = jax.process_index()
-    return os.path.join(run_dir, LIBRARY_LOG if index == 0 else f"library.p{index}.log")
-
-
-class LibraryLog:
-    """While started, the tracebacks that reach Python's last-resort printers (sys.excepthook,
-    threading.excepthook for a library thread's unhandled error, sys.unraisablehook, the `asyncio`
-    logger) are
-    appended to a file instead of the console. The file is created at its first line."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self._file: TextIO | None = None
-        self._saved: tuple[Any, Any, bool] | None = None
-        self._handler = logging.StreamHandler(self)
-
-    def write(self, text: str) -> None:
-        if self._file is None:
-            self._file = open(self.path, "a")
-        self._file.write(text)
-        self._file.flush()
-
-    def flush(self) -> None:
-        pass  # every write is flushed
-
-    def note(self, header: str, error: BaseException) -> None:
-        self.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {header}\n" + "".join(traceback.format_exception(error)))
-
-    def _excepthook(self, kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
-        self.write("".join(traceback.format_exception(kind, error, tb)))
-
-    def _thread_hook(self, args: Any) -> None:
-        self.write(f"Exception in thread {getattr(args.thread, 'name', '?')}:\n"
-                   + "".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback)))
-
-    def _unraisablehook(self, u: Any) -> None:
-        where = f"Exception ignored in: {u.object!r}\n" if u.object is not None else ""
-        self.write(where + "".join(traceback.format_exception(u.exc_type, u.exc_value, u.exc_traceback)))
-
-    @property
-    def started(self) -> bool:
-        return self._saved is not None
-
-    def start(self) -> None:
-        if self.started:
-            return
-        asyncio_log = logging.getLogger("asyncio")
-        self._saved = (sys.excepthook, sys.unraisablehook, threading.excepthook, asyncio_log.propagate)
-        sys.excepthook, sys.unraisablehook, threading.excepthook = self._excepthook, self._unraisablehook, self._thread_hook
-        asyncio_log.addHandler(self._handler)
-        asyncio_log.propagate = False
-
-    def stop(self, collect: bool = True) -> None:
-        """Collects what the failed reads left behind (their coroutines report when collected;
-        `collect=False` where none failed: a full collection walks every object JAX holds, which
-        is slow in a long-lived process), then gives the console its printers back."""
-        if not self.started:
-            return
-        if collect:
-            gc.collect()
-        asyncio_log = logging.getLogger("asyncio")
-        sys.excepthook, sys.unraisablehook, threading.excepthook, asyncio_log.propagate = self._saved
-        asyncio_log.removeHandler(self._handler)
-        self._saved = None
-        if self._file is not None:
-            self._file.close()
-            self._file = None
 
 
 def _why(error: Exception) -> str:
