@@ -32,6 +32,7 @@ from model.moe import GroupedMatmul, local_dispatch, megablox_matmul
 from sharding import axes_size, mesh_axes
 from sharding.context import balanced_order, per_device, sharded_ring
 from sharding.experts import expert_parallel
+from sharding.lookup import traded_lookup
 from trainer.checks import megablox_misfit
 from trainer.layout import Layout
 
@@ -66,7 +67,8 @@ def build_compute(cfg: Config, layout: Layout, graphdef: nnx.GraphDef, platform:
         runner=layer_runner(layout, m.remat),
         grad_fn=scheduled_grads(layout, graphdef, m.remat, m.loss_chunk, cast),
         kernels=Kernels(attention=attention_kernel(cfg, layout, platform),
-                        dispatch=expert_dispatcher(layout, grouped_matmul(cfg, layout, platform))),
+                        dispatch=expert_dispatcher(layout, grouped_matmul(cfg, layout, platform)),
+                        lookup=traded_lookup(layout.param_rules, layout.act_rules, layout.sizes)),
         order=balanced_order(m.seq_len, layout.sizes["context"]) if layout.sizes["context"] > 1
         and cfg.context.load_balance else None,
         moe=m.moe if m.moe.enabled else None,
