@@ -3,8 +3,9 @@
 The config says what to train and the layout where; `Compute` says how: the compute-dtype view
 of the parameters, the layer runner (the model's scan, or a pipeline schedule's), the gradient
 function (autodiff, or a 1F1B-family schedule's own), the kernels bound into the model while it
-traces (sharded attention under a sequence split, expert dispatch under expert parallelism), the
-load-balanced order of a sequence split, the loss chunk, the micro-batches and the router losses.
+traces (sharded attention under a sequence split, expert dispatch under expert parallelism, the
+embedding lookup under FSDP), the load-balanced order of a sequence split, the loss chunk, the
+micro-batches and the router losses.
 `build_compute` is the one place these are decided, from the config, the layout and the devices'
 platform; `make_train_step` and `make_loss_fn` (trainer/step.py) take the result by name.
 """
