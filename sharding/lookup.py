@@ -12,16 +12,14 @@ lookup never needs a masked gather and an all-reduce of the rows.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from model.kernels import LookupFn
 from sharding.rules import Rules, axes_size, mesh_axes
 
 Array = jax.Array
-LookupFn = Callable[[Array, Array], Array]
 
 
 def traded_lookup(param_rules: Rules, act_rules: Rules, sizes: dict[str, int]) -> LookupFn | None:
