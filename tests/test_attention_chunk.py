@@ -5,16 +5,23 @@ config rules around it."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import ROOT, real_target_env
 from configs import ConfigError
 from model.attention import attend
+from planner.hardware import HARDWARE
+from planner.targets import has_compiler
 from sharding import activation_rules
 from trainer import abstract_program, prepare
 from trainer.state import init_state
@@ -120,3 +127,28 @@ def test_the_chunk_must_divide_the_sequence_and_be_xla_attention(tiny) -> None:
 def test_the_chunk_refuses_a_sequence_split(tiny) -> None:
     with pytest.raises(ConfigError, match="model.attention_chunk=8: the query blocks would cut across"):
         prepare(tiny("model.attention_chunk=8", "mesh.data=4", "mesh.context=2"), 8, with_data=False)
+
+
+@pytest.mark.real_target
+def test_libtpu_keeps_no_whole_scores_with_query_blocks(tmp_path) -> None:
+    """A small llama on a v5p-8 (4,096 positions, 8 heads), compiled by libtpu with and without
+    512-query blocks: only the whole attention holds a [.., 4096, 4096] array, and the blocks need
+    under half its temporaries (1.05 against 0.24 GB when this was written)."""
+    if not has_compiler(HARDWARE["tpu-v5p"]):
+        pytest.skip("tpu-v5p's compiler is not installed (make compilers)")
+    shape = ["mesh.data=1", "mesh.fsdp=8", "train.global_batch=8", "model.num_layers=2", "model.d_model=512",
+             "model.num_heads=8", "model.num_kv_heads=2", "model.d_ff=1024", "model.vocab_size=1024",
+             "model.seq_len=4096", "model.attention=xla"]
+    temps, whole_scores = {}, {}
+    for chunk in (0, 512):
+        dump, out = tmp_path / f"hlo{chunk}", tmp_path / f"plan{chunk}.json"
+        done = subprocess.run([sys.executable, "plan.py", "--config", os.path.join(ROOT, "configs", "llama3-8b.yaml"),
+                               "--devices", "8", "--hardware", "tpu-v5p", "--dump-hlo", str(dump), "--out", str(out),
+                               *shape, f"model.attention_chunk={chunk}"],
+                              cwd=ROOT, env=real_target_env(), capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        (text,) = [f.read_text() for f in dump.iterdir()]
+        whole_scores[chunk] = bool(re.search(r"\[[0-9,]*4096,4096\]", text))
+        temps[chunk] = json.loads(out.read_text())["plans"][0]["memory"]["temps"]
+    assert whole_scores == {0: True, 512: False}, whole_scores
+    assert temps[512] < 0.5 * temps[0], temps
