@@ -1,6 +1,8 @@
 """Causal attention kernels, chosen by `model.attention`.
 
-- `xla`: plain einsums and a softmax in float32; runs everywhere and is the reference.
+- `xla`: plain einsums and a softmax in float32; runs everywhere and is the reference. With
+  `model.attention_chunk` it runs one block of queries at a time (`chunked_attention`), so the
+  [length, length] scores never exist at once.
 - `dot_product`: `jax.nn.dot_product_attention` with the implementation JAX picks.
 - `cudnn`: the same, forced to cuDNN's fused flash attention (GPU only). With packed documents
   and `model.max_documents` > 0 it takes each row's documents as cuDNN's packed layout (the
@@ -71,6 +73,25 @@ def masked_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv, g * t, -1)
     out = jnp.einsum("bkqs,bskd->bkqd", probs, v)
     return out.reshape(b, kv, g, t, dv).transpose(0, 3, 1, 2, 4).reshape(b, t, h, dv)
+
+
+def chunked_attention(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array, q_seg: Array | None,
+                      k_seg: Array | None, chunk: int) -> Array:
+    """`masked_attention` for `chunk` queries at a time (a `lax.map` over the query blocks), each
+    block against every key: the same sums, but no [batch, heads, length, length] scores, only
+    one block's [batch, heads, chunk, length]. Each block is rematerialized, so its backward keeps
+    only its inputs and recomputes its scores (one more q.k product). q [b, t, h, d] with t a
+    multiple of `chunk`; q_pos, q_seg [b, t]; k_pos, k_seg [b, s]."""
+    b, t = q.shape[:2]
+    blocks = lambda a: a.reshape(b, t // chunk, chunk, *a.shape[2:]).swapaxes(0, 1)  # noqa: E731  [n, b, chunk, ...]
+
+    @jax.checkpoint
+    def block(qs: tuple[Array, Array, Array | None]) -> Array:
+        qb, pos, seg = qs
+        return masked_attention(qb, k, v, block_mask(pos, k_pos, seg, k_seg))
+
+    out = jax.lax.map(block, (blocks(q), blocks(q_pos), None if q_seg is None else blocks(q_seg)))
+    return out.swapaxes(0, 1).reshape(b, t, *out.shape[3:])
 
 
 def fused_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, implementation: str | None,
@@ -172,7 +193,9 @@ def local_attention(q: Array, k: Array, v: Array, positions: Array, segment_ids:
 
 
 def attend(q: Array, k: Array, v: Array, positions: Array, segment_ids: Array | None, *, impl: str,
-           max_documents: int = 0) -> Array:
+           max_documents: int = 0, chunk: int = 0) -> Array:
+    """The layers' attention: the bound sharded kernel, else `impl` (xla: `chunk` > 0 queries at a
+    time when it is less than the length)."""
     sharded = kernels.current().attention
     if sharded is not None:
         return sharded(q, k, v, positions, segment_ids)
@@ -185,5 +208,7 @@ def attend(q: Array, k: Array, v: Array, positions: Array, segment_ids: Array | 
         v = whole(v, ("batch", None, "kv_heads", "head_dim"))
         k_pos = whole(positions, ("batch", None))
         k_seg = None if segment_ids is None else whole(segment_ids, ("batch", None))
+        if 0 < chunk < q.shape[1]:
+            return chunked_attention(q, k, v, positions, k_pos, segment_ids, k_seg, chunk)
         return masked_attention(q, k, v, block_mask(positions, k_pos, segment_ids, k_seg))
     return local_attention(q, k, v, positions, segment_ids, impl=impl, max_documents=max_documents)

@@ -2,8 +2,9 @@
 
 The model is written once and knows no mesh. Some of its computations depend on how the run
 lays the model out: attention under a sequence split runs as a sharded kernel (ring attention,
-splash under shard_map), and a mixture of experts under expert parallelism moves its tokens to
-the experts' devices. The trainer builds those functions from the mesh and binds them here while
+splash under shard_map), a mixture of experts under expert parallelism moves its tokens to
+the experts' devices, and under FSDP the embedding lookup trades rows instead of gathering the
+table. The trainer builds those functions from the mesh and binds them here while
 it traces the step, as flax binds its logical-axis rules (`nn.logical_axis_rules`); the layers
 read them with `current()`. Nothing bound: every layer runs its own kernel.
 
@@ -26,6 +27,8 @@ AttentionFn = Callable[[Array, Array, Array, Array, "Array | None"], Array]
 # (x [b, l, d], expert ids [b, l, k], weights [b, l, k], gate, up, down, capacity_factor)
 #   -> (y [b, l, d], kept [b, l, k] bool)
 DispatchFn = Callable[[Array, Array, Array, Array, Array, Array, float], tuple[Array, Array]]
+# (table [vocab, embed] in the compute dtype, tokens [b, l]) -> rows [b, l, embed]
+LookupFn = Callable[[Array, Array], Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +37,7 @@ class Kernels:
 
     attention: AttentionFn | None = None  # every attention layer calls it instead of `model.attention`'s kernel
     dispatch: DispatchFn | None = None  # every MoE layer hands its routed tokens to it (None: local)
+    lookup: LookupFn | None = None  # the embedding lookup (None: the table gathered, then looked up)
 
 
 _BOUND: contextvars.ContextVar[Kernels] = contextvars.ContextVar("kernels", default=Kernels())

@@ -115,7 +115,7 @@ class Attention(nnx.Module):
     def __call__(self, x: Array, positions: Array, segment_ids: Array | None, noise: Array | None = None) -> Array:
         q, k, v = self.project(x, positions, noise)
         return self.output(attend(q, k, v, positions, segment_ids, impl=self.cfg.attention,
-                                  max_documents=self.cfg.max_documents), noise)
+                                  max_documents=self.cfg.max_documents, chunk=self.cfg.attention_chunk), noise)
 
     def project(self, x: Array, positions: Array, noise: Array | None = None) -> tuple[Array, Array, Array]:
         """x [b, l, d] -> q [b, l, heads, hd], k and v [b, l, kv_heads, hd], rotary applied.

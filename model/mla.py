@@ -58,7 +58,7 @@ class MLAttention(nnx.Module):
     def __call__(self, x: Array, positions: Array, segment_ids: Array | None, noise: Array | None = None) -> Array:
         q, k, v = self.project(x, positions, noise)
         return self.output(attend(q, k, v, positions, segment_ids, impl=self.cfg.attention,
-                                  max_documents=self.cfg.max_documents), noise)
+                                  max_documents=self.cfg.max_documents, chunk=self.cfg.attention_chunk), noise)
 
     def rope(self, x: Array, positions: Array) -> Array:
         """The rotary embedding of x [b, l, heads, qk_rope_head_dim]. Interleaved pairs are

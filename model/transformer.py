@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from configs.schema import ModelConfig
+from model import kernels
 from model.block import Block
 from model.flops import moe_layer_count, stack_layers
 from model.layers import RMSNorm, constrain, param, remat
@@ -185,13 +186,14 @@ class Transformer(nnx.Module):
     def embed(self, tokens: Array) -> Array:
         """tokens [batch, length] int -> embeddings [batch, length, embed] in the compute dtype
         (its own method: the 1F1B schedules embed one microbatch at a time)."""
-        dtype = jnp.dtype(self.cfg.dtype)
-        # Cast, then gather the table's FSDP shards (the compute layout of `embed`), so the
-        # gather moves the compute dtype and the lookup's result comes out batch-sharded
-        # instead of being rematerialized by the partitioner (which it is, with a warning, when the
-        # table keeps both its `vocab` split over tensor and its `embed` split over fsdp).
-        table = constrain(self.embedding[...].astype(dtype), ("vocab", "embed"))
-        x = jnp.take(table, tokens, axis=0)
+        table = self.embedding[...].astype(jnp.dtype(self.cfg.dtype))
+        lookup = kernels.current().lookup
+        if lookup is not None:  # the layout's own (sharding/lookup.py: FSDP trades rows)
+            x = lookup(table, tokens)
+        else:
+            # Cast, then gather the table's shards over the compute layout of `embed`, so the
+            # gather moves the compute dtype and the rows come out batch-sharded.
+            x = jnp.take(constrain(table, ("vocab", "embed")), tokens, axis=0)
         return constrain(x, ("batch", "length", "embed"))
 
     def logits(self, x: Array, tied_grads: bool = True) -> Array:

@@ -86,6 +86,9 @@ def check_context(cfg: Config, sizes: dict[str, int], act_rules: Rules) -> None:
     if mesh_axes("length", act_rules) != ("context",):
         raise ConfigError(f"sharding.activations.length: must be 'context' when mesh.context={c} > 1 "
                           f"(got {mesh_axes('length', act_rules) or None})")
+    if m.attention_chunk:
+        raise ConfigError(f"model.attention_chunk={m.attention_chunk}: the query blocks would cut across the "
+                          f"sequence split (mesh.context={c}); set 0")
     if m.attention != "xla":
         raise ConfigError(f"model.attention={m.attention}: the kernel cannot take a sequence split "
                           f"(mesh.context={c}); use model.attention=xla with context.strategy=allgather or ring")

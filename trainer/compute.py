@@ -3,8 +3,9 @@
 The config says what to train and the layout where; `Compute` says how: the compute-dtype view
 of the parameters, the layer runner (the model's scan, or a pipeline schedule's), the gradient
 function (autodiff, or a 1F1B-family schedule's own), the kernels bound into the model while it
-traces (sharded attention under a sequence split, expert dispatch under expert parallelism), the
-load-balanced order of a sequence split, the loss chunk, the micro-batches and the router losses.
+traces (sharded attention under a sequence split, expert dispatch under expert parallelism, the
+embedding lookup under FSDP), the load-balanced order of a sequence split, the loss chunk, the
+micro-batches and the router losses.
 `build_compute` is the one place these are decided, from the config, the layout and the devices'
 platform; `make_train_step` and `make_loss_fn` (trainer/step.py) take the result by name.
 """
@@ -32,6 +33,7 @@ from model.moe import GroupedMatmul, local_dispatch, megablox_matmul
 from sharding import axes_size, mesh_axes
 from sharding.context import balanced_order, per_device, sharded_ring
 from sharding.experts import expert_parallel
+from sharding.lookup import traded_lookup
 from trainer.checks import megablox_misfit
 from trainer.layout import Layout
 
@@ -67,7 +69,8 @@ def build_compute(cfg: Config, layout: Layout, graphdef: nnx.GraphDef, platform:
         runner=layer_runner(layout, m.remat),
         grad_fn=scheduled_grads(layout, graphdef, m.remat, m.loss_chunk, cast),
         kernels=Kernels(attention=attention_kernel(cfg, layout, platform),
-                        dispatch=expert_dispatcher(layout, grouped_matmul(cfg, layout, platform))),
+                        dispatch=expert_dispatcher(layout, grouped_matmul(cfg, layout, platform)),
+                        lookup=traded_lookup(layout.param_rules, layout.act_rules, layout.sizes)),
         order=balanced_order(m.seq_len, layout.sizes["context"]) if layout.sizes["context"] > 1
         and cfg.context.load_balance else None,
         moe=m.moe if m.moe.enabled else None,
