@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from model.flops import moe_layer_count
 from model.kernels import use_kernels
 from model.lora import join, split, switched_off
 from model.loss import GradFn, LossFn, head_loss, model_inputs
@@ -69,7 +70,13 @@ def make_loss_fn(graphdef: nnx.GraphDef, compute: Compute = Compute(), *, router
             extra = {k: a[:, :, order] for k, a in extra.items()}
         with use_kernels(compute.kernels):
             x, stats = model.features_and_stats(inputs, positions, seg_in, runner=compute.runner)
-            mtp = mtp_losses(model, x, positions, seg_in, extra, compute.loss_chunk).mean() if depth else None
+            mtp = None
+            if depth:
+                mtp, mtp_stats = mtp_losses(model, x, positions, seg_in, extra, compute.loss_chunk)
+                mtp = mtp.mean()
+                if moe is not None:  # each module's block is one more MoE layer: the mean takes it in
+                    layers = moe_layer_count(model.cfg)
+                    stats = (stats * layers + mtp_stats) / (layers + depth)
         ce, count = head_loss(model, x, targets, weights, compute.loss_chunk), jnp.sum(weights)
         if moe is None and mtp is None:
             return ce, count
