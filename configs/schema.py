@@ -22,6 +22,7 @@ from configs.post import DPOConfig
 from configs.straggler import StragglerConfig
 from configs.lora import LoraConfig
 from configs.mla import MLAConfig
+from configs.rope import RopeScalingConfig
 from configs.moe import MoEConfig
 
 # The logical dim names the model gives its parameters and activations (model/layers.py,
@@ -219,6 +220,7 @@ class ModelConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     mla: MLAConfig = field(default_factory=MLAConfig)
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
 
     @property
     def resolved_head_dim(self) -> int:
