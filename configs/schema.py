@@ -347,8 +347,10 @@ class DebugConfig:
 
 def _default_param_rules() -> dict[str, Any]:
     # FSDP is one rule: stored parameters shard their `embed` dim over `fsdp` (and an MLA weight
-    # without one, its `latent` dim).
+    # without one, its `latent` dim). A rule claims a mesh axis in table order, so `expert` comes
+    # first: an `embed` rule that also names the expert axis leaves the experts theirs.
     return {
+        "expert": "expert",
         "batch": ["data", "fsdp", "expert"],
         "embed": "fsdp",
         "latent": "fsdp",
@@ -357,7 +359,6 @@ def _default_param_rules() -> dict[str, Any]:
         "mlp": "tensor",
         "vocab": "tensor",
         "layers": "pipeline",
-        "expert": "expert",
     }
 
 

@@ -64,6 +64,8 @@ def test_the_storage_gathers_are_what_the_storage_saves_three_times():
     plain, stored = check(TINY_DEEPSEEK, base, 8), check(TINY_DEEPSEEK, [*base, *EXPERT_STORAGE], 8)
     experts = logical_to_spec(("layers", "expert", "embed", "mlp"), to_rules(stored.sharding.params))
     assert experts[1] == "expert" and experts[3] == "fsdp", experts  # the experts stay split by expert
+    entries = load_config(TINY_DEEPSEEK, ["sharding.params.embed=[fsdp,expert]", "sharding.params.mlp=fsdp"])
+    assert logical_to_spec(("layers", "expert", "embed", "mlp"), to_rules(entries.sharding.params)) == experts
     saved = state_bytes(plain, 8)["params"] - state_bytes(stored, 8)["params"]
     assert saved > 0 and state_bytes(plain, 8)["expert_gathers"] == 0
     assert state_bytes(stored, 8)["expert_gathers"] == pytest.approx(3 * saved, rel=1e-9)
