@@ -32,6 +32,7 @@ import numpy as np
 from configs import Config
 from configs.schema import MESH_AXES, ShardingConfig
 from model import flops_per_token
+from model.flops import moe_layer_count
 from pipeline import bubble_fraction
 from planner.hardware import BATCH_AXES, Hardware, collective_seconds
 from sharding.cast import is_matmul_weight
@@ -63,7 +64,7 @@ def expert_bytes(cfg: Config, sizes: dict[str, int]) -> float:
     n, m = sizes["expert"], cfg.model
     if n == 1 or m.moe.num_experts <= 1:
         return 0.0
-    moe_layers = m.num_layers - m.moe.first_k_dense_replace + m.mtp_depth
+    moe_layers = moe_layer_count(m) + m.mtp_depth  # a prediction module's block is an MoE too
     passes = 4 + (2 if m.remat == "full" else 0)  # dispatch and combine, forward, backward (and recompute)
     return moe_layers * passes * m.moe.experts_per_token * activation_bytes(cfg, sizes) * (n - 1) / n
 
