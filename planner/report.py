@@ -203,7 +203,7 @@ def _layout_text(p: dict) -> str:
         if "pipeline.schedule" in given:
             layout["schedule"] = given["pipeline.schedule"]
     # The storage --search tries, by name; rules given on the command line as written.
-    storage = ["dense weights over fsdp*expert" if (o,) == EXPERT_STORAGE else o for o in p["overrides"]
+    storage = ["dense weights over fsdp*expert" if (o,) == EXPERT_STORAGE else o for o in p.get("overrides", [])
                if o.startswith("sharding.params")]
     return " ".join([f"{k}={v}" for k, v in layout.items() if v != 1 or k in ("data", "fsdp")] + storage)
 
