@@ -33,6 +33,8 @@ Array = jax.Array
 # the last, `bias_load`, is zero by construction (only its gradient means something): not one.
 MOE_METRICS = ("lm_loss",) + tuple(f"moe_{name}" for name in STATS[:4])
 
+LOSS_STATS = ("aux_loss", "z_loss", "bias_load")  # the router statistics the training loss takes
+
 
 def make_loss_fn(graphdef: nnx.GraphDef, compute: Compute = Compute(), *, router_losses: bool = False) -> LossFn:
     """loss(params, batch) -> (sum of the per-token losses, number of target tokens), both
@@ -74,9 +76,13 @@ def make_loss_fn(graphdef: nnx.GraphDef, compute: Compute = Compute(), *, router
             if depth:
                 mtp, mtp_stats = mtp_losses(model, x, positions, seg_in, extra, compute.loss_chunk)
                 mtp = mtp.mean()
-                if moe is not None:  # each module's block is one more MoE layer: the mean takes it in
+                if moe is not None:
+                    # Each module's block is one more MoE layer in the loss terms' mean (its router
+                    # losses, its bias's load); the logged dropped share and imbalance, maxima over
+                    # a batch that a pipeline splits differently for the modules, stay the stack's.
                     layers = moe_layer_count(model.cfg)
-                    stats = (stats * layers + mtp_stats) / (layers + depth)
+                    merged = (stats * layers + mtp_stats) / (layers + depth)
+                    stats = jnp.where(jnp.array([s in LOSS_STATS for s in STATS]), merged, stats)
         ce, count = head_loss(model, x, targets, weights, compute.loss_chunk), jnp.sum(weights)
         if moe is None and mtp is None:
             return ce, count
