@@ -6,6 +6,7 @@ step time and MFU from the compiled program.
     python plan.py --config configs/llama3-8b.yaml --devices 64 --hardware tpu-v5p mesh.fsdp=64
     python plan.py --config configs/llama3-8b.yaml --devices 64 --search --out plan.json
     python plan.py --config tiny --devices 8 --search mesh.pipeline=1 --remat none,full
+    python plan.py --config configs/deepseek-v3.yaml --devices 256 --search --top 3 mesh.nodes=32 mesh.across=expert
 
 The compile runs in a child process. For a GPU (h100, h200, a100) it is XLA's GPU compiler, fed
 the GPU's target description (planner/gpu_specs/), in nodes of 8; for a TPU (tpu-v5e, tpu-v5p,
@@ -23,13 +24,20 @@ collectives are parsed from the compiled HLO (planner/hlo.py) and set beside the
 minimum (planner/minimum.py); the step time is a roofline over the compiled kernels
 (planner/roofline.py) plus the collectives not overlapped (planner/hardware.py).
 
-`--search` tries every factorization of N over pipeline x data x fsdp x tensor (axes named on
-the command line stay as given), each pipeline schedule on a pipelined mesh (unless
+`--search` tries every factorization of N over pipeline x data x fsdp x tensor, and for a
+mixture of experts x expert (the sizes that divide the expert count; axes named on the command
+line stay as given), on an expert-parallel mesh without tensor parallelism both the default
+storage and the weights outside the experts split over fsdp x expert (planner/rank.py
+EXPERT_STORAGE), each
+pipeline schedule on a pipelined mesh (unless
 `pipeline.schedule` is given) and each remat policy of `--remat`, skips layouts the layout
 checks reject (with the reason) and, per mesh and schedule, policies that recompute more than one
 that already fits (they can only be slower); it ranks what fits by predicted step time (a
 pipelined plan prints its schedule's bubble with the formula; the compiled compute already
-holds it, as every stage computes on every tick).
+holds it, as every stage computes on every tick). With `--top K` it compiles only the K layouts
+an analytic estimate ranks best (planner/rank.py: a memory floor from the exact state sizes, a
+step time from the FLOPs and the layout's least traffic), for models whose every compile takes
+minutes; the others are listed with their analytic rank, not compiled.
 
 Exit status: 0 fits (search: something fits); 1 does not fit; 2 bad input (one line, before
 any compile). An entry point above the trainer, like train.py; the HLO, roofline and hardware
@@ -58,6 +66,7 @@ from configs.schema import MESH_AXES, REMAT_POLICIES
 from planner.hardware import HARDWARE, Hardware, check_quant, kernel_seconds
 from planner.hlo import collectives
 from planner.minimum import minimum
+from planner.rank import EXPERT_STORAGE, storage_gather_bytes
 from planner.report import evaluate, print_plan, print_search
 from planner.roofline import compute_seconds, kernels
 from planner.targets import child_env, compiler_name, has_compiler, node_of, target_devices, tpu_slice_shape
@@ -81,6 +90,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--topology", default="", help="TPU slice shape, e.g. 4x4x4 (default: from --devices)")
     parser.add_argument("--search", action="store_true", help="try every valid layout and remat policy")
     parser.add_argument("--remat", default=",".join(DEFAULT_REMATS), help="policies --search tries, in order")
+    parser.add_argument("--top", type=int, default=0,
+                        help="--search: compile only the K layouts the analytic estimate ranks best (0: all)")
     parser.add_argument("--out", help="write the plan as JSON here (--search: plan.json by default)")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: the compiling process
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
@@ -97,19 +108,22 @@ def _factorizations(n: int, axes: list[str]) -> list[dict[str, int]]:
     return [{axes[0]: d, **rest} for d in range(1, n + 1) if n % d == 0 for rest in _factorizations(n // d, axes[1:])]
 
 
-def candidates(overrides: list[str], n: int, search: bool, remats: list[str]) -> list[list[str]]:
-    """Override lists to plan: the command line as given, or (search) one per mesh and policy."""
+def candidates(overrides: list[str], n: int, search: bool, remats: list[str], experts: int = 1) -> list[list[str]]:
+    """Override lists to plan: the command line as given, or (search) one per mesh, storage and
+    policy. A mixture of `experts` > 1 also searches `mesh.expert` over the sizes that divide it."""
     if not search:
         return [overrides]
     pinned = _pinned(overrides)
     fixed = {a: int(pinned[f"mesh.{a}"]) for a in MESH_AXES if pinned.get(f"mesh.{a}", "-1") != "-1"}
     fixed.setdefault("context", 1)  # the sequence split is the long-context choice: searched only as given
-    fixed.setdefault("expert", 1)  # so is expert parallelism (MoE models only)
+    if experts <= 1:
+        fixed.setdefault("expert", 1)
     free = [a for a in MESH_AXES if a not in fixed]
     rest = math.prod(fixed.values())
     if rest <= 0 or n % rest or not free and rest != n:
         raise ConfigError(f"--devices={n}: the pinned mesh axes {fixed} do not divide it")
     meshes = _factorizations(n // rest, free) if free else [{}]
+    meshes = [m for m in meshes if experts % m.get("expert", 1) == 0]
     policies = [pinned["model.remat"]] if "model.remat" in pinned else remats
     searched = {f"mesh.{a}" for a in MESH_AXES} | {"model.remat", "pipeline.schedule"}
     base = [o for o in overrides if o.split("=", 1)[0] not in searched]  # mesh.nodes and mesh.across stay
@@ -125,10 +139,18 @@ def candidates(overrides: list[str], n: int, search: bool, remats: list[str]) ->
         return [[f"pipeline.schedule={s}"] for s in ([pinned["pipeline.schedule"]] if "pipeline.schedule" in pinned
                                                      else runs)]
 
+    def storages(mesh: dict[str, int]) -> list[list[str]]:
+        """The default storage, and on an expert-parallel mesh without tensor parallelism the one
+        that splits the weights outside the experts over fsdp x expert too (unless the rules of
+        stored parameters are given): it trades gathers over `expert` for their state's memory."""
+        if mesh["expert"] == 1 or mesh["tensor"] > 1 or any(o.startswith("sharding.params") for o in base):
+            return [[]]
+        return [[], list(EXPERT_STORAGE)]
+
     meshes = [{**fixed, **m} for m in meshes]
     return [
-        base + [f"mesh.{a}={m[a]}" for a in MESH_AXES] + s + [f"model.remat={r}"]
-        for m in meshes for s in schedules(m) for r in policies
+        base + [f"mesh.{a}={m[a]}" for a in MESH_AXES] + st + s + [f"model.remat={r}"]
+        for m in meshes for st in storages(m) for s in schedules(m) for r in policies
     ]
 
 
@@ -155,6 +177,7 @@ def state_bytes(cfg: Config, n: int) -> dict[str, int]:
         "params": per_device(state.params) + per_device(state.ref_params),  # DPO's frozen reference too
         "optimizer": per_device(state.opt_state) + per_device(state.step),
         "minimum": minimum(cfg, spec.layout.sizes, spec.model.shapes, spec.model.axes),
+        "expert_gathers": storage_gather_bytes(cfg, spec.layout.sizes, spec.model.shapes, spec.model.axes),
     }
 
 
@@ -354,7 +377,9 @@ def main(argv: list[str] | None = None) -> int:
         if why:
             raise ConfigError(f"model.quant: {why}")
         rows = []
-        tried = candidates(args.overrides, args.devices, args.search, remats)
+        if args.top < 0 or args.top and not args.search:
+            raise ConfigError(f"--top: a number of layouts to compile with --search, got {args.top}")
+        tried = candidates(args.overrides, args.devices, args.search, remats, base.model.moe.num_experts)
         beat = Heartbeat("checking the layouts", len(tried))
         for overrides in tried:
             beat.tick()

@@ -22,6 +22,7 @@ from configs.post import DPOConfig
 from configs.straggler import StragglerConfig
 from configs.lora import LoraConfig
 from configs.mla import MLAConfig
+from configs.rope import RopeScalingConfig
 from configs.moe import MoEConfig
 
 # The logical dim names the model gives its parameters and activations (model/layers.py,
@@ -221,6 +222,7 @@ class ModelConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     mla: MLAConfig = field(default_factory=MLAConfig)
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -347,8 +349,10 @@ class DebugConfig:
 
 def _default_param_rules() -> dict[str, Any]:
     # FSDP is one rule: stored parameters shard their `embed` dim over `fsdp` (and an MLA weight
-    # without one, its `latent` dim).
+    # without one, its `latent` dim). A rule claims a mesh axis in table order, so `expert` comes
+    # first: an `embed` rule that also names the expert axis leaves the experts theirs.
     return {
+        "expert": "expert",
         "batch": ["data", "fsdp", "expert"],
         "embed": "fsdp",
         "latent": "fsdp",
@@ -357,7 +361,6 @@ def _default_param_rules() -> dict[str, Any]:
         "mlp": "tensor",
         "vocab": "tensor",
         "layers": "pipeline",
-        "expert": "expert",
     }
 
 

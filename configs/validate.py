@@ -145,6 +145,10 @@ def _check_lora(cfg: Config) -> None:
 
 def _check_mla(cfg: Config) -> None:
     m = cfg.model
+    # YaRN is built as DeepSeek applies it (its softmax factor on the latent attention's queries).
+    _require(m.rope_scaling.type == "none" or m.attention_type == "mla", "model.rope_scaling.type",
+             f"{m.rope_scaling.type} is built for multi-head latent attention (DeepSeek-V2/V3): set "
+             "model.attention_type=mla, or model.rope_scaling.type=none")
     if m.attention_type != "mla":
         return
     # Every query head has its own key and value head, all expanded from one shared latent.

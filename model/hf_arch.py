@@ -72,14 +72,37 @@ UNSUPPORTED_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _rope_theta(hf: dict[str, Any]) -> tuple[float, list[str]]:
-    """The rotary base and the rope options we cannot express. transformers 5 writes
-    `rope_parameters`; 4.x writes `rope_theta` and `rope_scaling`."""
-    params = hf.get("rope_parameters") or {}
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any], list[str]]:
+    """The rotary base, our `rope_scaling.*` keys (YaRN) and the rope options we cannot express.
+    transformers 5 writes `rope_parameters`; 4.x and DeepSeek's own releases write `rope_theta`
+    and `rope_scaling`."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    bad = [] if rope_type == "default" else [f"rope_parameters.rope_type={rope_type!r}"]
-    return float(theta), bad
+    if rope_type == "default":
+        return float(theta), {}, []
+    if rope_type != "yarn":
+        return float(theta), {}, [f"rope_parameters.rope_type={rope_type!r}"]
+    bad = [f"rope_parameters.{k}={params.get(k)!r}" for k in ("factor", "original_max_position_embeddings")
+           if not params.get(k)]
+    bad += [f"rope_parameters.attention_factor={params['attention_factor']!r}"] if "attention_factor" in params else []
+    bad += ["rope_parameters.truncate=False"] if params.get("truncate", True) is False else []
+    # transformers reads a missing or zero beta as YaRN's defaults, a missing mscale as none.
+    found = {"factor": params.get("factor"), "original_max_position_embeddings": params.get("original_max_position_embeddings"),
+             "beta_fast": params.get("beta_fast") or 32.0, "beta_slow": params.get("beta_slow") or 1.0,
+             "mscale": params.get("mscale") or 0.0, "mscale_all_dim": params.get("mscale_all_dim") or 0.0}
+    return float(theta), {"rope_scaling.type": "yarn", **{f"rope_scaling.{k}": v for k, v in found.items()}}, bad
+
+
+def rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
+    """config.json's `rope_parameters` (transformers 5) for `cfg`'s rotary embedding."""
+    s = cfg.rope_scaling
+    if s.type == "none":
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    return {"rope_type": "yarn", "rope_theta": cfg.rope_theta, **{k: getattr(s, k) for k in YARN_KEYS}}
 
 
 def model_keys(hf: dict[str, Any], key: str) -> dict[str, Any]:
@@ -88,9 +111,10 @@ def model_keys(hf: dict[str, Any], key: str) -> dict[str, Any]:
     path, arch = f"{key}/config.json", hf.get("model_type")
     if arch not in ARCHS:
         raise ConfigError(f"{key}: {path} has model_type={arch!r}; only {', '.join(map(repr, ARCHS))} can be read")
-    theta, bad = _rope_theta(hf)
+    theta, scaling, bad = _rope(hf)
     if arch == "deepseek_v3":
-        return hf_deepseek.model_keys(hf, key, theta, bad)
+        return hf_deepseek.model_keys(hf, key, theta, bad) | scaling
+    bad += ["rope_parameters.rope_type='yarn'"] if scaling else []  # built for DeepSeek's latent attention
     bad += [f"{n}={hf[n]!r}" for n, default in UNSUPPORTED_DEFAULTS[arch].items() if hf.get(n, default) != default]
     if bad:
         raise ConfigError(f"{key}: {path} uses options this model cannot express: {', '.join(bad)}")
@@ -169,7 +193,7 @@ def hf_config(cfg: ModelConfig, source: dict[str, Any] | None = None, dtype: str
     `source`: the config.json of the checkpoint the run was imported from, or just the
     tokenizer's ids."""
     source, arch, e = source or {}, architecture(cfg), cfg.moe
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    rope = rope_parameters(cfg)
     out = {
         "architectures": [CLASSES[arch]],
         "model_type": arch,

@@ -18,10 +18,12 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
+from configs.rope import RopeScalingConfig
 from configs.schema import REMAT_SAVES, ModelConfig
 from model.attention import attend
 from model.lora import adapt
 from model.quant import fp8_gather, qeinsum
+from model.rope import yarn_frequencies
 
 Array = jax.Array
 
@@ -86,13 +88,20 @@ class RMSNorm(nnx.Module):
         return (normed * self.scale[...]).astype(x.dtype)
 
 
-def rotary(x: Array, positions: Array, theta: float) -> Array:
-    """Rotary position embedding, half-split convention (as Hugging Face Llama).
+def rotary(x: Array, positions: Array, theta: float, scaling: RopeScalingConfig | None = None) -> Array:
+    """Rotary position embedding, half-split convention (as Hugging Face Llama), with YaRN's
+    frequencies and magnitude under `scaling` (model/rope.py).
     x: [batch, length, heads, head_dim]; positions: [batch, length]."""
     half = x.shape[-1] // 2
-    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+    magnitude = 1.0
+    if scaling is None or scaling.type == "none":
+        inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+    else:
+        inv_freq, magnitude = yarn_frequencies(2 * half, theta, scaling)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch, length, half]
     cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    if magnitude != 1.0:
+        cos, sin = cos * magnitude, sin * magnitude
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 

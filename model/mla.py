@@ -5,7 +5,8 @@ Keys and values come from one shared latent per token: `kv_a` gives the latent (
 `kv_norm`) and a rotary key shared by all heads; `kv_b` expands the latent into each head's key
 part without position and its value. A head's query and key are its position-free part followed
 by its rotary part (the decoupled RoPE), so attention scores by (qk_nope_head_dim +
-qk_rope_head_dim) ** -0.5 and returns v_head_dim per head, then `o` projects back.
+qk_rope_head_dim) ** -0.5 (times YaRN's softmax factor under `model.rope_scaling`, model/rope.py)
+and returns v_head_dim per head, then `o` projects back.
 
 The layout follows Hugging Face's DeepseekV3Attention: a projection `W` ([out, in]) there is
 our `W.T` reshaped to named dims (q_b_proj -> q_b [q_lora_rank, heads, qk_head_dim], kv_b_proj ->
@@ -29,6 +30,7 @@ from flax import nnx
 from configs.schema import ModelConfig
 from model.attention import attend
 from model.layers import RMSNorm, constrain, param, project, project_adapted, rotary
+from model.rope import softmax_factor
 
 Array = jax.Array
 
@@ -66,7 +68,7 @@ class MLAttention(nnx.Module):
         its output too; both q and k get the same order, so their products are unchanged."""
         if self.cfg.mla.rope_interleave:
             x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
-        return rotary(x, positions, self.cfg.rope_theta)
+        return rotary(x, positions, self.cfg.rope_theta, self.cfg.rope_scaling)
 
     def queries(self, x: Array, positions: Array, noise: Array | None = None) -> tuple[Array, Array]:
         """x [b, l, d] -> each head's position-free query [b, l, heads, qk_nope_head_dim] and
@@ -77,6 +79,9 @@ class MLAttention(nnx.Module):
             q = project("blr,rhk->blhk", self.q_norm(latent), self.q_b, self.cfg)
         else:
             q = project_adapted(self, "q", "bld,dhk->blhk", x, noise)
+        factor = softmax_factor(self.cfg.rope_scaling)
+        if factor != 1.0:  # DeepSeek's YaRN softmax scale: every kernel scales by head_dim ** -0.5 alone
+            q = q * jnp.asarray(factor, q.dtype)
         q = constrain(q, ("batch", "length", "heads", "head_dim"))
         nope = self.cfg.mla.qk_nope_head_dim
         return q[..., :nope], self.rope(q[..., nope:], positions)

@@ -14,6 +14,7 @@ from configs import Config
 from configs.schema import MESH_AXES
 from model import flops_per_token
 from planner.hardware import Hardware, predict
+from planner.rank import EXPERT_STORAGE, rank
 from sharding.mesh import resolve_mesh_shape
 from pipeline import bubble_formula, bubble_fraction
 
@@ -134,6 +135,9 @@ def evaluate(
         if args.search and r["state"]["params"] + r["state"]["optimizer"] > hw.memory_budget:
             need = (r["state"]["params"] + r["state"]["optimizer"]) / GB
             r.update(status="does not fit", reason=f"parameters + optimizer state alone need {need:.1f} GB")
+    if args.search and getattr(args, "top", 0):
+        rank(rows, n, hw, args.top)
+        pending = [r for r in rows if r["status"] == "pending"]
     # Memory falls and time grows along --remat (none saves most, full least). Per mesh: the
     # fastest policy first; if it does not fit, the most frugal; if that fits, the ones between
     # in order. The first that fits ends the mesh; if the most frugal does not fit, none will.
@@ -165,8 +169,9 @@ def evaluate(
                 fitting[mesh_of(r)] = policy
             elif i == 1:
                 frugal_fails.add(mesh_of(r))
-    rank = {"fits": 0, "does not fit": 1, "skipped": 2, "failed": 3, "invalid": 4}
-    rows.sort(key=lambda r: (rank[r["status"]], r.get("time", {}).get("step_s", float("inf"))))
+    order_of = {"fits": 0, "does not fit": 1, "not compiled": 2, "skipped": 3, "failed": 4, "invalid": 5}
+    rows.sort(key=lambda r: (order_of[r["status"]], r.get("time", {}).get("step_s", float("inf")),
+                             r.get("analytic_rank", 0)))
     plans = [{k: v for k, v in r.items() if k not in ("cfg", "fits", "state")} for r in rows]
     return {
         "config": args.config,
@@ -197,7 +202,10 @@ def _layout_text(p: dict) -> str:
                   if key.removeprefix("mesh.") in MESH_AXES and value.lstrip("-").isdigit()}
         if "pipeline.schedule" in given:
             layout["schedule"] = given["pipeline.schedule"]
-    return " ".join(f"{k}={v}" for k, v in layout.items() if v != 1 or k in ("data", "fsdp"))
+    # The storage --search tries, by name; rules given on the command line as written.
+    storage = ["dense weights over fsdp*expert" if (o,) == EXPERT_STORAGE else o for o in p.get("overrides", [])
+               if o.startswith("sharding.params")]
+    return " ".join([f"{k}={v}" for k, v in layout.items() if v != 1 or k in ("data", "fsdp")] + storage)
 
 
 def print_plan(plan: dict) -> None:
@@ -246,9 +254,10 @@ def print_search(plan: dict) -> None:
     hw = plan["hardware"]
     print(f"compiled by: {plan['compiler']}")
     print(f"{plan['config']} on {plan['devices']} x {hw['name']} (budget {hw['memory_budget'] / GB:.1f} GB per device)")
+    analytic = any("estimate" in p for p in plan["plans"])  # --top: the estimate each layout was ranked by
     print("| rank | layout | remat | status | GB/dev | step s | MFU | comm / minimum | compute s | exposed comm s "
-          "| overlapped comm s | bubble |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| overlapped comm s | bubble |" + (" analytic rank: GB floor, step s |" if analytic else ""))
+    print("| --- " * (13 if analytic else 12) + "|")
     for i, p in enumerate(plan["plans"]):
         rank = str(i + 1) if p["status"] == "fits" else "-"
         if "time" in p:
@@ -259,6 +268,9 @@ def print_search(plan: dict) -> None:
                     _seconds(t["overlapped_comm_s"]), f"{t['bubble']:.3f}"]
         else:
             cols = [p.get("reason", "")] + [""] * 7
+        if analytic:
+            e = p.get("estimate")
+            cols.append(f"{p['analytic_rank']}: {e['memory'] / GB:.1f}, {_seconds(e['step_s'])}" if e else "-")
         print(f"| {rank} | {_layout_text(p)} | {p.get('remat', '')} | {p['status']} | " + " | ".join(cols) + " |")
     notes = {note for p in plan["plans"] for note in p.get("notes", [])}
     for note in sorted(notes):

@@ -2,8 +2,8 @@
 
 The config holds two tables (`sharding.params`, `sharding.activations`): stored parameters and
 activations may map the same logical name differently (FSDP shards the parameters' `embed`
-dim, never the activations'). A mesh axis is used at most once per array: the first logical
-dim that claims it (in array order) gets it, later ones stay whole.
+dim, never the activations'). A mesh axis is used at most once per array: the rules are taken
+in table order (as Flax takes them), and a rule whose axes are already used leaves its dim whole.
 """
 
 from __future__ import annotations

@@ -141,6 +141,7 @@ EXPLICIT: dict[str, tuple[Any, list[str]]] = {
     "model.remat": ("save_dots", []),
     "model.attention": ("dot_product", []),
     "model.attention_type": ("mla", ["model.num_kv_heads=8"]),
+    "model.rope_scaling.type": ("yarn", ["model.attention_type=mla", "model.num_kv_heads=8"]),
     "model.quant": ("fp8", []),
     "model.grad_reduce": ("bfloat16", []),
     "model.gather_dtype": ("fp8", []),

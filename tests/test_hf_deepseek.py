@@ -47,11 +47,12 @@ def export_and_load(params: dict, cfg, out: str) -> torch.nn.Module:  # noqa: AN
     return model.eval()
 
 
-def make_hf(path: str, q_lora_rank: int | None) -> torch.nn.Module:
+def make_hf(path: str, q_lora_rank: int | None, rope: dict | None = None) -> torch.nn.Module:
     """A random 3-layer DeepSeek-V3 (layer 0 dense, 1 and 2 with 8 experts in 4 groups, top-2 of
-    the best 2 groups, one shared expert) saved to `path`."""
+    the best 2 groups, one shared expert) saved to `path`; `rope`: its rope_parameters."""
     torch.manual_seed(0)
     config = transformers.DeepseekV3Config(
+        **({"rope_parameters": rope} if rope else {}),
         vocab_size=VOCAB, hidden_size=32, intermediate_size=40, moe_intermediate_size=24, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
         first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, kv_lora_rank=16,
@@ -125,12 +126,68 @@ def test_export_refuses_what_deepseek_v3_cannot_hold(overrides, message):
         hf_arch.architecture(load_config("tiny", overrides).model)
 
 
-def test_import_refuses_fp8_and_yarn_checkpoints(tmp_path):
-    """DeepSeek-V3's own release (FP8 weights with block scales, YaRN rotary scaling) exits 2 naming both."""
+# DeepSeek-V3's released rotary scaling (its config.json's rope_scaling, in transformers 5's words).
+V3_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+           "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+@pytest.mark.parametrize("mscale", [1.0, 0.0])  # DeepSeek-V3's softmax factor; plain YaRN's cosine factor
+def test_yarn_imports_and_exports_as_transformers(tmp_path, mscale):
+    """A random tiny DeepSeek-V3 with YaRN rotary scaling: imported, our logits are transformers'
+    (and without the scaling they are not); exported, transformers reads the scaling back and
+    gives the same logits."""
+    rope = {**V3_YARN, "mscale": mscale, "mscale_all_dim": mscale}
+    theirs = make_hf(str(tmp_path / "hf"), 24, rope)
+    cfg = hf_cli.import_config(str(tmp_path / "hf"), str(tmp_path / "run"), "tiny-moe", []).model
+    s = cfg.rope_scaling
+    assert (s.type, s.factor, s.original_max_position_embeddings, s.mscale_all_dim) == ("yarn", 40.0, 4096, mscale)
+    params = hf.load_params(str(tmp_path / "hf"), cfg, CPU0)
+    ref = their_logits(theirs, TOKENS)
+    assert rel_diff(logits(cfg, params), ref) < TOL
+    plain = dataclasses.replace(cfg, rope_scaling=dataclasses.replace(s, type="none"))
+    assert rel_diff(logits(plain, params), ref) > 100 * TOL
+    out = str(tmp_path / "exported")
+    exported = export_and_load(params, cfg, out)
+    assert {k: exported.config.rope_parameters[k] for k in rope} == rope
+    assert rel_diff(their_logits(exported, TOKENS), ref) < TOL
+
+
+@pytest.mark.parametrize("rope_dim, factor, original, mscale", [(64, 40.0, 4096, 1.0), (8, 4.0, 64, 0.707),
+                                                                 (16, 8.0, 512, 0.0)])
+def test_yarn_frequencies_and_factors_are_transformers(rope_dim, factor, original, mscale):
+    """The frequencies, the cosine factor and the softmax factor (model/rope.py) against
+    transformers' own YaRN and DeepseekV3Attention's scale, at DeepSeek-V3's shape and others."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
+    from configs.rope import RopeScalingConfig
+    from model.rope import softmax_factor, yarn_frequencies
+
+    rope = {**V3_YARN, "factor": factor, "original_max_position_embeddings": original, "mscale": mscale,
+            "mscale_all_dim": mscale}
+    config = transformers.DeepseekV3Config(qk_rope_head_dim=rope_dim, rope_parameters=rope)
+    inv_freq, attention = ROPE_INIT_FUNCTIONS["yarn"](config)
+    s = RopeScalingConfig(**{k: v for k, v in rope.items() if k not in ("rope_type", "rope_theta")}, type="yarn")
+    ours, our_attention = yarn_frequencies(rope_dim, 10000.0, s)
+    plain = 1.0 / 10000.0 ** (np.arange(0, rope_dim, 2) / rope_dim)
+    assert np.abs(inv_freq.numpy() / plain - 1).max() > 0.5  # the scaling moves some frequencies
+    np.testing.assert_allclose(ours, inv_freq.numpy(), rtol=1e-6)
+    assert our_attention == pytest.approx(attention, rel=1e-12)
+    assert softmax_factor(s) == pytest.approx(yarn_apply_mscale(rope, 1.0), rel=1e-12)
+
+
+def test_import_reads_deepseeks_rope_scaling_and_refuses_fp8(tmp_path):
+    """DeepSeek-V3's own config.json (transformers 4's `rope_scaling`, FP8 weights with block
+    scales) exits 2 naming the FP8 weights only; a rope type we do not build is named."""
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir()
-    config = {"model_type": "deepseek_v3", "quantization_config": {"quant_method": "fp8"},
-              "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40}}
+    released = {k: v for k, v in V3_YARN.items() if k not in ("rope_type", "rope_theta")}
+    config = {"model_type": "deepseek_v3", "quantization_config": {"quant_method": "fp8"}, "rope_theta": 10000,
+              "rope_scaling": {"type": "yarn", **released}}
     (hf_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match="rope_type='yarn'.*quant_method='fp8'|quant_method='fp8'.*rope_type='yarn'"):
+    with pytest.raises(ConfigError, match="quant_method='fp8'$"):
+        hf_cli.import_config(str(hf_dir), str(tmp_path / "run"), "tiny-moe", [])
+    config["rope_scaling"] = {"type": "longrope", "factor": 4.0}
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="rope_type='longrope'"):
         hf_cli.import_config(str(hf_dir), str(tmp_path / "run"), "tiny-moe", [])

@@ -179,6 +179,8 @@ def test_mla_config_errors_name_the_key():
         load_config("tiny", ["model.attention_type=mla", "model.num_heads=8", "model.num_kv_heads=4"])
     with pytest.raises(ConfigError, match="model.mla.qk_rope_head_dim: must be even"):
         load_config("tiny", ["model.attention_type=mla", "model.num_kv_heads=16", "model.mla.qk_rope_head_dim=3"])
+    with pytest.raises(ConfigError, match="model.rope_scaling.type: yarn is built for multi-head latent attention"):
+        load_config("tiny", ["model.rope_scaling.type=yarn"])
 
 
 MLA_TINY = ["model.attention_type=mla", "model.num_kv_heads=16", "model.mla.q_lora_rank=16", "model.mla.kv_lora_rank=16",

@@ -19,6 +19,7 @@ from model.transformer import transformer_from_params
 from sharding import activation_rules
 from test_context import initial_params, packed_batch
 from trainer import abstract_program
+from trainer.optimizer import make_optimizer
 from trainer.state import init_state, random_params
 from trainer.step import accumulate_stats, make_loss_fn
 
@@ -81,7 +82,7 @@ def direct_mtp_loss(cfg, params: dict) -> float:  # noqa: ANN001 (a ModelConfig)
             for k, module in enumerate(model.mtp, start=1):
                 length = n - 1 - k  # positions whose token k + 1 ahead is in the document
                 pos = jnp.arange(length)[None]
-                h = module(h[:, :length], model.embed(doc[:, k:k + length]), pos, None)
+                h = module(h[:, :length], model.embed(doc[:, k:k + length]), pos, None)[0]
                 logits = model.logits(module.norm(h))
                 losses[k] += list(np.asarray(optax.softmax_cross_entropy_with_integer_labels(
                     logits.astype(jnp.float32), doc[:, k + 1:k + 1 + length]))[0])
@@ -223,3 +224,29 @@ def test_mtp_with_experts_on_expert_parallel_gives_one_devices_loss_and_gradient
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     for (path, r), g in zip(jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads)):
         np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_an_mtp_moe_blocks_load_moves_its_routing_bias():
+    """A module's MoE block balances its load as the stack's layers do: with its router at zero
+    every token ties and goes to experts 0 and 1 (shares 1/2, 1/2, 0, ...), so its routing bias's
+    gradient is a positive multiple of share - 1/8, and the optimizer's first update moves the
+    two loaded experts' bias down by the rate and the others' up."""
+    sigmoid = ["model.moe.num_experts=8", "model.moe.experts_per_token=2", "model.moe.d_ff=32",
+               "model.moe.router=sigmoid", "model.moe.n_group=4", "model.moe.topk_group=2"]
+    cfg = load_config(TINY, ["data.source=synthetic", "mesh.data=1", "train.global_batch=2", "model.num_layers=2",
+                             "model.mtp_depth=1", *sigmoid])
+    program = abstract_program(cfg, jax.devices()[:1])
+    params = initial_params(program)
+    block = params["mtp"][0]["block"]["mlp"]
+    block["router"] = jnp.zeros_like(block["router"])
+    loss_fn = make_loss_fn(program.spec.model.graphdef, program.compute, router_losses=True)
+    _, grads, _ = jax.jit(lambda p, b: accumulate_stats(loss_fn, p, b, 1))(params, batch())
+    g = np.asarray(grads["mtp"][0]["block"]["mlp"]["router_bias"], np.float64)
+    over = np.array([0.5, 0.5, 0, 0, 0, 0, 0, 0]) - 1 / 8
+    assert g[0] > 0, g
+    np.testing.assert_allclose(g, g[0] / over[0] * over, rtol=1e-5)
+    assert np.abs(np.asarray(grads["layers"]["mlp"]["router_bias"])).max() > 0  # the stack's biases still move
+    tx, _ = make_optimizer(cfg.optim, 10, program.spec.model.axes, router_bias_rate=0.01)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    np.testing.assert_allclose(np.asarray(updates["mtp"][0]["block"]["mlp"]["router_bias"]),
+                               -0.01 * np.sign(over), rtol=1e-6)

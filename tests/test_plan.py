@@ -336,6 +336,8 @@ def test_llama3_8b_data_parallel_is_refused_without_compiling(tmp_path, capsys):
         (["--devices", "0"], "--devices"),
         (["--devices", "3", "--search"], "no valid layout"),
         (["--devices", "8", "--search", "--remat", "some"], "--remat"),
+        (["--devices", "8", "--top", "2"], "--top"),
+        (["--devices", "8", "--search", "--top", "-1"], "--top"),
         (["--devices", "8", "mesh.fsdpp=2"], "did you mean mesh.fsdp"),
     ],
 )

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from model.flops import moe_layer_count
 from model.kernels import use_kernels
 from model.lora import join, split, switched_off, token_noise
 from model.loss import GradFn, LossFn, head_loss, model_inputs
@@ -31,6 +32,8 @@ Array = jax.Array
 # The MoE metrics of a step (model/router.py STATS, averaged over layers), each a per-token mean;
 # the last, `bias_load`, is zero by construction (only its gradient means something): not one.
 MOE_METRICS = ("lm_loss",) + tuple(f"moe_{name}" for name in STATS[:4])
+
+LOSS_STATS = ("aux_loss", "z_loss", "bias_load")  # the router statistics the training loss takes
 
 
 def make_loss_fn(graphdef: nnx.GraphDef, compute: Compute = Compute(), *, router_losses: bool = False) -> LossFn:
@@ -70,7 +73,17 @@ def make_loss_fn(graphdef: nnx.GraphDef, compute: Compute = Compute(), *, router
             extra = {k: a[:, :, order] for k, a in extra.items()}
         with use_kernels(compute.kernels):
             x, stats = model.features_and_stats(inputs, positions, seg_in, runner=compute.runner, noise=noise)
-            mtp = mtp_losses(model, x, positions, seg_in, extra, compute.loss_chunk, noise).mean() if depth else None
+            mtp = None
+            if depth:
+                mtp, mtp_stats = mtp_losses(model, x, positions, seg_in, extra, compute.loss_chunk, noise)
+                mtp = mtp.mean()
+                if moe is not None:
+                    # Each module's block is one more MoE layer in the loss terms' mean (its router
+                    # losses, its bias's load); the logged dropped share and imbalance, maxima over
+                    # a batch that a pipeline splits differently for the modules, stay the stack's.
+                    layers = moe_layer_count(model.cfg)
+                    merged = (stats * layers + mtp_stats) / (layers + depth)
+                    stats = jnp.where(jnp.array([s in LOSS_STATS for s in STATS]), merged, stats)
         ce, count = head_loss(model, x, targets, weights, compute.loss_chunk), jnp.sum(weights)
         if moe is None and mtp is None:
             return ce, count
