@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     import jax
 
     from configs import ConfigError
-    from trainer.program import COLLECTIVES
+    from planner.hlo import COLLECTIVES
 
     short = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS", "all-to-all": "A2A", "collective-permute": "CP"}
     print(f"config {args.config} {' '.join(args.set)} on {jax.device_count()} fake {jax.devices()[0].platform} devices")

@@ -31,7 +31,6 @@ from flax import nnx
 
 from configs.schema import ModelConfig
 from model import kernels
-from model.kernels import DispatchFn
 from model.layers import MLP, constrain, param
 from model.router import RouterBias, route, router_stats
 

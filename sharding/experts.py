@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from model.moe import DispatchFn, GroupedMatmul, capacity, capacity_keep, combine, expert_rows
+from model.kernels import DispatchFn
+from model.moe import GroupedMatmul, capacity, capacity_keep, combine, expert_rows
 from sharding.rules import Rules, logical_to_spec, mesh_axes
 
 Array = jax.Array

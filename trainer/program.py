@@ -22,7 +22,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from configs import Config, ConfigError
 from data import batch_fields, batch_shape, open_source
-from planner.hlo import COLLECTIVES, static_counts  # noqa: F401  (COLLECTIVES: re-exported)
+from planner.hlo import static_counts
 from sharding import (
     activation_rules,
     axes_size,
