@@ -159,13 +159,15 @@ def tiny(tmp_path):
 # first, the last files are short ones and the workers end together. A file not listed goes
 # after these, in its own order; a stale weight only costs time.
 FILE_SECONDS = {
-    "test_pipeline": 125, "test_eval_run": 100, "test_faults": 73, "test_distributed": 69, "test_moe": 48,
-    "test_bench_step": 45, "test_train": 39, "test_cli": 38, "test_context": 34, "test_plan": 32,
-    "test_accumulation": 32, "test_quant": 32, "test_optimizers": 30, "test_golden": 28,
-    "test_data_run": 28, "test_generate": 26, "test_hf_moe": 25, "test_hf": 23,
-    "test_pipeline_train": 21, "test_observe": 17, "test_lock": 14, "test_loss": 13, "test_model": 11,
-    "test_prepare": 11, "test_harness": 10, "test_sharding": 8, "test_trackers": 7, "test_sweep": 7,
-    "test_extras": 6, "test_readme": 5,
+    "test_pipeline": 111, "test_mtp": 77, "test_tiers": 76, "test_distributed": 73, "test_lora_post": 71,
+    "test_faults": 68, "test_deepseek_routing": 66, "test_lora": 60, "test_lora_dropout": 50,
+    "test_eval_run": 47, "test_bench_step": 46, "test_moe": 45, "test_train": 44, "test_post_training": 39,
+    "test_cli": 35, "test_context": 34, "test_plan": 33, "test_generate": 27, "test_optimizers": 27,
+    "test_post_combos": 26, "test_data_run": 25, "test_quant": 25, "test_mla": 22, "test_pipeline_train": 21,
+    "test_accumulation": 19, "test_lock": 17, "test_observe": 16, "test_hf_moe": 15, "test_hf": 15,
+    "test_harness": 15, "test_hf_deepseek": 15, "test_loss": 12, "test_lora_mla": 11, "test_trackers": 10,
+    "test_prepare": 10, "test_stragglers": 9, "test_model": 9, "test_sharding": 8, "test_lookup": 7,
+    "test_readme": 6, "test_extras": 6, "test_sweep": 6, "test_imports": 6,
 }
 
 
