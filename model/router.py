@@ -93,6 +93,14 @@ def bias_load(bias: Array, share: Array) -> Array:
     return signal - jax.lax.stop_gradient(signal)
 
 
+def router_loss(stats: Array, cfg: MoEConfig) -> Array:
+    """The per-token router loss a training loss adds from `STATS` averaged over layers: the
+    weighted load-balancing and z losses, plus `bias_load` (zero, joined so that its gradient, the
+    load, reaches the routing bias)."""
+    aux, z, load = (stats[STATS.index(name)] for name in ("aux_loss", "z_loss", "bias_load"))
+    return cfg.aux_loss_coef * aux + cfg.router_z_loss_coef * z + load
+
+
 def router_stats(logits: Array, ids: Array, kept: Array, router: str = "softmax_topk",
                  bias: Array | None = None) -> Array:
     """`STATS` float32 over all tokens of logits [b, l, E] (ids, kept [b, l, k]). The balance

@@ -22,6 +22,7 @@ from model.kernels import use_kernels
 from model.lora import switched_off
 from model.loss import LossFn
 from model.preference import preference_loss, sequence_logps
+from model.router import router_loss
 from pipeline.stages import from_microbatches, to_microbatches
 from trainer.compute import Compute
 
@@ -70,6 +71,12 @@ def make_reference_fn(graphdef: nnx.GraphDef, compute: Compute, dpo: DPOConfig) 
     return ref_logps
 
 
+def reference_params(params: dict, ref_params: dict | None) -> dict:
+    """DPO's reference weights: the frozen copy of the starting weights, or under LoRA (no copy
+    held, `ref_params` None) the policy's own base with its adapters switched off."""
+    return switched_off(params) if ref_params is None else ref_params
+
+
 def make_dpo_loss_fn(graphdef: nnx.GraphDef, compute: Compute, dpo: DPOConfig) -> LossFn:
     """loss(params, batch with "ref_logps") -> (sum of the pairs' losses, (pairs, [the sums of
     DPO_METRICS])): divided by the pair count, the means over all pairs of the step. An MoE
@@ -82,8 +89,7 @@ def make_dpo_loss_fn(graphdef: nnx.GraphDef, compute: Compute, dpo: DPOConfig) -
         losses, chosen, rejected = preference_loss(policy, batch["ref_logps"], dpo.beta, dpo.loss)
         total = jnp.sum(losses)
         if moe is not None:
-            # router[4] is zero; it joins the sum so that its gradient, the load, reaches the routing bias.
-            total = total + (moe.aux_loss_coef * router[0] + moe.router_z_loss_coef * router[1] + router[4]) * losses.shape[0]
+            total = total + router_loss(router, moe) * losses.shape[0]
         stats = jnp.stack([jnp.sum(chosen), jnp.sum(rejected), jnp.sum(chosen - rejected),
                            jnp.sum((chosen > rejected).astype(jnp.float32))])
         return total, (jnp.asarray(losses.shape[0], jnp.float32), stats)
@@ -99,7 +105,6 @@ def make_dpo_eval_fn(graphdef: nnx.GraphDef, compute: Compute, dpo: DPOConfig) -
     loss_fn = make_dpo_loss_fn(graphdef, dataclasses.replace(compute, moe=None), dpo)
 
     def dpo_eval(params: dict, ref_params: dict | None, batch: dict[str, Array]) -> Any:
-        ref = switched_off(params) if ref_params is None else ref_params
-        return loss_fn(params, {**batch, "ref_logps": reference(ref, batch)})
+        return loss_fn(params, {**batch, "ref_logps": reference(reference_params(params, ref_params), batch)})
 
     return dpo_eval

@@ -16,14 +16,14 @@ from flax import nnx
 
 from model.flops import moe_layer_count
 from model.kernels import use_kernels
-from model.lora import join, split, switched_off, token_noise
+from model.lora import join, split, token_noise
 from model.loss import GradFn, LossFn, head_loss, model_inputs
 from model.mtp import mtp_losses, mtp_targets
-from model.router import STATS
+from model.router import STATS, router_loss
 from pipeline.stages import to_microbatches
 from trainer.compute import Compute
 from trainer.optimizer import schedule_count, without_router_bias
-from trainer.preference import DPO_METRICS, make_dpo_eval_fn, make_dpo_loss_fn, make_reference_fn
+from trainer.preference import DPO_METRICS, make_dpo_eval_fn, make_dpo_loss_fn, make_reference_fn, reference_params
 from trainer.state import TrainState
 
 Array = jax.Array
@@ -89,8 +89,7 @@ def make_loss_fn(graphdef: nnx.GraphDef, compute: Compute = Compute(), *, router
             return ce, count
         loss, metrics = ce, [ce[None]]
         if moe is not None:
-            # stats[4] is zero; it joins the loss so that its gradient, the load, reaches the routing bias.
-            loss = loss + (moe.aux_loss_coef * stats[0] + moe.router_z_loss_coef * stats[1] + stats[4]) * count
+            loss = loss + router_loss(stats, moe) * count
             metrics.append(stats[:4] * count)
         if mtp is not None:
             loss = loss + compute.mtp_loss_coef * mtp * count
@@ -202,7 +201,7 @@ def make_train_step(
 
     def train_step(state: TrainState, batch: dict[str, Array]) -> tuple[TrainState, dict[str, Array]]:
         if reference is not None:
-            ref = switched_off(state.params) if state.ref_params is None else state.ref_params
+            ref = reference_params(state.params, state.ref_params)
             batch = {**batch, "ref_logps": reference(ref, batch)}
         if compute.noise_seed is not None:  # after the reference, which runs without dropout
             batch = {**batch, "noise": step_noise(compute.noise_seed, state.step, batch["tokens"])}
