@@ -37,7 +37,7 @@ from pipeline import bubble_fraction
 from planner.hardware import BATCH_AXES, Hardware, collective_seconds
 from sharding.cast import is_matmul_weight
 from sharding.mesh import resolve_mesh_shape
-from sharding.rules import axes_size, logical_to_spec, mesh_axes, to_rules
+from sharding.rules import as_axes, axes_size, logical_to_spec, mesh_axes, to_rules
 
 
 def _expert_storage() -> tuple[str, ...]:
@@ -79,15 +79,11 @@ def storage_gather_bytes(cfg: Config, sizes: dict[str, int], shapes: dict, axes:
     total = 0.0
     for shape, names in zip(jax.tree.leaves(shapes), jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))):
         spec = logical_to_spec(names, rules)
-        if not any("expert" in _axes(entry) and name != "expert" for name, entry in zip(names, spec)):
+        if not any("expert" in as_axes(entry) and name != "expert" for name, entry in zip(names, spec)):
             continue  # not split over `expert`, or an expert weight split by its experts
         split = math.prod(axes_size(entry, kept) for entry in spec)
         total += math.prod(shape.shape) / split * (np.dtype(cfg.model.dtype).itemsize if is_matmul_weight(names) else 4)
     return 3 * (n - 1) / n * total
-
-
-def _axes(entry: str | tuple | None) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def inter_node_axes(cfg: Config, sizes: dict[str, int], hw: Hardware) -> set[str]:

@@ -37,15 +37,16 @@ def logical_axes(abstract_state: nnx.State) -> dict:
 
 def mesh_axes(logical: str, rules: Rules) -> tuple[str, ...]:
     """The mesh axes `rules` map a logical name to, outermost first; () when it stays whole."""
-    return _as_axes(logical_to_spec((logical,), rules)[0])
+    return as_axes(logical_to_spec((logical,), rules)[0])
 
 
 def axes_size(axes: str | Sequence[str] | None, sizes: dict[str, int]) -> int:
     """How many shards a dim split over `axes` (one PartitionSpec entry) has: their sizes' product."""
-    return math.prod(sizes[a] for a in _as_axes(axes))
+    return math.prod(sizes[a] for a in as_axes(axes))
 
 
-def _as_axes(entry: str | Sequence[str] | None) -> tuple[str, ...]:
+def as_axes(entry: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, one axis name, or several) as a tuple."""
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
