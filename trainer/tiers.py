@@ -2,7 +2,8 @@
 
 Orbax's emergency peer-to-peer manager (`orbax.checkpoint.experimental.emergency.p2p`) does the
 work: every process writes its own shards of the state and the Grain iterator's position into its
-node-local directory every `checkpoint.local_every` steps, and on restore a process that lacks a
+node-local directory every `checkpoint.local_every` steps, in the background after a blocking copy
+off the devices, and on restore a process that lacks a
 step (a replaced host starts with an empty disk) fetches its shards over TCP from the process
 holding the same shards in another data-parallel replica (the mesh's `data` axis). A step counts
 as complete when every shard is held by some process. The persistent tier stays the run's
@@ -12,24 +13,29 @@ its step when it is newer than the persistent tier's newest.
 Each process has its own folder, `checkpoint.local_dir/<run>/<layout>/process<i>` (several
 processes may share a host's disk), where <run> names run.dir so that another run's local steps
 are never read, and <layout> the mesh and process count (`layout_tag`).
+
+The data position is saved as a replicated array beside the state (`position_array`), inside the
+one asynchronous item, not as the manager's Grain item: that item is written synchronously on the
+loop's thread and gathers every process's position over the devices at each save, while our
+pipeline's position is the same on every process (data.pipeline) and needs no gathering.
 """
 
 from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import logging
 import os
 import shutil
 from typing import Callable
 
 import grain
-import grain.python as pygrain
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from orbax.checkpoint._src.multihost import multislice
 from orbax.checkpoint.experimental.emergency.p2p import args as p2p_args
 from orbax.checkpoint.experimental.emergency.p2p import checkpoint_manager as p2p
@@ -41,6 +47,8 @@ from trainer.state import TrainState
 
 # Parameters and optimizer state are replicated over `data`: its replicas hold the same shards.
 REPLICA_AXIS = "data"
+# Room for the Grain iterator's state as JSON (a few dozen bytes without workers, a few hundred with).
+POSITION_BYTES = 4096
 
 
 def local_root(cfg: Config) -> str:
@@ -88,6 +96,21 @@ def _gathered(value: int) -> list[int]:
     return [int(v) for v in multihost_utils.process_allgather(np.array(value))]
 
 
+def position_array(position: dict, mesh: Mesh) -> jax.Array:
+    """The Grain iterator's state as JSON bytes, zero-padded to POSITION_BYTES, replicated on `mesh`."""
+    text = json.dumps(position).encode()
+    if len(text) > POSITION_BYTES:
+        raise ValueError(f"the data iterator's state takes {len(text)} bytes, more than the local tier's {POSITION_BYTES}")
+    row = np.zeros(POSITION_BYTES, np.uint8)
+    row[: len(text)] = np.frombuffer(text, np.uint8)
+    return jax.make_array_from_callback(row.shape, NamedSharding(mesh, PartitionSpec()), lambda index: row[index])
+
+
+def read_position(array: jax.Array) -> dict:
+    """position_array's inverse, from this process's copy."""
+    return json.loads(np.asarray(array.addressable_data(0)).tobytes().rstrip(b"\0"))
+
+
 class LocalTier:
     """The run's local checkpoints, through Orbax's P2P emergency checkpoint manager."""
 
@@ -102,6 +125,7 @@ class LocalTier:
         )
         logging.getLogger("absl").addFilter(_not_routine)
         self.manager = p2p.CheckpointManager(mesh, abstract, self.directory, None, options=options)
+        self.mesh = mesh
         self.peers = _peers_hold_copies(mesh)
         self._closed = False
 
@@ -110,8 +134,8 @@ class LocalTier:
 
     def save(self, step: int, state: TrainState, iterator: grain.DatasetIterator) -> None:
         """Starts an asynchronous save of this process's shards and data position."""
-        args = p2p_args.Composite(state=ocp.args.PyTreeSave(state), data_iter=pygrain.PyGrainCheckpointSave(iterator))
-        self.manager.save(step, args=args, force=True)
+        item = {"train": state, "data": position_array(iterator.get_state(), self.mesh)}
+        self.manager.save(step, args=p2p_args.Composite(state=ocp.args.PyTreeSave(item)), force=True)
 
     def latest_step(self) -> int | None:
         """The newest step whose every shard some process holds (the same on every process)."""
@@ -129,9 +153,11 @@ class LocalTier:
         had = _gathered(int(os.path.isdir(os.path.join(self.directory, str(step)))))
         state, reason = None, ""
         try:
-            restored = self.manager.restore(step, args=p2p_args.Composite(
-                state=ocp.args.PyTreeRestore(target), data_iter=pygrain.PyGrainCheckpointRestore(iterator)))
-            state = restored.state
+            data = jax.ShapeDtypeStruct((POSITION_BYTES,), np.uint8, sharding=NamedSharding(self.mesh, PartitionSpec()))
+            item = {"train": target, "data": data}
+            restored = self.manager.restore(step, args=p2p_args.Composite(state=ocp.args.PyTreeRestore(item))).state
+            iterator.set_state(read_position(restored["data"]))
+            state = restored["train"]
         except Exception as e:  # a peer gone, a fetch cut short, unreadable files: the persistent tier remains
             reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         if not _everywhere(state is not None):
