@@ -1,11 +1,14 @@
 """What the local checkpoint tier costs and saves, on a real 4-process job (2 fake CPU devices each).
 
-    python -m bench.tiers [--repeat N] [--every 0,2,5,10] [--only cost|recovery] [--out DIR]
-    python -m bench.tiers --breakdown
+    python -m bench.tiers [--repeat N] [--every 0,2,5,10] [--only cost|recovery] [--out DIR] [KEY=VALUE ...]
+    python -m bench.tiers --breakdown [KEY=VALUE ...]
 
 Cost: jobs of the tiny preset run 40 steps with a persistent save at the end alone
 (checkpoint.every=40), without a local tier and with one saving every 2, 5 and 10 steps
 (`--every`; 0 is no local tier), the variants taken in turn, `--repeat` times (default 3).
+KEY=VALUE overrides apply to every job of the cost table and the breakdown: a larger batch
+(`train.global_batch=64 model.seq_len=256`) makes steps longer with the same state to save, as
+a pod's steps are next to the tiny preset's 512 tokens.
 Printed per variant, medians over the repeats: the wall seconds per step from step 5 to step 35
 (the console lines' arrival times, saves included), its growth over the job without a local tier,
 and the blocking seconds of one local save (the loop's own timing of the save call, from
@@ -14,7 +17,7 @@ summary.json).
 Breakdown: one cost job saving locally every 2 steps, whose processes record the timings Orbax
 takes of its own saves (bench/orbax_events); printed for process 0, per local save: the loop's
 blocking time, Orbax's blocking part, its parts on the loop's thread (the copy off the devices,
-the synchronous Grain position item, the barriers) and the rest; means over the run's local
+the barriers) and the rest; means over the run's local
 saves, the first (Orbax's one-time set-up) included.
 
 Recovery: two jobs, the persistent tier alone (checkpoint.every=10) and with a local tier saving
@@ -60,12 +63,14 @@ def stamp(t: Train, step: int) -> float:
     return t.seen_at(rf"^step +{step}/")
 
 
-def command(root: str, name: str, every: int, local_every: int, steps: int = 40) -> list[str]:
+def command(
+    root: str, name: str, every: int, local_every: int, steps: int = 40, extra: tuple[str, ...] = ()
+) -> list[str]:
     run_dir, local_dir = os.path.join(root, name, "run"), os.path.join(root, name, "local")
     local = [f"checkpoint.local_dir={local_dir}", f"checkpoint.local_every={local_every}"] if local_every else [
         "checkpoint.local_dir="]
     return ["--config", TINY, f"run.dir={run_dir}", DATA, "train.log_every=1", f"train.steps={steps}",
-            f"checkpoint.every={every}", *local]
+            f"checkpoint.every={every}", *local, *extra]
 
 
 def last_invocation(cmd: list[str]) -> dict:
@@ -73,9 +78,9 @@ def last_invocation(cmd: list[str]) -> dict:
         return json.load(f)["invocations"][-1]
 
 
-def cost(root: str, name: str, local_every: int) -> tuple[float, float | None]:
+def cost(root: str, name: str, local_every: int, extra: tuple[str, ...]) -> tuple[float, float | None]:
     """(wall s/step over steps 5..35, blocking seconds per local save or None) of one 40-step job."""
-    cmd = command(root, name, 40, local_every)
+    cmd = command(root, name, 40, local_every, extra=extra)
     job = processes(N, *cmd, heartbeat=5)
     assert [p.finish(600) for p in job] == [0] * N, job[0].output
     step_s = (stamp(job[0], 35) - stamp(job[0], 5)) / 30
@@ -83,33 +88,34 @@ def cost(root: str, name: str, local_every: int) -> tuple[float, float | None]:
     return step_s, local["blocking_s"] / local["count"] if local else None
 
 
-def cost_table(root: str, repeat: int, every: list[int]) -> None:
+def cost_table(root: str, repeat: int, every: list[int], extra: tuple[str, ...]) -> None:
     runs: dict[int, list[tuple[float, float | None]]] = {e: [] for e in every}
     for r in range(repeat):  # the variants in turn, so that a change of the host's load hits them all
         for e in every:
-            runs[e].append(cost(root, f"cost-{e}-{r}", e))
+            runs[e].append(cost(root, f"cost-{e}-{r}", e, extra))
     base = statistics.median(s for s, _ in runs[0]) if 0 in runs else None
-    print(f"| local tier ({N} processes, medians of {repeat}) | s/step, steps 5-35 | step time vs no local tier "
-          "| blocking per local save, ms |")
-    print("| --- | --- | --- | --- |")
+    jobs = " ".join(extra) or "the tiny preset"
+    print(f"| local tier ({N} processes, {jobs}, medians of {repeat}) | s/step, steps 5-35 | step time vs no local tier "
+          "| blocking per local save, ms | blocking over the steps between saves |")
+    print("| --- | --- | --- | --- | --- |")
     for e in every:
         step_s = statistics.median(s for s, _ in runs[e])
         label = f"checkpoint.local_every={e}" if e else "none"
-        blocked = f"{1000 * statistics.median(b for _, b in runs[e]):.0f}" if e else "-"
+        blocked = statistics.median(b for _, b in runs[e]) if e else 0.0
         growth = f"{100 * (step_s / base - 1):+.1f}%" if e and base else "-"
-        print(f"| {label} | {step_s:.3f} | {growth} | {blocked} |")
+        share = f"{100 * blocked / (e * base):.1f}%" if e and base else "-"
+        print(f"| {label} | {step_s:.3f} | {growth} | {f'{1000 * blocked:.0f}' if e else '-'} | {share} |")
 
 
 EVENTS = {  # Orbax's jax.monitoring events of a save's blocking part, as the breakdown names them
     "/jax/orbax/write/async/blocking_duration_secs": "Orbax's blocking part of the save",
     "/jax/orbax/write/blocking_d2h_duration_secs": "copy off the devices",
-    "/jax/orbax/write/blocking_sync_item_duration_secs": "Grain position item (synchronous: two all-gathers, a file)",
     "/jax/checkpoint/sync_global_devices_duration_sec": "barriers",
 }
 
 
-def breakdown(root: str) -> None:
-    cmd = command(root, "breakdown", 40, 2)
+def breakdown(root: str, extra: tuple[str, ...]) -> None:
+    cmd = command(root, "breakdown", 40, 2, extra=extra)
     events_dir = os.path.join(root, "events")
     os.makedirs(events_dir, exist_ok=True)
     here = os.path.dirname(os.path.abspath(__file__))
@@ -174,12 +180,14 @@ def main() -> None:
     parser.add_argument("--every", default="0,2,5,10", help="checkpoint.local_every of the cost jobs, 0: none")
     parser.add_argument("--breakdown", action="store_true", help="print where one local save's blocking time goes")
     parser.add_argument("--only", choices=("cost", "recovery"), help="print one of the two tables")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides of the cost and breakdown jobs")
     opts = parser.parse_args()
+    extra = tuple(opts.overrides)
     root = opts.out or tempfile.mkdtemp(prefix="bench-tiers-")
     if opts.breakdown:
-        breakdown(root)
+        breakdown(root, extra)
     elif opts.only != "recovery":
-        cost_table(root, opts.repeat, [int(e) for e in opts.every.split(",")])
+        cost_table(root, opts.repeat, [int(e) for e in opts.every.split(",")], extra)
     if opts.only != "cost" and not opts.breakdown:
         recovery_table(root)
     if not opts.out:

@@ -56,6 +56,14 @@ class Compute:
     mtp_loss_coef: float = 0.0  # its weight there (model.mtp_loss_coef)
     noise_seed: int | None = None  # LoRA dropout's seed (run.seed; None: no dropout, model/lora.py)
 
+    def in_order(self, *arrays: jax.Array | None, axis: int = 1) -> tuple[jax.Array | None, ...]:
+        """Each array (None passes) with its sequence axis `axis` in the sequence split's
+        load-balanced order; all unchanged without one. The losses are sums over tokens and the
+        model masks by position, so every per-token input may be permuted alike."""
+        if self.order is None:
+            return arrays
+        return tuple(None if a is None else a[(slice(None),) * axis + (self.order,)] for a in arrays)
+
 
 def build_compute(cfg: Config, layout: Layout, graphdef: nnx.GraphDef, platform: str,
                   cast: Callable[[dict], dict] | None = None) -> Compute:

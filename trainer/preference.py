@@ -45,9 +45,7 @@ def _logps(graphdef: nnx.GraphDef, compute: Compute, params: dict, batch: dict[s
     inputs, targets, weights = tokens[:, :-1], tokens[:, 1:], mask[:, 1:].astype(jnp.float32)
     positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
     noise = batch["noise"].reshape(inputs.shape) if "noise" in batch else None  # the policy's LoRA dropout
-    if compute.order is not None:  # a sum over tokens: the sequence split's order changes nothing
-        inputs, targets, weights, positions = (a[:, compute.order] for a in (inputs, targets, weights, positions))
-        noise = None if noise is None else noise[:, compute.order]
+    inputs, targets, weights, positions, noise = compute.in_order(inputs, targets, weights, positions, noise)
     with use_kernels(compute.kernels):
         x, stats = model.features_and_stats(inputs, positions, None, runner=compute.runner, noise=noise)
     logps = sequence_logps(model, x, targets, weights)

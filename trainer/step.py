@@ -52,7 +52,7 @@ def make_loss_fn(graphdef: nnx.GraphDef, compute: Compute = Compute(), *, router
     does), and aux carries the MoE metrics; without them the loss is the cross-entropy alone (eval).
     The same for multi-token prediction (`model.mtp_depth`, model/mtp.py): with `router_losses`
     the loss gains `compute.mtp_loss_coef` x its mean loss x the target count, and aux its mean loss."""
-    cast, order, moe = compute.cast, compute.order, compute.moe if router_losses else None
+    cast, moe = compute.cast, compute.moe if router_losses else None
 
     def loss_fn(params: dict, batch: dict[str, Array]) -> tuple[Array, Array]:
         model = nnx.merge(graphdef, params if cast is None else cast(params))
@@ -62,15 +62,11 @@ def make_loss_fn(graphdef: nnx.GraphDef, compute: Compute = Compute(), *, router
         depth = compute.mtp_depth if router_losses else 0
         # Tokens ahead are found in sequence order, before any reorder below.
         extra = mtp_targets(inputs, targets, weights, depth) if depth else {}
-        if order is not None:
-            if positions is None:
-                positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
-            # The loss is a sum over tokens and the model masks by position, so the rows may be
-            # permuted as a whole: inputs, targets, weights, positions and segments alike.
-            inputs, targets, weights, positions = (a[:, order] for a in (inputs, targets, weights, positions))
-            seg_in = None if seg_in is None else seg_in[:, order]
-            noise = None if noise is None else noise[:, order]
-            extra = {k: a[:, :, order] for k, a in extra.items()}
+        if compute.order is not None and positions is None:  # a reordered row needs its positions
+            positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
+        inputs, targets, weights, positions, seg_in, noise = compute.in_order(
+            inputs, targets, weights, positions, seg_in, noise)
+        extra = dict(zip(extra, compute.in_order(*extra.values(), axis=2)))
         with use_kernels(compute.kernels):
             x, stats = model.features_and_stats(inputs, positions, seg_in, runner=compute.runner, noise=noise)
             mtp = None
