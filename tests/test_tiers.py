@@ -19,7 +19,7 @@ from configs import ConfigError, load_config
 from conftest import stdlib_glob
 from trainer.goodput import describe
 from trainer.stragglers import SLOW_ENV
-from trainer.tiers import layout_tag, local_root, process_dir
+from trainer.tiers import POSITION_BYTES, layout_tag, local_root, position_array, process_dir, read_position
 
 DATA = f"data.path={stdlib_glob('json')}"
 
@@ -206,3 +206,16 @@ def test_an_unwritable_local_dir_exits_2_before_compiling(tmp_path, capfd):
     assert code == 2, out
     assert out.strip() == f"error: checkpoint.local_dir={not_a_dir / 'local'}: {not_a_dir} is not a writable directory", out
     assert not os.path.exists(tmp_path / "run")
+
+
+def test_the_data_position_rides_in_a_replicated_array():
+    """A Grain position (here a multi-worker one, the largest kind) survives position_array and
+    read_position exactly, replicated on the mesh; one too large for the array is refused."""
+    mesh = jax.sharding.Mesh(jax.devices()[:2], ("data",))
+    position = {"next_index_in_cycle": 5, "iterators_in_use_indices": list(range(16)),
+                "iterators_in_use_states": [{"next_index": 3 + i % 2} for i in range(16)]}
+    array = position_array(position, mesh)
+    assert array.shape == (POSITION_BYTES,) and array.sharding.is_fully_replicated
+    assert read_position(array) == position
+    with pytest.raises(ValueError, match="data iterator's state takes"):
+        position_array({"states": ["x" * 64] * (POSITION_BYTES // 64)}, mesh)

@@ -47,8 +47,8 @@ from trainer.state import TrainState
 
 # Parameters and optimizer state are replicated over `data`: its replicas hold the same shards.
 REPLICA_AXIS = "data"
-# Room for the Grain iterator's state as JSON (a few dozen bytes without workers, a few hundred with).
-POSITION_BYTES = 4096
+# Room for the Grain iterator's state as JSON: a few dozen bytes without workers, about 35 more per worker.
+POSITION_BYTES = 16384
 
 
 def local_root(cfg: Config) -> str:

@@ -1,6 +1,6 @@
 """Put on PYTHONPATH by `python -m bench.tiers --breakdown` alone: each process of the job appends
 the timings Orbax records of its own saves (jax.monitoring events: the blocking part, the copy off
-the devices, a synchronous item, each barrier) to $BENCH_EVENTS_DIR/events-<pid>.jsonl, stamped
+the devices, each barrier) to $BENCH_EVENTS_DIR/events-<pid>.jsonl, stamped
 with the system-wide monotonic clock the bench's console stamps use and marked when recorded on
 the main thread (the loop's: the rest run in Orbax's background threads)."""
 
