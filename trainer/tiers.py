@@ -124,10 +124,16 @@ class LocalTier:
             replica_axis_index=MESH_AXES.index(REPLICA_AXIS),
         )
         logging.getLogger("absl").addFilter(_not_routine)
-        self.manager = p2p.CheckpointManager(mesh, abstract, self.directory, None, options=options)
         self.mesh = mesh
+        self.manager = p2p.CheckpointManager(mesh, self._item(abstract), self.directory, None, options=options)
         self.peers = _peers_hold_copies(mesh)
         self._closed = False
+
+    def _item(self, state: TrainState) -> dict:
+        """The tree a local step holds, for `state` (arrays or their shapes): the state and the data
+        position's shape (position_array)."""
+        data = jax.ShapeDtypeStruct((POSITION_BYTES,), np.uint8, sharding=NamedSharding(self.mesh, PartitionSpec()))
+        return {"train": state, "data": data}
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
@@ -153,8 +159,7 @@ class LocalTier:
         had = _gathered(int(os.path.isdir(os.path.join(self.directory, str(step)))))
         state, reason = None, ""
         try:
-            data = jax.ShapeDtypeStruct((POSITION_BYTES,), np.uint8, sharding=NamedSharding(self.mesh, PartitionSpec()))
-            item = {"train": target, "data": data}
+            item = self._item(target)
             restored = self.manager.restore(step, args=p2p_args.Composite(state=ocp.args.PyTreeRestore(item))).state
             iterator.set_state(read_position(restored["data"]))
             state = restored["train"]
