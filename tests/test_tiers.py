@@ -184,6 +184,40 @@ def test_without_any_local_copy_the_run_resumes_from_the_persistent_tier(tmp_pat
     assert list(tiers) == ["persistent"] and tiers["persistent"]["recomputed_steps"] == 5, tiers
 
 
+@pytest.mark.parametrize("damage", ["arrays", "state"])
+def test_an_unreadable_local_step_is_computed_and_saved_again(tmp_path, ran_9, capsys, caplog, damage):
+    """The local step 6 is newer than the persistent step 4 left but cannot be read: its arrays gone
+    (the restore fails; the step is removed once the run resumes from the persistent tier) or its
+    whole state (no process's data: removed at start, before Orbax's manager would stop on it).
+    Each removal is one line; the run saves step 6 again when it gets there, and the losses are the
+    uninterrupted run's."""
+    run_dir, local_dir, reference = ran_9
+    copy_run, copy_local = tmp_path / "run", tmp_path / "local"
+    shutil.copytree(run_dir, copy_run)
+    for step in ("8", "9"):
+        shutil.rmtree(copy_run / "checkpoints" / step)
+    cfg = load_config(TINY, args(copy_run, copy_local, "train.steps=9")[2:])
+    shutil.copytree(local_root(load_config(TINY, args(run_dir, local_dir)[2:])), local_root(cfg))
+    step_6 = os.path.join(process_dir(cfg, layout_tag({"data": 8}, 1), 0), "6")
+    shutil.rmtree(os.path.join(step_6, "state", "d") if damage == "arrays" else os.path.join(step_6, "state"))
+    capsys.readouterr()
+    history = trainer.run(cfg)
+    out = capsys.readouterr().out
+    if damage == "arrays":
+        assert re.search(r"warning: local checkpoint step 6 cannot be restored on every process \(NOT_FOUND: Error "
+                         r"opening .{100,200}\); using the persistent tier", out), out
+        assert not [r for r in caplog.records if "Local/P2P restore" in r.getMessage()], "Orbax's traceback: dropped"
+        assert (f"warning: removed local checkpoint step(s) 6 of {os.path.dirname(step_6)}: the run resumes from "
+                "step 4 and computes them again") in out, out
+    else:
+        assert (f"warning: skipped an unreadable local checkpoint {step_6} (no process's state in it; removed)"
+                in out), out
+        assert "removed local checkpoint" not in out and "cannot be restored" not in out, out
+    assert "restoring from the persistent tier: step 4" in out and "resumed from step 4" in out, out
+    assert {r["step"]: r["loss"] for r in history} == {s: reference[s] for s in range(5, 10)}
+    assert os.path.isdir(os.path.join(step_6, "state", "d")), "step 6 saved again"
+
+
 @pytest.mark.parametrize("extra, message", [
     (["checkpoint.local_every=3"], "checkpoint.local_dir: empty, but checkpoint.local_every=3 asks for a local tier"),
     (["checkpoint.local_dir=/tmp/x"], "checkpoint.local_every: 0, but checkpoint.local_dir=/tmp/x asks for a local tier"),

@@ -269,12 +269,22 @@ class Checkpointer:
         None when there are none, or none readable and `checkpoint.fresh_if_unreadable`; otherwise
         NoReadableCheckpoint."""
         steps = sorted(self.manager.all_steps(), reverse=True)
-        if self.local is not None:
-            found = self.local.restore_newer_than(steps[0] if steps else None, target, iterator, warn)
-            if found is not None:
-                self.restored_tier = "local"
-                return found
+        if self.local is None:
+            self.restored_tier = "persistent"
+            return self._restore_persistent(steps, target, iterator, warn)
+        found = self.local.restore_newer_than(steps[0] if steps else None, target, iterator, warn)
+        if found is not None:
+            self.restored_tier = "local"
+            return found
         self.restored_tier = "persistent"
+        found = self._restore_persistent(steps, target, iterator, warn)
+        self.local.drop_newer_than(found[0] if found else 0, warn)
+        return found
+
+    def _restore_persistent(
+        self, steps: list[int], target: TrainState, iterator: grain.DatasetIterator, warn: Callable[[str], None]
+    ) -> tuple[int, TrainState] | None:
+        """restore_latest's persistent tier, `steps` newest first."""
         damaged: dict[int, str] = {}  # step -> why it cannot be read
         for step in steps:
             state, reason = None, ""

@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import os
+import pathlib
 import shutil
 from typing import Callable
 
@@ -40,6 +41,7 @@ from orbax.checkpoint._src.multihost import multislice
 from orbax.checkpoint.experimental.emergency.p2p import args as p2p_args
 from orbax.checkpoint.experimental.emergency.p2p import checkpoint_manager as p2p
 from orbax.checkpoint.experimental.emergency.p2p import options as p2p_options
+from orbax.checkpoint.experimental.emergency.p2p import utils as p2p_utils
 
 from configs import Config, ConfigError
 from configs.schema import MESH_AXES
@@ -117,13 +119,14 @@ class LocalTier:
     def __init__(self, cfg: Config, mesh: Mesh, abstract: TrainState):
         self.every = cfg.checkpoint.local_every
         self.directory = process_dir(cfg, layout_tag(dict(mesh.shape), jax.process_count()), jax.process_index())
-        _drop_half_written(self.directory)
+        _drop_unusable(self.directory)
         os.makedirs(self.directory, exist_ok=True)
         options = p2p_options.CheckpointManagerOptions(
             local=p2p_options.LocalCheckpointOptions(save_interval_steps=self.every, max_to_keep=cfg.checkpoint.local_keep),
             replica_axis_index=MESH_AXES.index(REPLICA_AXIS),
         )
-        logging.getLogger("absl").addFilter(_not_routine)
+        self._log = _OrbaxLog()
+        logging.getLogger("absl").addFilter(self._log)
         self.mesh = mesh
         self.manager = p2p.CheckpointManager(mesh, self._item(abstract), self.directory, None, options=options)
         self.peers = _peers_hold_copies(mesh)
@@ -164,7 +167,7 @@ class LocalTier:
             iterator.set_state(read_position(restored["data"]))
             state = restored["train"]
         except Exception as e:  # a peer gone, a fetch cut short, unreadable files: the persistent tier remains
-            reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            reason = self._log.failure or f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         if not _everywhere(state is not None):
             log(f"warning: local checkpoint step {step} cannot be restored on every process ({reason or 'on another process'}); "
                 f"using the persistent tier")
@@ -175,6 +178,18 @@ class LocalTier:
         log(f"restoring from the local tier: step {step} ({source}); the persistent tier's newest is {older}")
         return step, state
 
+    def drop_newer_than(self, step: int, log: Callable[[str], None]) -> None:
+        """Removes this process's local steps after `step`, the one the run resumes from when the
+        local tier could not serve it: the run computes those steps again, and a save of one must
+        not find it taken. One warning line where some are removed."""
+        newer = sorted(int(d) for d in os.listdir(self.directory) if d.isdigit() and int(d) > step)
+        for s in newer:
+            shutil.rmtree(os.path.join(self.directory, str(s)))
+        if newer:
+            log(f"warning: removed local checkpoint step(s) {', '.join(map(str, newer))} of {self.directory}: "
+                f"the run resumes from step {step} and computes them again")
+        self.manager.reload()
+
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
@@ -184,15 +199,28 @@ class LocalTier:
             try:
                 self.manager.close()
             finally:
-                logging.getLogger("absl").removeFilter(_not_routine)
+                logging.getLogger("absl").removeFilter(self._log)
 
 
 # Warnings the P2P manager logs on every save or start that say nothing is wrong.
 ROUTINE = ("Global object size logging disabled", "Local scan: No steps found", "Local scan: Directory not found")
 
 
-def _not_routine(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith(ROUTINE)
+class _OrbaxLog(logging.Filter):
+    """Drops the P2P manager's routine warnings, and its traceback of a failed local restore, whose
+    first line it keeps as `failure` for the tier's own one-line warning."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failure = ""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        if message.startswith("Local/P2P restore for step"):
+            cause = str(record.args[-1]) if isinstance(record.args, tuple) and record.args else ""
+            self.failure = cause.splitlines()[0][:200] if cause else ""
+            return False
+        return not message.startswith(ROUTINE)
 
 
 def _peers_hold_copies(mesh: Mesh) -> bool:
@@ -207,9 +235,18 @@ def _peers_hold_copies(mesh: Mesh) -> bool:
     return all(len(procs) > 1 for procs in owners.values())
 
 
-def _drop_half_written(directory: str) -> None:
-    """A save cut short leaves Orbax's temporary folder, never a step: it is removed, one line each
-    (from the process whose disk held it)."""
+def _drop_unusable(directory: str) -> None:
+    """A save cut short leaves Orbax's temporary folder, never a step; a step whose state holds no
+    process's data (Orbax's own test of whose it is) would stop the P2P manager's start on this
+    process alone while the others wait for it. Both are removed, one line each (from the process
+    whose disk held them)."""
     for path in sorted(glob.glob(os.path.join(directory, "*.orbax-checkpoint-tmp*"))):
         print(f"warning: skipped a half-written local checkpoint {path} (removed)", flush=True)
         shutil.rmtree(path, ignore_errors=True)
+    steps = sorted(int(d) for d in os.listdir(directory) if d.isdigit()) if os.path.isdir(directory) else []
+    for step in steps:
+        if p2p_utils.detect_process_index(pathlib.Path(directory), step) is None:
+            path = os.path.join(directory, str(step))
+            print(f"warning: skipped an unreadable local checkpoint {path} (no process's state in it; removed)",
+                  flush=True)
+            shutil.rmtree(path, ignore_errors=True)
