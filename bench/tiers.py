@@ -11,14 +11,14 @@ KEY=VALUE overrides apply to every job of the cost table and the breakdown: a la
 a pod's steps are next to the tiny preset's 512 tokens.
 Printed per variant, medians over the repeats: the wall seconds per step from step 5 to step 35
 (the console lines' arrival times, saves included), its growth over the job without a local tier,
-and the blocking seconds of one local save (the loop's own timing of the save call, from
-summary.json).
+the blocking seconds of one local save (the loop's own timing of the save call, from
+summary.json), and their share of the `local_every` steps between two saves (timed without a local tier).
 
 Breakdown: one cost job saving locally every 2 steps, whose processes record the timings Orbax
 takes of its own saves (bench/orbax_events); printed for process 0, per local save: the loop's
 blocking time, Orbax's blocking part, its parts on the loop's thread (the copy off the devices,
-the barriers) and the rest; means over the run's local
-saves, the first (Orbax's one-time set-up) included.
+the barriers) and the rest; means over the run's local saves, the first (Orbax's one-time set-up)
+included.
 
 Recovery: two jobs, the persistent tier alone (checkpoint.every=10) and with a local tier saving
 every 2 steps. Each trains until step 17, when process 1 is killed and its local directory removed

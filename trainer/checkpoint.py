@@ -269,16 +269,15 @@ class Checkpointer:
         None when there are none, or none readable and `checkpoint.fresh_if_unreadable`; otherwise
         NoReadableCheckpoint."""
         steps = sorted(self.manager.all_steps(), reverse=True)
-        if self.local is None:
-            self.restored_tier = "persistent"
-            return self._restore_persistent(steps, target, iterator, warn)
-        found = self.local.restore_newer_than(steps[0] if steps else None, target, iterator, warn)
-        if found is not None:
-            self.restored_tier = "local"
-            return found
+        if self.local is not None:
+            found = self.local.restore_newer_than(steps[0] if steps else None, target, iterator, warn)
+            if found is not None:
+                self.restored_tier = "local"
+                return found
         self.restored_tier = "persistent"
         found = self._restore_persistent(steps, target, iterator, warn)
-        self.local.drop_newer_than(found[0] if found else 0, warn)
+        if self.local is not None:
+            self.local.drop_newer_than(found[0] if found else 0, warn)
         return found
 
     def _restore_persistent(

@@ -182,7 +182,7 @@ class LocalTier:
         """Removes this process's local steps after `step`, the one the run resumes from when the
         local tier could not serve it: the run computes those steps again, and a save of one must
         not find it taken. One warning line where some are removed."""
-        newer = sorted(int(d) for d in os.listdir(self.directory) if d.isdigit() and int(d) > step)
+        newer = [s for s in _local_steps(self.directory) if s > step]
         for s in newer:
             shutil.rmtree(os.path.join(self.directory, str(s)))
         if newer:
@@ -235,6 +235,11 @@ def _peers_hold_copies(mesh: Mesh) -> bool:
     return all(len(procs) > 1 for procs in owners.values())
 
 
+def _local_steps(directory: str) -> list[int]:
+    """The steps of a process's local folder (named by their step), ascending; [] before its first."""
+    return sorted(int(d) for d in os.listdir(directory) if d.isdigit()) if os.path.isdir(directory) else []
+
+
 def _drop_unusable(directory: str) -> None:
     """A save cut short leaves Orbax's temporary folder, never a step; a step whose state holds no
     process's data (Orbax's own test of whose it is) would stop the P2P manager's start on this
@@ -243,8 +248,7 @@ def _drop_unusable(directory: str) -> None:
     for path in sorted(glob.glob(os.path.join(directory, "*.orbax-checkpoint-tmp*"))):
         print(f"warning: skipped a half-written local checkpoint {path} (removed)", flush=True)
         shutil.rmtree(path, ignore_errors=True)
-    steps = sorted(int(d) for d in os.listdir(directory) if d.isdigit()) if os.path.isdir(directory) else []
-    for step in steps:
+    for step in _local_steps(directory):
         if p2p_utils.detect_process_index(pathlib.Path(directory), step) is None:
             path = os.path.join(directory, str(step))
             print(f"warning: skipped an unreadable local checkpoint {path} (no process's state in it; removed)",
