@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.checks import check_devices
         from trainer.program import prepare
         from trainer.tasks import resolve_tasks
-        from trainer.xla_env import set_cpu_device_count, set_default_flags
+        from ops.xla_env import set_cpu_device_count, set_default_flags
 
         set_default_flags()
         why_not = set_cpu_device_count(cfg)

@@ -22,7 +22,7 @@ from data.tokenizer import load_tokenizer
 from model.decode import generate
 from model.transformer import transformer_from_params
 from trainer.checkpoint import restore_params
-from trainer.xla_env import set_default_flags
+from ops.xla_env import set_default_flags
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,7 @@ from model.safetensors_files import EXPORT_DTYPES, write_safetensors
 from trainer.checkpoint import has_checkpoints, restore_params
 from trainer.loop import make_session
 from trainer.program import prepare
-from trainer.xla_env import set_default_flags
+from ops.xla_env import set_default_flags
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "generation_config.json",

@@ -22,7 +22,7 @@ Memory is `memory_analysis()` of the compile (a TPU compile that does not fit is
 compiler itself); parameters and optimizer state are the shard sizes the rules give;
 collectives are parsed from the compiled HLO (planner/hlo.py) and set beside the layout's
 minimum (planner/minimum.py); the step time is a roofline over the compiled kernels
-(planner/roofline.py) plus the collectives not overlapped (planner/hardware.py).
+(planner/roofline.py) plus the collectives not overlapped (sharding/hardware.py).
 
 `--search` tries every factorization of N over pipeline x data x fsdp x tensor, and for a
 mixture of experts x expert (the sizes that divide the expert count; axes named on the command
@@ -63,7 +63,7 @@ from jax.sharding import AbstractMesh
 import pipeline
 from configs import Config, ConfigError, load_config
 from configs.schema import MESH_AXES, REMAT_POLICIES
-from planner.hardware import HARDWARE, Hardware, check_quant, kernel_seconds
+from sharding.hardware import HARDWARE, Hardware, check_quant, kernel_seconds
 from planner.hlo import collectives
 from planner.minimum import minimum
 from planner.rank import EXPERT_STORAGE, storage_gather_bytes
@@ -72,9 +72,10 @@ from planner.roofline import compute_seconds, kernels
 from planner.targets import child_env, compiler_name, has_compiler, node_of, target_devices, tpu_slice_shape
 from sharding import resolve_mesh_shape
 from trainer.compute import attention_notes
-from trainer.program import abstract_program, compiled_stats, fill_microbatches, prepare, sharded_optimizer
+from planner.compiled import compiled_stats
+from trainer.program import abstract_program, fill_microbatches, prepare, sharded_optimizer
 from trainer.state import abstract_state
-from trainer.xla_env import set_cpu_collective_env, set_default_flags
+from ops.xla_env import set_cpu_collective_env, set_default_flags
 
 DEFAULT_REMATS = ("none", "save_dots", "full")  # in order of growing recompute
 # A compile for a large mesh can take minutes: the waiting parent says it is still at work this often.

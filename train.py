@@ -1,5 +1,5 @@
 """Entry point: `python train.py [--config FILE] [dotted.key=value ...]`, or
-`python train.py --sweep FILE [--emit slurm | --summarize] [dotted.key=value ...]` (trainer.sweep),
+`python train.py --sweep FILE [--emit slurm | --summarize] [dotted.key=value ...]` (sweep),
 or `python train.py --help-config` (every key, its type, default and meaning).
 
 Parses the command line, loads the config and hands it to the trainer. Exit status: 0 done;
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         print(text())
         return 0
     if args.sweep or args.emit or args.summarize:
-        from trainer import sweep
+        import sweep
 
         return sweep.main(args.sweep, args.config, args.overrides, args.emit, args.summarize)
     try:

@@ -21,9 +21,9 @@ import time
 if __name__ == "__main__" and "jax" not in sys.modules:  # fake devices must be set before jax loads
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from trainer.xla_env import set_cpu_collective_env
+    from ops.xla_env import set_cpu_collective_env
 
-    set_cpu_collective_env(8)  # the ring's collective-permutes: XLA:CPU's pool and loops (trainer/xla_env.py)
+    set_cpu_collective_env(8)  # the ring's collective-permutes: XLA:CPU's pool and loops (ops/xla_env.py)
 
 
 def measure(seq: int, context: int, strategy: str, steps: int, max_gib: float) -> dict:
@@ -34,7 +34,7 @@ def measure(seq: int, context: int, strategy: str, steps: int, max_gib: float) -
     from configs import load_config
     from planner.hlo import collectives
     from trainer import abstract_program
-    from trainer.program import compiled_stats
+    from planner.compiled import compiled_stats
     from trainer.state import init_state
 
     cfg = load_config(TINY, ["data.source=synthetic", "train.global_batch=1", "mesh.data=1", f"mesh.context={context}",

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.program import abstract_program
     from trainer.state import init_state
     from trainer.tasks import each_task, resolve_tasks, run_tasks
-    from trainer.xla_env import set_cpu_device_count, set_default_flags
+    from ops.xla_env import set_cpu_device_count, set_default_flags
 
     try:
         cfg = load_config(args.config, args.overrides)

@@ -44,8 +44,9 @@ def measure(config: str, overrides: list[str]) -> dict:
 
     from configs import load_config
     from model import flops_per_token
-    from trainer import abstract_program, collective_counts
-    from trainer.program import compiled_stats, fill_microbatches
+    from planner.compiled import collective_counts, compiled_stats
+    from trainer import abstract_program
+    from trainer.program import fill_microbatches
 
     cfg = fill_microbatches(load_config(config, overrides), jax.device_count())
     program = abstract_program(cfg)

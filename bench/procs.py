@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 
-from trainer.xla_env import FORCE_COUNT, set_cpu_collective_env
+from ops.xla_env import FORCE_COUNT, set_cpu_collective_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")

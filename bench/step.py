@@ -27,15 +27,16 @@ import numpy as np
 from configs import Config, ConfigError, load_config
 from data import batch_fields
 from model import flops_per_token
-from trainer.metrics import peak_flops
-from trainer.program import Program, abstract_program, compiled_stats
+from ops.metrics import peak_flops
+from planner.compiled import compiled_stats
+from trainer.program import Program, abstract_program
 from trainer.state import init_state, param_count
-from trainer.xla_env import set_default_flags
+from ops.xla_env import set_default_flags
 
 
 def peak_memory(compiled: jax.stages.Compiled) -> tuple[float, str]:
     """Peak bytes on device 0: the allocator's own figure where it keeps one (GPU, TPU), else
-    the compile's own figure (trainer.program.compiled_stats: the planner's too)."""
+    the compile's own figure (planner.compiled.compiled_stats: the planner's too)."""
     stats = jax.devices()[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:
         return float(stats["peak_bytes_in_use"]), "allocator"

@@ -56,11 +56,11 @@ class RunConfig:
     # A restarted or resumed job with the same program skips the compile (minutes at scale).
     compile_cache: str = ""
     """A directory for XLA's persistent compilation cache ("": off); shared storage on a cluster."""
-    # The holder refreshes the lock 4 times per period (trainer.rundir_lock).
+    # The holder refreshes the lock 4 times per period (ops.rundir_lock).
     lock_timeout_s: Annotated[float, Range(gt=0)] = 30.0
     """Seconds a run.dir lock on another host may stay still before its holder is taken to be gone."""
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=lambda: ["tensorboard"])
-    """Where process 0 sends every metric, the config and the summary (trainer/trackers.py)."""
+    """Where process 0 sends every metric, the config and the summary (ops/trackers.py)."""
 
 
 @dataclass(kw_only=True)

@@ -1,4 +1,4 @@
-"""The `straggler` section: when a process slower than the others is named (trainer/stragglers.py)."""
+"""The `straggler` section: when a process slower than the others is named (ops/stragglers.py)."""
 
 from __future__ import annotations
 

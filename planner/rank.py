@@ -18,7 +18,7 @@ Per device, from the config and the exact state sizes (nothing compiled):
                and the gathers of weights outside the experts stored over it (3 x (n-1)/n of
                their gathered bytes, as FSDP's)
     step     = max(compute, comm over data and fsdp) + the rest of comm, each axis at the
-               speed of the slowest link its groups cross (planner/hardware.py)
+               speed of the slowest link its groups cross (sharding/hardware.py)
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from configs.schema import MESH_AXES, ShardingConfig
 from model import flops_per_token
 from model.flops import moe_layer_count
 from pipeline import bubble_fraction
-from planner.hardware import BATCH_AXES, Hardware, collective_seconds
+from sharding.hardware import BATCH_AXES, Hardware, collective_seconds
 from sharding.cast import is_matmul_weight
 from sharding.mesh import resolve_mesh_shape
 from sharding.rules import as_axes, axes_size, logical_to_spec, mesh_axes, to_rules

@@ -1,6 +1,6 @@
 """The plan's arithmetic and its printout: from what a compile measured to memory against the
 device's budget, FLOPs, per-axis collective traffic, predicted step time and MFU (the model
-in planner/hardware.py), and the ranking `--search` prints.
+in sharding/hardware.py), and the ranking `--search` prints.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, Callable
 from configs import Config
 from configs.schema import MESH_AXES
 from model import flops_per_token
-from planner.hardware import Hardware, predict
+from sharding.hardware import Hardware, predict
 from planner.rank import EXPERT_STORAGE, rank
 from sharding.mesh import resolve_mesh_shape
 from pipeline import bubble_formula, bubble_fraction

@@ -14,7 +14,7 @@ bare op. Its executions per step are its computation's loop trip counts (planner
   through `dynamic-slice` counts the slices (a scan reading layer i of a stacked weight), and
   a fusion whose root is `dynamic-update-slice` writes only the update (in place).
 - Precision: a kernel whose matmul reads float8 operands is "fp8", one reading int8 "int8"
-  (timed at that rate, planner.hardware), any other "bf16" (the device's default peak).
+  (timed at that rate, sharding.hardware), any other "bf16" (the device's default peak).
 Collectives are left to planner.hlo and the step-time model.
 """
 

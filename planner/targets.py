@@ -24,7 +24,7 @@ import re
 import sys
 
 from configs.schema import ConfigError
-from planner.hardware import Hardware
+from sharding.hardware import Hardware
 
 SPECS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_specs")
 # libtpu's accelerator names, one per generation: they only quiet its start-up log here.

@@ -55,10 +55,10 @@ import gc  # noqa: E402
 import pytest  # noqa: E402
 
 from configs import Config, load_config  # noqa: E402
-from trainer.xla_env import KEEP_COLLECTIVES_IN_LOOPS, set_cpu_collective_env, set_default_flags  # noqa: E402
+from ops.xla_env import KEEP_COLLECTIVES_IN_LOOPS, set_cpu_collective_env, set_default_flags  # noqa: E402
 
 # Room in XLA:CPU's thread pool for the 8 devices' collectives, and collectives kept in their loops
-# (see trainer/xla_env.py: without either, pipelined steps can abort or hang); before any test
+# (see ops/xla_env.py: without either, pipelined steps can abort or hang); before any test
 # starts the backend, and inherited by every process a test starts.
 set_cpu_collective_env(8)
 # The flags every entry point sets (train.py, plan.py): the tests stand in for them.

@@ -17,9 +17,9 @@ from conftest import ROOT
 from data import open_source
 from data.pipeline import eval_batches, process_dataset
 from sharding import activation_rules
-from trainer.goodput import Goodput
+from ops.goodput import Goodput
 from trainer.hooks import EvalHook
-from trainer.metrics import MetricsLogger
+from ops.metrics import MetricsLogger
 from trainer.program import abstract_program
 from trainer.state import init_state
 from trainer.step import accumulate, make_loss_fn

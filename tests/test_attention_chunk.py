@@ -20,7 +20,7 @@ import pytest
 from conftest import ROOT, real_target_env
 from configs import ConfigError
 from model.attention import attend
-from planner.hardware import HARDWARE
+from sharding.hardware import HARDWARE
 from planner.targets import has_compiler
 from sharding import activation_rules
 from trainer import abstract_program, prepare

@@ -12,7 +12,7 @@ import pytest
 
 from bench.procs import cpu_env
 from conftest import ROOT, require, stdlib_glob
-from trainer.xla_env import GPU_DEFAULTS, set_default_flags
+from ops.xla_env import GPU_DEFAULTS, set_default_flags
 
 
 def test_the_step_benchmark_prints_a_row_and_writes_json(tmp_path, capsys):

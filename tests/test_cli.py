@@ -13,7 +13,7 @@ import pytest
 import train
 from conftest import ROOT, stdlib_glob
 from bench.procs import FORCE_COUNT
-from trainer.xla_env import KEEP_COLLECTIVES_IN_LOOPS
+from ops.xla_env import KEEP_COLLECTIVES_IN_LOOPS
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 
@@ -256,7 +256,7 @@ def test_device_count_is_set_only_where_it_can_apply():
     """Where the count cannot be set (an accelerator, or JAX already running), nothing is changed
     and the reason comes back for the error's hint."""
     from configs import load_config
-    from trainer.xla_env import device_count_hint, set_cpu_device_count
+    from ops.xla_env import device_count_hint, set_cpu_device_count
 
     import jax
 
@@ -277,11 +277,11 @@ def test_device_count_is_set_only_where_it_can_apply():
 def test_the_cpu_devices_get_four_pool_threads_each_unless_the_user_sized_the_pool():
     """XLA:CPU gives its devices one pool of max(cores, devices) threads, and a collective waits on
     its thread: with one thread per device, a pipelined fsdp step aborted now and then under load
-    (trainer/xla_env.py). Where train.py sets the device count, it sizes the pool at 4 threads per
+    (ops/xla_env.py). Where train.py sets the device count, it sizes the pool at 4 threads per
     device (counted in a real process that ran a collective over the 8 devices); NPROC, the
     user's own size, wins."""
     code = ("import os, jax, jax.numpy as jnp; from configs import load_config; "
-            "from trainer.xla_env import set_cpu_device_count; "
+            "from ops.xla_env import set_cpu_device_count; "
             f"set_cpu_device_count(load_config({TINY!r}, ['mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2'])); "
             "m = jax.sharding.Mesh(jax.devices(), ('x',)); "
             "x = jax.device_put(jnp.ones((8, 4)), jax.sharding.NamedSharding(m, jax.sharding.PartitionSpec('x'))); "
@@ -313,7 +313,7 @@ def test_several_cpu_devices_keep_their_collectives_in_loops():
     pipelined step deadlocked on it (trainer/xla_env.KEEP_COLLECTIVES_IN_LOOPS): wherever the stack
     starts several CPU devices it turns that hoisting off; one device has no peer to wait for, and
     a user's own choice of passes to disable wins."""
-    from trainer.xla_env import set_cpu_collective_env
+    from ops.xla_env import set_cpu_collective_env
 
     env: dict[str, str] = {}
     set_cpu_collective_env(8, env)  # train.py's own call: test_launched_processes_share_the_mesh_devices
@@ -335,7 +335,7 @@ def test_launched_processes_share_the_mesh_devices():
     # One process for every case (importing the trainer is most of its cost): each case is the
     # environment a launched process would have, given as `env`, which stands for os.environ; the
     # process has not started JAX, as a launched one has not.
-    code = ("import json, sys; from configs import load_config; from trainer.xla_env import set_cpu_device_count\n"
+    code = ("import json, sys; from configs import load_config; from ops.xla_env import set_cpu_device_count\n"
             f"cfg = load_config({TINY!r}, ['mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2'])\n"
             "for env in json.load(sys.stdin):\n"
             "    set_cpu_device_count(cfg, env); print(env['XLA_FLAGS']); print('--', flush=True)")
@@ -380,9 +380,9 @@ def test_compile_cache_serves_a_second_run(tmp_path):
 
 
 def test_plot_writes_beside_the_runs_by_default(tmp_path, monkeypatch, capsys):
-    """`python -m trainer.plot RUN` run from a checkout leaves the checkout alone: the PNG goes
+    """`python -m ops.plot RUN` run from a checkout leaves the checkout alone: the PNG goes
     into the run directory (for several runs, their common parent)."""
-    from trainer import plot as plot_module
+    from ops import plot as plot_module
 
     runs = tmp_path / "runs"
     for name in ("a", "b"):
@@ -393,7 +393,7 @@ def test_plot_writes_beside_the_runs_by_default(tmp_path, monkeypatch, capsys):
     checkout.mkdir()
 
     def plot(*run_dirs: str) -> str:
-        out = subprocess.run([sys.executable, "-m", "trainer.plot", *run_dirs], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-m", "ops.plot", *run_dirs], capture_output=True, text=True,
                              cwd=checkout, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
         assert out.returncode == 0, out.stderr
         return out.stdout.strip()

@@ -150,7 +150,7 @@ import jax
 pid, port, announce = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "announce"
 jax.distributed.initialize(f"127.0.0.1:{port}", 2, pid, heartbeat_timeout_seconds=30, shutdown_timeout_seconds=60)
 from jax._src import distributed
-from trainer.faults import Watchdog
+from ops.faults import Watchdog
 watchdog, client = Watchdog(0, peer_timeout_s=2, poll_s=0.1), distributed.global_state.client
 client.key_value_set(f"up/{pid}", "1")
 client.blocking_key_value_get(f"up/{1 - pid}", 60_000)

@@ -18,10 +18,11 @@ ALLOWED = {
     "sharding": {"configs", "model", "sharding"},
     "pipeline": {"configs", "model", "sharding", "pipeline"},
     "planner": {"configs", "model", "sharding", "pipeline", "planner"},
-    "trainer": {"configs", "model", "data", "sharding", "pipeline", "planner", "trainer"},
-    "bench": {"configs", "model", "data", "sharding", "pipeline", "planner", "trainer", "bench"},
+    "ops": {"configs", "sharding", "ops"},
+    "trainer": {"configs", "model", "data", "sharding", "pipeline", "ops", "trainer"},
+    "bench": {"configs", "model", "data", "sharding", "pipeline", "planner", "ops", "trainer", "bench"},
 }
-ENTRY_POINTS = ("train.py", "plan.py", "hf.py", "generate.py", "eval.py")
+ENTRY_POINTS = ("train.py", "plan.py", "hf.py", "generate.py", "eval.py", "sweep.py")
 
 
 def _modules() -> dict[str, str]:

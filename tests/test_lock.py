@@ -17,7 +17,7 @@ import time
 import train
 from conftest import stdlib_glob
 from bench.procs import TINY, Train
-from trainer import rundir_lock
+from ops import rundir_lock
 
 DATA = f"data.path={stdlib_glob('json')}"
 

@@ -10,7 +10,8 @@ import re
 import pytest
 
 from sharding.lookup import traded_lookup
-from trainer import abstract_program, collective_counts
+from planner.compiled import collective_counts
+from trainer import abstract_program
 from trainer.layout import plan_layout
 
 UNTIED = "model.tie_embeddings=false"  # a tied head needs the whole table anyway

@@ -16,7 +16,7 @@ import pytest
 from jax.extend import core as jcore
 
 from conftest import ROOT, real_target_env
-from planner.hardware import HARDWARE
+from sharding.hardware import HARDWARE
 from planner.targets import has_compiler
 
 from configs import ConfigError, load_config

@@ -29,7 +29,8 @@ from model.moe import MoE, expert_rows, local_dispatch, megablox_matmul
 from model.router import STATS, router_stats
 from sharding import activation_rules, make_mesh, resolve_mesh_shape, to_rules
 from sharding.experts import expert_parallel
-from trainer import abstract_program, collective_counts
+from planner.compiled import collective_counts
+from trainer import abstract_program
 from trainer.checks import check_devices
 from trainer.compute import grouped_matmul
 from trainer.layout import plan_layout

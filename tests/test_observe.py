@@ -1,6 +1,6 @@
 """Watching a run: TensorBoard events equal metrics.jsonl, profile.steps writes a trace,
 summary.json accounts for the wall time across invocations (a preempted one included), and
-`python -m trainer.plot` draws a real PNG."""
+`python -m ops.plot` draws a real PNG."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def metrics_lines(run_dir) -> list[dict]:
 
 
 def test_tensorboard_events_hold_every_logged_scalar(resumed):
-    from trainer.observe import read_scalars
+    from ops.observe import read_scalars
 
     lines = metrics_lines(resumed)
     scalars = read_scalars(os.path.join(resumed, "tb"))
@@ -151,7 +151,7 @@ def test_goodput_puts_time_spent_in_a_phase_into_that_phase(tmp_path, monkeypatc
 def test_plot_writes_a_png_with_curves(resumed, tmp_path, capsys):
     from matplotlib.image import imread
 
-    from trainer import plot
+    from ops import plot
 
     out = tmp_path / "curves.png"
     assert plot.main([str(resumed), "--out", str(out)]) == 0

@@ -21,7 +21,8 @@ from configs import ConfigError, load_config
 from conftest import ROOT, stdlib_glob, stopped_at
 from test_context import initial_params, packed_batch
 from sharding import activation_rules
-from trainer import abstract_program, collective_counts
+from planner.compiled import collective_counts
+from trainer import abstract_program
 from trainer.step import accumulate, make_loss_fn
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")

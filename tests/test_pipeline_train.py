@@ -67,7 +67,7 @@ def test_no_collective_is_hoisted_out_of_the_pipeline_loops(runs):
     """XLA:CPU orders a device's collectives within a loop body, but not a collective hoisted out
     of a loop against the loop's own: the 1F1B step deadlocked (now and then, under load) with
     devices in a hoisted all-to-all of the targets while another entered the loop's all-reduce.
-    Where the stack runs several CPU devices it keeps them in the loops (trainer/xla_env.py,
+    Where the stack runs several CPU devices it keeps them in the loops (ops/xla_env.py,
     KEEP_COLLECTIVES_IN_LOOPS): the step's entry computation holds the loops and the gradient
     all-reduce after them, no all-to-all and no all-gather (with the pass on it held two of each)."""
     entry = runs["1f1b entry"]

@@ -26,7 +26,8 @@ from pipeline.ticks import backward_item, forward_of_backward
 from planner.hlo import collectives, device_groups, static_counts
 from planner.report import print_plan
 from conftest import ROOT
-from trainer.program import abstract_program, compiled_stats
+from planner.compiled import compiled_stats
+from trainer.program import abstract_program
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 LLAMA_8B = os.path.join(ROOT, "configs", "llama3-8b.yaml")
@@ -226,7 +227,7 @@ def test_the_plan_prints_the_schedule_and_its_bubble_formula(pipelined_search, c
 def test_the_predicted_step_does_not_charge_the_bubble_again():
     """The pipeline programs compute on every tick (idle stages on masked inputs), so the roofline
     compute already holds the bubble: the step is compute plus exposed communication."""
-    from planner.hardware import HARDWARE, predict
+    from sharding.hardware import HARDWARE, predict
 
     hw = HARDWARE["h100"]
     comm = [{"axes": ["pipeline"], "wire_bytes": 1e9, "inter_node": False}]
@@ -384,7 +385,7 @@ def test_the_wait_for_a_compile_names_it_and_counts_the_seconds(tmp_path, capsys
 
 
 def test_a_compile_is_named_by_preset_target_and_layout():
-    from planner.hardware import HARDWARE
+    from sharding.hardware import HARDWARE
 
     cfg = load_config(LLAMA_8B, ["mesh.data=1", "mesh.fsdp=64", "model.remat=full"])
     v5p, h100 = HARDWARE["tpu-v5p"], HARDWARE["h100"]

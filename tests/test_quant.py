@@ -195,7 +195,7 @@ def test_real_compiles_hold_the_low_precision_matmuls(fixture: str, hardware: st
     import re
 
     from conftest import ROOT
-    from planner.hardware import HARDWARE, kernel_seconds
+    from sharding.hardware import HARDWARE, kernel_seconds
     from planner.roofline import compute_seconds, kernels
 
     with open(os.path.join(ROOT, "tests", "fixtures", fixture)) as f:

@@ -22,7 +22,7 @@ import train
 from configs import all_keys, load_config
 from configs.schema import LOGICAL_AXES
 from conftest import ROOT
-from trainer.sweep import load_sweep
+from sweep import load_sweep
 
 # Placeholders the README writes for "your value here", never passed as they are.
 PLACEHOLDERS = {"...", "FILE", "key=value", "dotted.key=value"}

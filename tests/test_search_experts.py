@@ -15,7 +15,7 @@ import pytest
 from conftest import ROOT, real_target_env
 from configs import load_config
 from plan import candidates, check, state_bytes
-from planner.hardware import HARDWARE
+from sharding.hardware import HARDWARE
 from planner.rank import EXPERT_STORAGE, expert_bytes
 from planner.targets import has_compiler
 from sharding import resolve_mesh_shape

@@ -1,4 +1,4 @@
-"""Stragglers and hangs named (trainer/stragglers.py, trainer/faults.py): the rule on given times,
+"""Stragglers and hangs named (ops/stragglers.py, ops/faults.py): the rule on given times,
 and a real 2-process job whose process 1 never dispatches its step. A slowed process of a real
 4-process job is named in tests/test_tiers.py (its first job, which a replaced host interrupts)."""
 
@@ -9,7 +9,7 @@ import re
 
 from bench.procs import TINY, processes
 from conftest import stdlib_glob
-from trainer.stragglers import SLOW_ENV, find_stragglers
+from ops.stragglers import SLOW_ENV, find_stragglers
 
 DATA = f"data.path={stdlib_glob('json')}"
 

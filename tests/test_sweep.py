@@ -63,7 +63,7 @@ def test_bad_command_lines(tmp_path, capsys):
 
 
 def test_points_are_the_grid_times_the_zip_with_stable_names(tmp_path):
-    from trainer.sweep import load_sweep
+    from sweep import load_sweep
 
     path = write_sweep(
         tmp_path,

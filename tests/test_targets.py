@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from conftest import ROOT, real_target_env
-from planner.hardware import HARDWARE
+from sharding.hardware import HARDWARE
 from planner.targets import has_compiler, tpu_slice_shape
 
 pytestmark = pytest.mark.real_target  # make test runs and times these apart

@@ -17,8 +17,8 @@ import trainer
 from bench.procs import TINY, processes
 from configs import ConfigError, load_config
 from conftest import stdlib_glob
-from trainer.goodput import describe
-from trainer.stragglers import SLOW_ENV
+from ops.goodput import describe
+from ops.stragglers import SLOW_ENV
 from trainer.tiers import POSITION_BYTES, layout_tag, local_root, position_array, process_dir, read_position
 
 DATA = f"data.path={stdlib_glob('json')}"
@@ -46,7 +46,7 @@ def test_a_replaced_host_resumes_from_the_peers_local_step(tmp_path, n):
     """Persistent every 4 steps, local every 3: killed after step 10, the job restarts from the
     local step 9 (one host's copy gone, fetched from a peer), not the persistent step 8, and
     computes step 10 again bit for bit. With 4 processes, process 2 of the first job is slowed
-    (trainer.stragglers) and named within K=3 steps; nothing else is ever named."""
+    (ops.stragglers) and named within K=3 steps; nothing else is ever named."""
     run_dir, local_dir = tmp_path / "run", tmp_path / "local"
     cmd = args(run_dir, local_dir, "train.steps=12", "straggler.steps=3")
     cfg = load_config(TINY, cmd[2:])

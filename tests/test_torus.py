@@ -21,7 +21,7 @@ import sys
 import pytest
 
 from conftest import ROOT, real_target_env
-from planner.hardware import HARDWARE
+from sharding.hardware import HARDWARE
 from planner.hlo import collectives, shape_bytes
 from planner.targets import has_compiler, tpu_wraparound
 

@@ -1,4 +1,4 @@
-"""Experiment trackers (trainer/trackers.py), with no network: a run and its resume log into
+"""Experiment trackers (ops/trackers.py), with no network: a run and its resume log into
 one W&B run (offline mode) and one MLflow run (a file store), and what each stored, read back,
 equals metrics.jsonl, the config and summary.json."""
 
@@ -16,7 +16,7 @@ import pytest
 import trainer
 from configs import ConfigError, load_config
 from conftest import ROOT, require, stdlib_glob
-from trainer import trackers
+from ops import trackers
 from trainer.program import prepare
 
 require("wandb", "trackers", lazy=True)
@@ -153,7 +153,7 @@ def test_the_users_wandb_dir_wins(tmp_path):
     process, as a user's run starts: W&B reads its environment once per process."""
     env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=str(tmp_path / "elsewhere"))
     (tmp_path / "elsewhere").mkdir()
-    code = ("import sys; from configs import load_config; from trainer import trackers; "
+    code = ("import sys; from configs import load_config; from ops import trackers; "
             "cfg = load_config('tiny', [f'run.dir={sys.argv[1]}', 'run.trackers=[wandb]']); "
             "trackers._Wandb(cfg, {}, 0).close('done')")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], cwd=ROOT, env=env,

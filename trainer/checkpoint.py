@@ -31,7 +31,7 @@ from configs.schema import CheckpointConfig
 from model import lora
 from model.transformer import param_shapes
 from trainer.state import TrainState, frozen_base
-from trainer.library_log import LibraryLog, library_log_path
+from ops.library_log import LibraryLog, library_log_path
 from trainer.tiers import LocalTier
 
 # Keys a resumed run must share with the run that wrote the checkpoints: they fix the shapes

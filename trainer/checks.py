@@ -19,10 +19,10 @@ import pipeline
 from configs import Config, ConfigError
 from model import stack_layers
 from model.moe import megablox_tile
-from planner.hardware import check_quant, hardware_of_kind
+from sharding.hardware import check_quant, hardware_of_kind
 from sharding import Rules, axes_size, logical_to_spec, mesh_axes, resolve_mesh_shape
 from sharding.mesh import check_nodes
-from trainer.xla_env import device_count_hint
+from ops.xla_env import device_count_hint
 
 
 # Which config key sets the size of each logical dim, for error messages.

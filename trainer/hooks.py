@@ -11,7 +11,7 @@ interval (docs/design.md, "From config to checkpoint").
 - `trainer.tasks.TaskHook` runs the lm-evaluation-harness tasks of `eval.tasks` at
   `eval.tasks_every` and the last step; a failing task is one warning line, never the run's end.
 - `ProfileHook` traces `profile.steps=[a, b]` with `jax.profiler` into `run.dir/profile/`
-  (TensorBoard's profile plugin or XProf read it); `trainer.observe.instrument` marks each step
+  (TensorBoard's profile plugin or XProf read it); `ops.observe.instrument` marks each step
   for the trace viewer.
 """
 
@@ -27,10 +27,10 @@ import numpy as np
 from configs import Config
 from data import to_global
 from trainer.checkpoint import Checkpointer
-from trainer.faults import TooManyBadSteps
-from trainer.goodput import Goodput
-from trainer.metrics import MetricsLogger, log
-from trainer.observe import PROFILE_DIR
+from ops.faults import TooManyBadSteps
+from ops.goodput import Goodput
+from ops.metrics import MetricsLogger, log
+from ops.observe import PROFILE_DIR
 from trainer.preference import DPO_METRICS
 from trainer.program import Program
 from trainer.state import TrainState

@@ -1,7 +1,7 @@
 """The training run: check everything, build the sharded state, then loop with hooks.
 
 `prepare` (trainer.program) does every check that bad input can fail before anything is
-compiled or written; `run` then takes run.dir's lock (trainer.rundir_lock: one writer per run
+compiled or written; `run` then takes run.dir's lock (ops.rundir_lock: one writer per run
 directory), makes the `Session` (the program, the state restored or created, the data
 iterator, the checkpointer), compiles the step once ahead of time, and drives it. What happens
 between steps (metrics and bad-step bookkeeping, checkpoints, eval, profiling) are hooks outside
@@ -27,22 +27,22 @@ from configs.schema import nan_steps
 from data import batch_shape, describe, eval_batches, global_batches, make_iterator
 from model import flops_per_token, hf, stack_layers
 from model.lora import join, trainable
-from planner.hardware import peak_flops_of_kind
+from sharding.hardware import peak_flops_of_kind
 from sharding import distributed
-from trainer import rundir_lock
+from ops import rundir_lock
 from trainer.checkpoint import Checkpointer, check_resumable, checkpoint_dir, has_checkpoints, saved_config
 from trainer.checks import check_devices
-from trainer.faults import Preempted, StopSignal, Watchdog, fingerprint
-from trainer.goodput import Goodput, invocation_outcome
+from ops.faults import Preempted, StopSignal, Watchdog, fingerprint
+from ops.goodput import Goodput, invocation_outcome
 from trainer.hooks import Hook, StepLog, make_hooks
 from trainer.compute import attention_notes
-from trainer.metrics import MetricsLogger, log
-from trainer.observe import instrument
+from ops.metrics import MetricsLogger, log
+from ops.observe import instrument
 from trainer.program import Program, RunSpec, make_program, prepare
 from trainer.state import TrainState, frozen_base, init_state, param_count, random_params, state_from_params
-from trainer.stragglers import StepClock, injected_sleep
+from ops.stragglers import StepClock, injected_sleep
 from trainer.tiers import LocalTier
-from trainer.xla_env import set_cpu_device_count, use_compile_cache
+from ops.xla_env import set_cpu_device_count, use_compile_cache
 
 
 def _write_config(run_dir: str, cfg: Config, resume_step: int | None) -> None:
@@ -228,7 +228,7 @@ def _train(cfg: Config, session: Session, devices: list, goodput: Goodput) -> li
     hooks = make_hooks(cfg, session.program, session.ckpt, session.iterator, session.eval_rows, book, logger, goodput)
     goodput.lap("compile")
     step_fn = instrument(step_fn, session.start, goodput)
-    # More steps than compared: processes publish them at different moments (trainer.stragglers).
+    # More steps than compared: processes publish them at different moments (ops.stragglers).
     clock = StepClock(2 * cfg.straggler.steps + 8)
     stop = StopSignal()
     watchdog = Watchdog(cfg.train.step_timeout_s, cfg.dist.heartbeat_timeout_s, clock=clock,
@@ -261,7 +261,7 @@ def _loop(cfg: Config, session: Session, step_fn: Any, book: StepLog, hooks: lis
           stop: StopSignal, watchdog: Watchdog, goodput: Goodput, clock: StepClock) -> None:
     """Runs the steps; after each, the previous step's metrics are settled (one step late) and
     the hooks that are due act, in order, on the step just dispatched. `clock` times this
-    process's own part of each step (trainer.stragglers)."""
+    process's own part of each step (ops.stragglers)."""
     state, last, ckpt = session.state, cfg.train.steps, session.ckpt
     local = session.iterator
     if cfg.debug.nan_steps:

@@ -22,7 +22,6 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from configs import Config, ConfigError
 from data import batch_fields, batch_shape, open_source
-from planner.hlo import static_counts
 from sharding import (
     activation_rules,
     axes_size,
@@ -44,7 +43,7 @@ from trainer.optimizer import make_optimizer
 from trainer.state import AbstractModel, TrainState, abstract_model, abstract_state, state_shardings
 from trainer.step import make_eval_fn, make_train_step
 from trainer.tiers import check_local_dir
-from trainer.trackers import check_trackers
+from ops.trackers import check_trackers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,28 +171,3 @@ def fill_microbatches(cfg: Config, num_devices: int) -> Config:
     shards = axes_size(mesh_axes("batch", to_rules(cfg.sharding.activations)), sizes)
     per_replica = max(cfg.train.global_batch // (shards * cfg.train.grad_accum), 1)
     return dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, microbatches=per_replica))
-
-
-def compiled_stats(compiled: jax.stages.Compiled) -> dict[str, float]:
-    """Per-device bytes from `memory_analysis()` and FLOPs from `cost_analysis()`, which counts
-    the body of a loop (the layer scan, pipeline ticks) once, not once per trip.
-
-    `total_bytes`, the one memory figure of a compile everywhere (planner, benchmarks): arguments,
-    temporaries and outputs, less the outputs that reuse a donated argument's buffer."""
-    mem = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    cost = (cost[0] if isinstance(cost, list) else cost) or {}  # a deviceless GPU compile has none
-    return {
-        "argument_bytes": mem.argument_size_in_bytes,
-        "output_bytes": mem.output_size_in_bytes,
-        "alias_bytes": mem.alias_size_in_bytes,
-        "temp_bytes": mem.temp_size_in_bytes,
-        "total_bytes": (mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
-                        - mem.alias_size_in_bytes),
-        "xla_flops": cost.get("flops", float("nan")),
-    }
-
-
-def collective_counts(hlo_text: str) -> dict[str, int]:
-    """How many collective ops of each kind the compiled HLO holds (async start/done pairs once)."""
-    return static_counts(hlo_text)

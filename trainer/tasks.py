@@ -19,8 +19,8 @@ import configs
 from configs import Config, ConfigError
 from data.tokenizer import load_tokenizer
 from trainer.harness import MeshLM, evaluator_of
-from trainer.goodput import Goodput
-from trainer.metrics import MetricsLogger, log
+from ops.goodput import Goodput
+from ops.metrics import MetricsLogger, log
 
 # What the harness reports beside the scores: the examples counted.
 SKIPPED = ("sample_len", "samples")

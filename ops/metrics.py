@@ -21,11 +21,11 @@ from typing import Any
 import jax
 
 from configs import Config
-from planner.hardware import peak_flops_of_kind
-from trainer.trackers import Trackers
+from sharding.hardware import peak_flops_of_kind
+from ops.trackers import Trackers
 
 def peak_flops(device: Any) -> float | None:
-    """Dense bf16 peak FLOP/s of `device` from the one hardware table (planner.hardware)."""
+    """Dense bf16 peak FLOP/s of `device` from the one hardware table (sharding.hardware)."""
     return peak_flops_of_kind(getattr(device, "device_kind", ""))
 
 

@@ -4,7 +4,7 @@ In a synchronous step every process finishes together: a slow process makes all 
 in the step's collectives, so their step times are alike. What differs is each process's *own*
 time per step, the part of its loop not spent waiting for the device or the peers (reading data,
 host code, a busy or throttled host). `StepClock` measures it in the loop; the watchdog
-(trainer.faults) publishes the last `straggler.steps` of it with its heartbeat and reads every
+(ops.faults) publishes the last `straggler.steps` of it with its heartbeat and reads every
 peer's; process 0 names a process whose own time exceeded `straggler.factor` times the median
 of the other processes' in each of those steps (and by more than a tenth of the step, below which it is noise),
 once, with its host.

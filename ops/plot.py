@@ -1,10 +1,10 @@
-"""Loss curves from run directories: `python -m trainer.plot RUN_DIR... [--out FILE.png]`.
+"""Loss curves from run directories: `python -m ops.plot RUN_DIR... [--out FILE.png]`.
 
 Without `--out` the PNG goes beside the runs, not into the working directory (often a checkout):
 `RUN_DIR/loss_curves.png` for one run, `loss_curves.png` in the runs' common parent for several.
 
 One colour per run: the training loss as a line, the held-out loss (`eval_loss`, where the run
-logged one) as dashed markers. Reads metrics.jsonl the way `trainer.observe.read_metrics`
+logged one) as dashed markers. Reads metrics.jsonl the way `ops.observe.read_metrics`
 merges it (after a resume, the last line for a step wins). Uses matplotlib's Agg canvas
 directly, so it needs no display and leaves pyplot's global state alone.
 """
@@ -18,7 +18,7 @@ import sys
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from trainer.observe import read_metrics
+from ops.observe import read_metrics
 
 
 def plot_runs(run_dirs: list[str], out: str, labels: list[str] | None = None, title: str = "") -> int:
@@ -62,7 +62,7 @@ def default_out(run_dirs: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.plot", description="Loss curves of runs, as a PNG.")
+    parser = argparse.ArgumentParser(prog="python -m ops.plot", description="Loss curves of runs, as a PNG.")
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (each with a metrics.jsonl)")
     parser.add_argument("--out", help="the PNG to write (default: RUN_DIR/loss_curves.png, or for several runs "
                                       "loss_curves.png in their common parent directory)")

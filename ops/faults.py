@@ -27,8 +27,8 @@ import jax
 
 from configs import Config
 from sharding.distributed import FINISHED, peer_beats, publish_beat
-from trainer.metrics import log
-from trainer.stragglers import StepClock, find_stragglers, own_means
+from ops.metrics import log
+from ops.stragglers import StepClock, find_stragglers, own_means
 
 EXIT_BAD_STEPS = 3
 EXIT_HUNG = 4

@@ -1,7 +1,7 @@
 """Experiment trackers (`run.trackers`): every scalar of `metrics.jsonl`, the resolved config and
 the run's summary, from process 0 only.
 
-- `tensorboard` (default): event files in `run.dir/tb/` (trainer.observe).
+- `tensorboard` (default): event files in `run.dir/tb/` (ops.observe).
 - `wandb` (extra `trackers`): a Weights & Biases run in `WANDB_DIR/wandb/` (default
   `run.dir/wandb/`), online or offline as `WANDB_MODE` says; project `WANDB_PROJECT` (default
   meshlm), named after run.dir.
@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 from configs import Config, ConfigError, dump_config
 from configs.schema import TRACKERS
-from trainer.observe import TensorBoard
+from ops.observe import TensorBoard
 
 IDS_FILE = "trackers.json"
 EXTRA = {"wandb": "wandb", "mlflow": "mlflow"}  # tracker -> the module it needs

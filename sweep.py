@@ -37,11 +37,11 @@ import yaml
 
 from configs import Config, ConfigError, load_config
 from configs.load import resolve_preset
-from trainer.goodput import read_summary
-from trainer.observe import last_value, read_metrics
-from trainer.plot import plot_runs
+from ops.goodput import read_summary
+from ops.observe import last_value, read_metrics
+from ops.plot import plot_runs
 
-TRAIN_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")
+TRAIN_PY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
 SWEEP_KEYS = ("base", "overrides", "grid", "zip", "dir", "slurm")
 MAX_NAME = 120  # longer directory names are cut and end in a hash of the whole
 

@@ -30,9 +30,9 @@ from typing import Any, Callable, Iterator
 import jax
 
 from configs import Config
-from trainer.faults import Preempted
-from trainer.metrics import MetricsLogger, log
-from trainer.observe import last_value, read_metrics
+from ops.faults import Preempted
+from ops.metrics import MetricsLogger, log
+from ops.observe import last_value, read_metrics
 
 SUMMARY = "summary.json"
 BUCKETS = ("init", "compile", "first_execution", "checkpoint", "eval", "data_wait", "profile", "recompute")
