@@ -1,6 +1,7 @@
 """Typed configuration: the schema, YAML presets in this folder, and dotted CLI overrides."""
 
-from configs.load import all_keys, dump_config, load_config, resolve_preset
+from configs.load import all_keys, dump_config, load_config, resolve_preset, resume_keys
 from configs.schema import Config, ConfigError, ModelConfig
 
-__all__ = ["Config", "ConfigError", "ModelConfig", "all_keys", "dump_config", "load_config", "resolve_preset"]
+__all__ = ["Config", "ConfigError", "ModelConfig", "all_keys", "dump_config", "load_config", "resolve_preset",
+           "resume_keys"]

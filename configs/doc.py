@@ -12,10 +12,11 @@ import itertools
 import sys
 from typing import Any
 
-from configs.fields import Key, describe, keys
+from configs.fields import Key, describe, keys, resume_of
 from configs.schema import Config
 
 REGENERATE = "python -m configs.doc > docs/config.md"
+FIXED = "(fixed on resume)"  # follows the docstring of a key marked `Resume`
 
 
 def show(value: Any) -> str:
@@ -43,15 +44,21 @@ def _sections() -> list[tuple[str, str, list[Key]]]:
     return out
 
 
+def meaning(key: Key) -> str:
+    """The key's docstring, and FIXED if a resumed run must keep it."""
+    return f"{key.doc} {FIXED}" if resume_of(key.annotation) else key.doc
+
+
 def text() -> str:
     """The --help-config listing: per section, each key with its type and default, then its docstring."""
     lines = ["Config keys, set as key=value after `python train.py [--config FILE]` or as YAML sections.",
-             f"The same list is docs/config.md ({REGENERATE}).", ""]
+             f"The same list is docs/config.md ({REGENERATE}).",
+             f"A key marked {FIXED} must keep the value of the run whose checkpoints run.dir holds.", ""]
     for prefix, doc, group in _sections():
         lines.append(f"{prefix}: {doc}")
         for key in group:
             lines.append(f"  {key.name}: {describe(key.annotation)} = {show(key.default)}")
-            lines.append(f"      {key.doc}")
+            lines.append(f"      {meaning(key)}")
         lines.append("")
     return "\n".join(lines)
 
@@ -65,11 +72,14 @@ def markdown() -> str:
     lines = ["# Config keys", "",
              f"Generated from `configs/schema.py` by `{REGENERATE}`: edit the schema, not this file.",
              "Set a key as `key=value` after `python train.py [--config FILE]`, or as a YAML section of a",
-             "preset. `python train.py --help-config` prints the same list.", ""]
+             "preset. `python train.py --help-config` prints the same list. A key marked",
+             f"{FIXED} must keep the value of the run whose checkpoints `run.dir` holds: it fixes the shapes of",
+             "the state, or which example comes at which step ([resume](checkpoints-and-faults.md#resume)).", ""]
     for prefix, doc, group in _sections():
         lines += [f"## `{prefix}`", "", doc, "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
         for key in group:
-            lines.append(f"| `{key.name}` | {_cell(describe(key.annotation))} | `{show(key.default)}` | {_cell(key.doc)} |")
+            cells = (f"`{key.name}`", _cell(describe(key.annotation)), f"`{show(key.default)}`", _cell(meaning(key)))
+            lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
 

@@ -1,10 +1,11 @@
 """What a schema field declares beyond its Python type, and how that reads to a person.
 
-A field's choices are a `Literal[...]`, its range a `Range` inside `Annotated[...]`, and its
-documentation the string literal right under it. Pydantic checks the choices and the range; the
-functions here read the same declarations back for the error lines (`configs/load.py`) and for
-`python train.py --help-config` and docs/config.md (`configs/doc.py`). Nothing here knows the
-schema itself, so `configs/schema.py` can import it.
+A field's choices are a `Literal[...]`, its range a `Range` inside `Annotated[...]`, a key a
+resumed run must keep a `Resume` there too, and its documentation the string literal right under
+it. Pydantic checks the choices and the range (and ignores `Resume`); the functions here read the
+same declarations back for the error lines (`configs/load.py`), the resume check
+(`trainer/checkpoint.py`), and `python train.py --help-config` and docs/config.md
+(`configs/doc.py`). Nothing here knows the schema itself, so `configs/schema.py` can import it.
 """
 
 from __future__ import annotations
@@ -55,6 +56,16 @@ class Range(annotated_types.Interval):
         return f"must be {self.hinted()}, got {value}"
 
 
+@dataclass(frozen=True)
+class Resume:
+    """Marks a key a resumed run must share with the run that wrote its checkpoints, as
+    `Annotated[int, Range(gt=0), Resume()]`: it fixes the shapes of the state, or which example
+    comes at which step. `read`: a property of the same section compared in the field's place,
+    for a field whose value is resolved from others (model.head_dim's 0: d_model // num_heads)."""
+
+    read: str = ""
+
+
 def plain(tp: Any) -> Any:
     """The type without its `Annotated` markers."""
     return typing.get_args(tp)[0] if typing.get_origin(tp) is Annotated else tp
@@ -67,6 +78,10 @@ def markers(tp: Any) -> tuple[Any, ...]:
 
 def range_of(tp: Any) -> Range | None:
     return next((m for m in markers(tp) if isinstance(m, Range)), None)
+
+
+def resume_of(tp: Any) -> Resume | None:
+    return next((m for m in markers(tp) if isinstance(m, Resume)), None)
 
 
 def choices_of(tp: Any) -> tuple[Any, ...]:
@@ -141,4 +156,17 @@ def keys(cls: type, prefix: str = "") -> dict[str, Key]:
             out.update(keys(tp, f"{prefix}{f.name}."))
         else:
             out[f"{prefix}{f.name}"] = Key(f"{prefix}{f.name}", tp, _default(f), docs.get(f.name, ""), cls)
+    return out
+
+
+@functools.cache
+def keys_fixed_on_resume(cls: type) -> dict[str, str]:
+    """Dotted key -> the dotted attribute a resume compares (the key itself, or the property its
+    `Resume` names), for every key under dataclass `cls` marked `Resume`, in schema order.
+    Shared between callers: read it, never change it."""
+    out = {}
+    for name, key in keys(cls).items():
+        marker = resume_of(key.annotation)
+        if marker:
+            out[name] = f"{name.rpartition('.')[0]}.{marker.read}".lstrip(".") if marker.read else name
     return out

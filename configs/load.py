@@ -23,7 +23,7 @@ from typing import Any
 import pydantic
 import yaml
 
-from configs.fields import choices_of, keys, plain, range_of
+from configs.fields import choices_of, keys, keys_fixed_on_resume, plain, range_of
 from configs.schema import Config, ConfigError, closest
 from configs.validate import validate_static
 
@@ -41,6 +41,13 @@ def _annotations() -> dict[str, Any]:
 def all_keys() -> list[str]:
     """Every settable dotted key of the schema (dict-valued fields count as one key)."""
     return list(_annotations())
+
+
+def resume_keys() -> dict[str, str]:
+    """The keys a resumed run must share with the run that wrote its checkpoints (each field
+    marked `Resume`), in schema order: dotted key -> the dotted attribute compared, the key itself
+    or the resolved property its marker names (model.head_dim -> model.resolved_head_dim)."""
+    return keys_fixed_on_resume(Config)
 
 
 @functools.cache

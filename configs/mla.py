@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated
 
-from configs.fields import Range
+from configs.fields import Range, Resume
 
 
 @dataclass(kw_only=True)
@@ -18,15 +18,15 @@ class MLAConfig:
     """Multi-head latent attention: queries and keys/values through low-rank latents."""
 
     # DeepSeek-V2-Lite projects the queries directly (0); DeepSeek-V3 compresses them to 1536.
-    q_lora_rank: Annotated[int, Range(ge=0, hint="0: no query compression")] = 0
+    q_lora_rank: Annotated[int, Range(ge=0, hint="0: no query compression"), Resume()] = 0
     """Width of the query latent (q_a -> RMSNorm -> q_b)."""
-    kv_lora_rank: Annotated[int, Range(gt=0)] = 64
+    kv_lora_rank: Annotated[int, Range(gt=0), Resume()] = 64
     """Width of the key/value latent, the one array (with the rotary key) a decode cache keeps."""
-    qk_rope_head_dim: Annotated[int, Range(gt=0)] = 16
+    qk_rope_head_dim: Annotated[int, Range(gt=0), Resume()] = 16
     """Per-head query width that carries the rotary embedding; the rotary key is shared by all heads."""
-    qk_nope_head_dim: Annotated[int, Range(gt=0)] = 32
+    qk_nope_head_dim: Annotated[int, Range(gt=0), Resume()] = 32
     """Per-head query and key width without position (the key part expanded from the latent)."""
-    v_head_dim: Annotated[int, Range(gt=0)] = 32
+    v_head_dim: Annotated[int, Range(gt=0), Resume()] = 32
     """Per-head value width (the attention output per head)."""
     # DeepSeek-V3 checkpoints store the rotary dims as interleaved pairs (x0, x1), (x2, x3), ...
     rope_interleave: bool = True

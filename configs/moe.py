@@ -9,26 +9,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from configs.fields import Range
+from configs.fields import Range, Resume
 
 
 @dataclass(kw_only=True)
 class MoEConfig:
     """A mixture of experts in place of the blocks' SwiGLU (model/moe.py); num_experts 0: dense."""
 
-    num_experts: Annotated[int, Range(ge=0, hint="0: dense")] = 0
+    num_experts: Annotated[int, Range(ge=0, hint="0: dense"), Resume()] = 0
     """Experts per MoE layer."""
     # Qwen3-MoE's decoder_sparse_step: layers k-1, 2k-1, ... are MoE, the others dense SwiGLU.
-    every: Annotated[int, Range(ge=1, hint="1: every layer is an MoE")] = 1
+    every: Annotated[int, Range(ge=1, hint="1: every layer is an MoE"), Resume()] = 1
     """Every k-th layer is an MoE; model.num_layers must be a multiple."""
     # DeepSeek-V3's first_k_dense_replace: a second stack of dense layers before the MoE ones.
-    first_k_dense_replace: Annotated[int, Range(ge=0)] = 0
+    first_k_dense_replace: Annotated[int, Range(ge=0), Resume()] = 0
     """The first k layers are dense SwiGLU (model.d_ff), the other num_layers - k MoE."""
     experts_per_token: int = 2
     """Top-k: the experts each token is routed to, in [1, num_experts]."""
-    d_ff: Annotated[int, Range(ge=0, hint="0: model.d_ff")] = 0
+    d_ff: Annotated[int, Range(ge=0, hint="0: model.d_ff"), Resume()] = 0
     """Each expert's hidden size."""
-    shared_experts: Annotated[int, Range(ge=0)] = 0
+    shared_experts: Annotated[int, Range(ge=0), Resume()] = 0
     """Always-on experts (one SwiGLU of shared_experts x d_ff beside the routed ones)."""
     # softmax_topk (Mixtral): top-k of the logits, softmax over those k. topk_softmax (Qwen3-MoE):
     # softmax over all experts, then top-k, divided by their sum if `renormalize`. sigmoid

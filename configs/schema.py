@@ -3,8 +3,9 @@
 Keys are dotted paths into these dataclasses (`train.steps`, `mesh.fsdp`, ...). The defaults
 are the default run (`python train.py`): a small byte-level LM on the Python standard library.
 Each field declares itself once: its choices as a `Literal[...]`, its range as a `Range` (both
-checked by pydantic when `configs/load.py` builds a Config), and a one-line docstring right under
-it (`python train.py --help-config`, docs/config.md). Checks between keys live in
+checked by pydantic when `configs/load.py` builds a Config), a `Resume` marker if a resumed run
+must keep it (`configs.resume_keys`, checked by `trainer/checkpoint.py`), and a one-line docstring
+right under it (`python train.py --help-config`, docs/config.md). Checks between keys live in
 `configs/validate.py`; checks that need the device count live in `sharding.mesh`.
 """
 
@@ -17,7 +18,7 @@ from typing import Annotated, Any, Iterable, Literal
 
 from annotated_types import MinLen
 
-from configs.fields import Range, choices
+from configs.fields import Range, Resume, choices
 from configs.post import DPOConfig
 from configs.straggler import StragglerConfig
 from configs.lora import LoraConfig
@@ -51,7 +52,7 @@ class RunConfig:
 
     dir: Annotated[str, MinLen(1)] = "runs/default"
     """The run directory: config.yaml, metrics.jsonl, summary.json, tb/, checkpoints/."""
-    seed: Annotated[int, Range(ge=0, lt=2**32)] = 0
+    seed: Annotated[int, Range(ge=0, lt=2**32), Resume()] = 0
     """Seeds the parameter init and the data order."""
     # A restarted or resumed job with the same program skips the compile (minutes at scale).
     compile_cache: str = ""
@@ -69,7 +70,7 @@ class TrainConfig:
 
     steps: Annotated[int, Range(ge=0)] = 200
     """Total optimizer steps; a resumed run continues up to this."""
-    global_batch: Annotated[int, Range(gt=0)] = 16
+    global_batch: Annotated[int, Range(gt=0), Resume()] = 16
     """Sequences per step, over all devices and processes."""
     grad_accum: Annotated[int, Range(gt=0)] = 1
     """Micro-batches per step, their gradients summed before one update."""
@@ -159,30 +160,31 @@ class ContextConfig:
 class ModelConfig:
     """The decoder's shape and numerics."""
 
-    num_layers: Annotated[int, Range(gt=0)] = 4
+    num_layers: Annotated[int, Range(gt=0), Resume()] = 4
     """Transformer blocks."""
-    d_model: Annotated[int, Range(gt=0)] = 256
+    d_model: Annotated[int, Range(gt=0), Resume()] = 256
     """Width of the residual stream."""
-    num_heads: Annotated[int, Range(gt=0)] = 8
+    num_heads: Annotated[int, Range(gt=0), Resume()] = 8
     """Query heads."""
-    num_kv_heads: Annotated[int, Range(gt=0)] = 4
+    num_kv_heads: Annotated[int, Range(gt=0), Resume()] = 4
     """Key/value heads (grouped-query attention); must divide num_heads."""
-    head_dim: Annotated[int, Range(ge=0, hint="0: d_model // num_heads")] = 0
+    # Compared resolved: 0 and the width it resolves to are the same shape.
+    head_dim: Annotated[int, Range(ge=0, hint="0: d_model // num_heads"), Resume(read="resolved_head_dim")] = 0
     """Width of each head; must be even (rotary embeddings)."""
-    d_ff: Annotated[int, Range(gt=0)] = 768
+    d_ff: Annotated[int, Range(gt=0), Resume()] = 768
     """Hidden size of the SwiGLU feed-forward."""
-    vocab_size: Annotated[int, Range(gt=0)] = 264  # 256 bytes + end-of-document, padded to a multiple of 8
+    vocab_size: Annotated[int, Range(gt=0), Resume()] = 264  # 256 bytes + end-of-document, padded to a multiple of 8
     """Rows of the embedding and the output head."""
-    seq_len: Annotated[int, Range(gt=0)] = 256
+    seq_len: Annotated[int, Range(gt=0), Resume()] = 256
     """Tokens per sequence."""
     rope_theta: float = 10000.0
     """Rotary embedding base."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
-    tie_embeddings: bool = True
+    tie_embeddings: Annotated[bool, Resume()] = True
     """The output head shares the embedding matrix."""
     # As Qwen3 and Qwen3-MoE do; Llama and Mixtral have none.
-    qk_norm: bool = False
+    qk_norm: Annotated[bool, Resume()] = False
     """RMSNorm (a learned scale per head_dim entry) on every head of q and k, before the rotary embedding."""
     init_std: float = 0.02
     """Standard deviation of the random init."""
@@ -195,7 +197,7 @@ class ModelConfig:
     attention_chunk: Annotated[int, Range(ge=0, hint="0: off")] = 0
     """xla attention this many queries at a time (no [length, length] scores); must divide seq_len."""
     # mla: DeepSeek's multi-head latent attention, shaped by model.mla (num_kv_heads = num_heads).
-    attention_type: Literal["gqa", "mla"] = "gqa"
+    attention_type: Annotated[Literal["gqa", "mla"], Resume()] = "gqa"
     """gqa: grouped-query attention (Llama); mla: multi-head latent attention (DeepSeek-V2/V3)."""
     loss_chunk: Annotated[int, Range(ge=0, hint="0: off")] = 0
     """Output head + loss this many positions at a time (no full logits); must divide seq_len."""
@@ -215,7 +217,7 @@ class ModelConfig:
     gather_dtype: Literal["compute", "fp8"] = "compute"
     """The dtype block weights are gathered from their FSDP shards in."""
     # DeepSeek-V3: 1 module, its loss at 0.3 early in training and 0.1 later.
-    mtp_depth: Annotated[int, Range(ge=0, hint="0: off")] = 0
+    mtp_depth: Annotated[int, Range(ge=0, hint="0: off"), Resume()] = 0
     """Multi-token prediction modules (model/mtp.py): module k also predicts the token k + 1 ahead."""
     mtp_loss_coef: Annotated[float, Range(ge=0)] = 0.3
     """Weight of the multi-token prediction loss (the mean over its depths) in the training loss."""
@@ -233,17 +235,17 @@ class ModelConfig:
 class DataConfig:
     """The training and eval tokens: where they come from and how they are packed."""
 
-    source: Literal["text", "prepared", "synthetic"] = "text"
+    source: Annotated[Literal["text", "prepared", "synthetic"], Resume()] = "text"
     """text: files, one per document; prepared: a data.prepare directory; synthetic: random tokens."""
-    path: str = ""
+    path: Annotated[str, Resume()] = ""
     """text: a glob of files ("": Python's standard library); prepared: the directory."""
-    mixture: str = ""
+    mixture: Annotated[str, Resume()] = ""
     """Prepared corpora with weights, "DIR_A:0.7,DIR_B:0.3" (instead of data.path)."""
-    tokenizer: str = "byte"
+    tokenizer: Annotated[str, Resume()] = "byte"
     """The tokenizer: "byte", or a path to a tokenizer.json or a SentencePiece .model."""
-    packing: Literal["concat", "document"] = "concat"
+    packing: Annotated[Literal["concat", "document"], Resume()] = "concat"
     """concat: join and cut; document: whole documents, attention within each."""
-    eval_fraction: Annotated[float, Range(ge=0, lt=1)] = 0.02
+    eval_fraction: Annotated[float, Range(ge=0, lt=1), Resume()] = 0.02
     """text source: the share of documents held out (by content hash) for eval."""
     read_threads: Annotated[int, Range(gt=0)] = 2
     """Grain read threads."""

@@ -239,6 +239,33 @@ def test_remat_saves_names_the_remat_choices():
     assert tuple(REMAT_SAVES) == REMAT_POLICIES
 
 
+# The keys a resumed run must keep, as marked `Resume` on the schema's fields (configs/fields.py),
+# in schema order (the order trainer/checkpoint.py compares them in). Update this list deliberately,
+# in the same change that marks or unmarks a field: each one fixes the shapes of the state, or
+# which example comes at which step, and a wrong one lets a resume silently change the run.
+FIXED_ON_RESUME = [
+    "run.seed", "train.global_batch",
+    "model.num_layers", "model.d_model", "model.num_heads", "model.num_kv_heads", "model.head_dim", "model.d_ff",
+    "model.vocab_size", "model.seq_len", "model.tie_embeddings", "model.qk_norm", "model.attention_type",
+    "model.mtp_depth",
+    "model.moe.num_experts", "model.moe.every", "model.moe.first_k_dense_replace", "model.moe.d_ff",
+    "model.moe.shared_experts",
+    "model.lora.rank", "model.lora.targets",
+    "model.mla.q_lora_rank", "model.mla.kv_lora_rank", "model.mla.qk_rope_head_dim", "model.mla.qk_nope_head_dim",
+    "model.mla.v_head_dim",
+    "data.source", "data.path", "data.mixture", "data.tokenizer", "data.packing", "data.eval_fraction",
+]
+
+
+def test_the_keys_fixed_on_resume_are_the_marked_ones():
+    """`configs.resume_keys()` reads the fields marked `Resume`: exactly FIXED_ON_RESUME, each
+    compared as itself except model.head_dim, compared resolved (its 0 means d_model // num_heads)."""
+    from configs import resume_keys
+
+    assert list(resume_keys()) == FIXED_ON_RESUME
+    assert {k: v for k, v in resume_keys().items() if k != v} == {"model.head_dim": "model.resolved_head_dim"}
+
+
 def test_docs_config_md_is_fresh():
     from configs.doc import REGENERATE, markdown
 

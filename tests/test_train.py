@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 
 import jax
 import numpy as np
@@ -110,6 +111,37 @@ def test_gradient_accumulation_equals_one_big_batch(tiny, layout_runs):
     np.testing.assert_allclose(losses(accumulated), losses(big), rtol=2e-5)
     grad_norms = [r["grad_norm"] for r in big], [r["grad_norm"] for r in accumulated]
     np.testing.assert_allclose(*grad_norms, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.head_dim=8", "model.head_dim=8 differs from 4 in the checkpoints of run.dir="),
+        ("model.mla.kv_lora_rank=32", "model.mla.kv_lora_rank=32 differs from 64 in the checkpoints of run.dir="),
+        ("model.lora.targets=[q,v]",
+         "model.lora.targets=['q', 'v'] differs from ['q', 'k', 'v', 'o'] in the checkpoints of run.dir="),
+        ("data.eval_fraction=0.1", "data.eval_fraction=0.1 differs from 0.02 in the checkpoints of run.dir="),
+        ("run.seed=1", "run.seed=1 differs from 0 in the checkpoints of run.dir="),
+        ("model.head_dim=4", None),  # what the saved head_dim=0 resolves to: the same shapes
+        ("train.steps=9", None),  # not marked: a resume may change it
+    ],
+)
+def test_resume_refuses_a_changed_key_fixed_on_resume(tiny, tmp_path, override, message):
+    """A run.dir with checkpoints takes a config that changes a key marked `Resume` with one
+    ConfigError line naming that key, before anything is read or written; other keys pass."""
+    from configs import ConfigError, dump_config
+    from trainer.checkpoint import check_resumable
+
+    old = tiny("model.head_dim=0")
+    os.makedirs(os.path.join(old.run.dir, "checkpoints", "2"))
+    with open(os.path.join(old.run.dir, "config.yaml"), "w") as f:
+        f.write(dump_config(old))
+    new = tiny("model.head_dim=0", override)
+    if message is None:
+        check_resumable(new)
+        return
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        check_resumable(new)
 
 
 def test_resume_is_bitwise_exact(tiny, tmp_path, capsys, layout_runs):

@@ -26,28 +26,13 @@ import orbax.checkpoint as ocp
 from absl import flags
 from jax.experimental import multihost_utils
 
-from configs import Config, ConfigError, load_config
+from configs import Config, ConfigError, load_config, resume_keys
 from configs.schema import CheckpointConfig
 from model import lora
 from model.transformer import param_shapes
 from trainer.state import TrainState, frozen_base
 from ops.library_log import LibraryLog, library_log_path
 from trainer.tiers import LocalTier
-
-# Keys a resumed run must share with the run that wrote the checkpoints: they fix the shapes
-# of the state, or which example comes at which step (exact data continuation).
-RESUME_KEYS = (
-    "model.num_layers", "model.d_model", "model.num_heads", "model.num_kv_heads", "model.resolved_head_dim",
-    "model.d_ff", "model.vocab_size", "model.tie_embeddings", "model.seq_len",
-    "model.qk_norm", "model.attention_type", "model.mla.q_lora_rank", "model.mla.kv_lora_rank",
-    "model.mla.qk_rope_head_dim", "model.mla.qk_nope_head_dim", "model.mla.v_head_dim", "model.mtp_depth",
-    "model.moe.num_experts", "model.moe.d_ff", "model.moe.shared_experts", "model.moe.every",
-    "model.moe.first_k_dense_replace",
-    "model.lora.rank", "model.lora.targets",
-    "train.global_batch", "run.seed", "data.source", "data.path", "data.mixture", "data.tokenizer",
-    "data.packing", "data.eval_fraction",
-)
-
 
 def _get(cfg: Config, key: str) -> object:
     for name in key.split("."):
@@ -130,11 +115,12 @@ def check_resumable(cfg: Config) -> None:
     old = saved_config(cfg.run.dir)
     if old is None:
         return
-    for key in RESUME_KEYS:
-        if _get(old, key) != _get(cfg, key):
-            name = key.replace("resolved_", "")
+    # The keys marked Resume in the schema fix the shapes of the state, or which example comes at
+    # which step; a resolved one (model.head_dim) is compared through its property, named by its key.
+    for key, read in resume_keys().items():
+        if _get(old, read) != _get(cfg, read):
             raise ConfigError(
-                f"{name}={_get(cfg, key)!r} differs from {_get(old, key)!r} in the checkpoints of run.dir={cfg.run.dir}; "
+                f"{key}={_get(cfg, read)!r} differs from {_get(old, read)!r} in the checkpoints of run.dir={cfg.run.dir}; "
                 "resume with the same value or use a new run.dir"
             )
     if old.model.lora.enabled and old.init.from_hf != cfg.init.from_hf:
