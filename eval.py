@@ -4,7 +4,7 @@
                    [--output FILE]
 
 Reads the run's `config.yaml` and the parameters of its newest (or `--step`) checkpoint, sharded
-on the run's own mesh, and runs the tasks through the harness model of trainer/harness.py: local
+on the run's own mesh, and runs the tasks through the harness model of evaluation/harness.py: local
 YAML tasks of `--tasks-dir` (default: the run's `eval.tasks_dir`, configs/eval/) or the harness's
 own (their data from the Hugging Face Hub). Prints one line per score and the requests per
 second; `--output` also writes them as JSON. Exit status 2 for bad input (an unknown task, a
@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # the real imports wait until the arguments are checked: impo
 
     from data.tokenizer import Tokenizer
     from trainer.program import RunSpec
-    from trainer.tasks import Tasks
+    from evaluation.tasks import Tasks
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         from data.tokenizer import load_tokenizer
         from trainer.checks import check_devices
         from trainer.program import prepare
-        from trainer.tasks import resolve_tasks
+        from evaluation.tasks import resolve_tasks
         from ops.xla_env import set_cpu_device_count, set_default_flags
 
         set_default_flags()
@@ -79,9 +79,10 @@ def evaluate(args: argparse.Namespace, spec: RunSpec, devices: list[jax.Device],
              tokenizer: Tokenizer) -> int:
     """Restores the checkpoint on the run's mesh, runs the tasks, prints and writes the scores."""
     from trainer.checkpoint import restore_params
-    from trainer.harness import MeshLM, evaluator_of
+    from evaluation.harness import MeshLM
+    from trainer.scoring import evaluator_of
     from trainer.program import make_program
-    from trainer.tasks import run_tasks
+    from evaluation.tasks import run_tasks
 
     program = make_program(spec, devices)
     _, _, params = restore_params(args.run_dir, step, shardings=program.state_sh.params)

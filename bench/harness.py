@@ -1,4 +1,4 @@
-"""Requests per second of the lm-evaluation-harness model (trainer/harness.py) on a config's model.
+"""Requests per second of the lm-evaluation-harness model (evaluation/harness.py) on a config's model.
 
     python -m bench.harness                                    # the tiny preset, the local tasks
     python -m bench.harness --config configs/tiny.yaml --tasks stdlib_words --repeats 3
@@ -34,10 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from data.tokenizer import load_tokenizer
-    from trainer.harness import MeshLM, evaluator_of
+    from evaluation.harness import MeshLM
+    from trainer.scoring import evaluator_of
     from trainer.program import abstract_program
     from trainer.state import init_state
-    from trainer.tasks import each_task, resolve_tasks, run_tasks
+    from evaluation.tasks import each_task, resolve_tasks, run_tasks
     from ops.xla_env import set_cpu_device_count, set_default_flags
 
     try:

@@ -57,7 +57,7 @@ def pair_accuracy(dpo_run: str, sft_run: str, data_dir: str) -> tuple[float, flo
     from data.pairs import PairRows
     from trainer.checkpoint import restore_params
     from trainer.compute import Compute
-    from trainer.preference import make_reference_fn
+    from trainer.objectives.dpo import make_reference_fn
     from trainer.state import abstract_model
 
     cfg, _, policy = restore_params(dpo_run)

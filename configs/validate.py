@@ -25,25 +25,6 @@ def _check_data(cfg: Config) -> None:
     _require(d.source != "synthetic" or d.packing == "concat", "data.packing", "synthetic data has no documents")
 
 
-def _check_objective(cfg: Config) -> None:
-    objective, d = cfg.train.objective, cfg.data
-    if objective == "lm":
-        return
-    key = "train.objective"
-    _require(d.source == "prepared", key, f"{objective} reads a corpus that `python -m data.prepare --objective "
-             f"{objective}` wrote; set data.source=prepared and data.path")
-    _require(not d.mixture, key, f"{objective} reads one prepared corpus (data.path), not data.mixture")
-    if objective == "sft":
-        _require(d.packing == "document", "data.packing", "train.objective=sft needs document packing, which keeps "
-                 "conversations apart")
-        return
-    _require(d.packing == "concat", "data.packing", "train.objective=dpo pads each sequence of a pair to "
-             "model.seq_len + 1 and packs nothing; leave data.packing=concat")
-    _require(cfg.model.loss_chunk == 0, "model.loss_chunk", "train.objective=dpo computes whole-row log-probs; set 0")
-    _require(cfg.model.mtp_depth == 0, "model.mtp_depth", f"{cfg.model.mtp_depth} with train.objective=dpo: the DPO "
-             "loss is the main head's log-probs, so the prediction modules would get no gradient; set 0")
-
-
 def _check_profile(cfg: Config) -> None:
     steps = cfg.profile.steps
     if not steps:
@@ -217,7 +198,6 @@ def validate_static(cfg: Config) -> None:
     _check_model(cfg)
     _check_mla(cfg)
     _check_data(cfg)
-    _check_objective(cfg)
     _check_moe(cfg)
     _check_lora(cfg)
     trackers = cfg.run.trackers

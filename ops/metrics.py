@@ -16,7 +16,7 @@ import math
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
@@ -49,7 +49,9 @@ def _duration(seconds: float) -> str:
 
 
 class MetricsLogger:
-    def __init__(self, cfg: Config, tokens_per_step: int, flops_per_token: float, devices: list):
+    def __init__(self, cfg: Config, tokens_per_step: int, flops_per_token: float, devices: list,
+                 console: Callable[[dict[str, Any]], list[str]] = lambda record: []):
+        """`console`: the objective's parts of a step's console line (trainer/objectives/)."""
         self.path = os.path.join(cfg.run.dir, "metrics.jsonl")
         total_steps = cfg.train.steps
         self.total_steps = total_steps
@@ -62,6 +64,7 @@ class MetricsLogger:
         self._mark: tuple[int, float] | None = None
         self._waited = 0.0  # seconds the loop waited for data since the last record
         self.data_wait_total = 0.0  # ... and in all of this invocation (for the goodput summary)
+        self.console = console
         self.trackers = Trackers(cfg, self.is_main)  # run.trackers: TensorBoard by default
 
     def waited(self, seconds: float) -> None:
@@ -91,14 +94,10 @@ class MetricsLogger:
             self._print(record)
         return record
 
-    def write_eval(self, step: int, loss: float, extra: dict[str, float] | None = None) -> dict[str, Any]:
-        """Records a held-out loss and its perplexity, or with `extra` (DPO's rewards) those instead."""
-        if extra:
-            record = {"step": step, "eval_loss": loss, **{f"eval_{k}": v for k, v in extra.items()}}
-            shown = " | ".join(f"{k} {v:.4f}" for k, v in extra.items())
-        else:
-            record = {"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}
-            shown = f"perplexity {record['eval_perplexity']:.2f}"
+    def write_eval(self, step: int, loss: float, extra: dict[str, float], shown: str) -> dict[str, Any]:
+        """Records a held-out loss and the objective's other held-out means (`extra`: the
+        perplexity, DPO's rewards), shown on the console as `shown`."""
+        record = {"step": step, "eval_loss": loss, **{f"eval_{k}": v for k, v in extra.items()}}
         self._append(record)
         log(f"eval at step {step}: loss {loss:.4f} | {shown}")
         return record
@@ -123,17 +122,7 @@ class MetricsLogger:
         parts = [f"step {r['step']:>{width}}/{self.total_steps}", f"loss {r['loss']:.4f}"]
         parts.append(f"grad_norm {r['grad_norm']:.3f}")
         parts.append(f"lr {r['lr']:.2e}")
-        if "moe_aux_loss" in r:  # an MoE model: its router's health (trainer.step MOE_METRICS)
-            parts.append(f"lm_loss {r['lm_loss']:.4f} aux {r['moe_aux_loss']:.3f} z {r['moe_z_loss']:.3f} "
-                         f"imbalance {r['moe_imbalance']:.2f} dropped {100 * r['moe_dropped']:.1f}%")
-        if "trained_tokens" in r:  # train.objective=sft: the assistant tokens the loss covered
-            parts.append(f"trained {r['trained_tokens']:,.0f} tok")
-        if "reward_accuracy" in r:  # train.objective=dpo (trainer/preference.py)
-            parts.append(f"margin {r['reward_margin']:.3f} chosen {r['reward_chosen']:.3f} "
-                         f"rejected {r['reward_rejected']:.3f} accuracy {r['reward_accuracy']:.2f}")
-        if "mtp_loss" in r:  # multi-token prediction (model/mtp.py): the mean over its depths
-            lm = "" if "moe_aux_loss" in r else f"lm_loss {r['lm_loss']:.4f} "
-            parts.append(f"{lm}mtp_loss {r['mtp_loss']:.4f}")
+        parts += self.console(r)
         if "tokens_per_s" in r:
             eta = (self.total_steps - r["step"]) * r["step_s"]
             parts += [f"{r['tokens_per_s']:,.0f} tok/s", f"{r['step_s']:.3f} s/step", f"data wait {r['data_wait_s']:.3f} s"]

@@ -22,7 +22,8 @@ from trainer.hooks import EvalHook
 from ops.metrics import MetricsLogger
 from trainer.program import abstract_program
 from trainer.state import init_state
-from trainer.step import accumulate, make_loss_fn
+from trainer.objectives.lm import make_loss_fn
+from trainer.step import accumulate
 
 LAYOUTS = {
     "one device": ["mesh.data=1"],

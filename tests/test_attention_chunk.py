@@ -25,7 +25,8 @@ from planner.targets import has_compiler
 from sharding import activation_rules
 from trainer import abstract_program, prepare
 from trainer.state import init_state
-from trainer.step import accumulate, make_loss_fn
+from trainer.objectives.lm import make_loss_fn
+from trainer.step import accumulate
 
 B, T, H, KV, D, DV = 2, 16, 4, 2, 8, 6  # grouped (2 query heads a kv head), v narrower than q (as MLA's)
 

@@ -22,7 +22,8 @@ from sharding import activation_rules
 from sharding.context import balanced_order
 from trainer import abstract_program
 from trainer.state import init_state
-from trainer.step import accumulate, make_loss_fn
+from trainer.objectives.lm import make_loss_fn
+from trainer.step import accumulate
 
 LAYOUTS = {
     "context=2": ["mesh.data=4", "mesh.context=2"],

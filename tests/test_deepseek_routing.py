@@ -21,7 +21,8 @@ from sharding import activation_rules
 from test_context import initial_params
 from trainer import abstract_program
 from trainer.optimizer import make_optimizer, muon_dims, without_router_bias
-from trainer.step import accumulate_stats, make_loss_fn
+from trainer.objectives.lm import make_loss_fn
+from trainer.step import accumulate_stats
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 SIGMOID = ["model.moe.num_experts=8", "model.moe.experts_per_token=2", "model.moe.d_ff=32", "model.moe.router=sigmoid",
@@ -200,7 +201,7 @@ def _step(*overrides: str, devices: list | None = None) -> dict:
     params = jax.device_put(params, program.state_sh.params)
     tokens = np.asarray(jax.random.randint(jax.random.key(7), (16, cfg.model.seq_len + 1), 0, 257))
     batch = {"tokens": jax.device_put(tokens, program.batch_sh)}
-    loss_fn = make_loss_fn(program.spec.model.graphdef, program.compute, router_losses=True)
+    loss_fn = make_loss_fn(program.spec.model.graphdef, program.compute, model_terms=True)
     fn = jax.jit(lambda p, b: accumulate_stats(loss_fn, p, b, cfg.train.grad_accum, program.compute.grad_fn))
     with activation_rules(program.mesh, program.spec.layout.act_rules):
         loss, grads, (count, stats) = fn(params, batch)

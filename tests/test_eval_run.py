@@ -23,10 +23,11 @@ from configs import load_config  # noqa: E402
 from data.tokenizer import ByteTokenizer  # noqa: E402
 from eval import main as eval_main  # noqa: E402
 from train import main as train_main  # noqa: E402
-from trainer.harness import MeshLM, evaluator_of  # noqa: E402
+from evaluation.harness import MeshLM  # noqa: E402
+from trainer.scoring import evaluator_of  # noqa: E402
 from trainer.program import abstract_program  # noqa: E402
 from trainer.state import init_state  # noqa: E402
-from trainer.tasks import resolve_tasks, run_tasks  # noqa: E402
+from evaluation.tasks import resolve_tasks, run_tasks  # noqa: E402
 
 TASK, LIMIT, STEPS = "stdlib_words", 80, 120
 SCORE = f"task/{TASK}/acc"

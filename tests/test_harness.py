@@ -1,4 +1,4 @@
-"""The lm-evaluation-harness model (trainer/harness.py) against independent references: token
+"""The lm-evaluation-harness model (evaluation/harness.py) against independent references: token
 log-probabilities in float64 NumPy from the model's own full forward, the training loss function,
 and generate.py's greedy decoding."""
 
@@ -21,10 +21,11 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from configs import load_config  # noqa: E402
 from data.tokenizer import ByteTokenizer  # noqa: E402
 from model.transformer import transformer_from_params  # noqa: E402
-from trainer.harness import MeshLM, buckets_for, evaluator_of  # noqa: E402
+from evaluation.harness import MeshLM, buckets_for  # noqa: E402
+from trainer.scoring import evaluator_of  # noqa: E402
 from trainer.program import abstract_program  # noqa: E402
 from trainer.state import init_state  # noqa: E402
-from trainer.step import make_loss_fn  # noqa: E402
+from trainer.objectives.lm import make_loss_fn  # noqa: E402
 
 # A large init scale spreads the logits: the greedy comparisons are far from ties.
 MODEL = ["model.init_std=0.3", "model.num_layers=2"]

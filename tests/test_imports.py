@@ -19,8 +19,9 @@ ALLOWED = {
     "pipeline": {"configs", "model", "sharding", "pipeline"},
     "planner": {"configs", "model", "sharding", "pipeline", "planner"},
     "ops": {"configs", "sharding", "ops"},
-    "trainer": {"configs", "model", "data", "sharding", "pipeline", "ops", "trainer"},
-    "bench": {"configs", "model", "data", "sharding", "pipeline", "planner", "ops", "trainer", "bench"},
+    "evaluation": {"configs", "model", "data", "ops", "evaluation"},
+    "trainer": {"configs", "model", "data", "sharding", "pipeline", "ops", "evaluation", "trainer"},
+    "bench": {"configs", "model", "data", "sharding", "pipeline", "planner", "ops", "evaluation", "trainer", "bench"},
 }
 ENTRY_POINTS = ("train.py", "plan.py", "hf.py", "generate.py", "eval.py", "sweep.py")
 

@@ -24,7 +24,8 @@ from configs.lora import LORA_TARGETS, LoraConfig
 from conftest import ROOT, require, stdlib_glob
 from model import Transformer, hf, lora
 from model.layers import MLP
-from trainer.step import make_loss_fn, step_noise
+from trainer.objectives.lm import make_loss_fn
+from trainer.step import step_noise
 
 STEPS = 4
 DROP = ["model.lora.rank=4", "model.lora.alpha=8", f"model.lora.targets=[{','.join(LORA_TARGETS)}]",

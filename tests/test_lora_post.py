@@ -20,7 +20,7 @@ from flax import nnx
 import trainer
 from data import open_source, process_dataset
 from model import Transformer, lora
-from trainer.preference import make_dpo_loss_fn, make_reference_fn
+from trainer.objectives.dpo import make_dpo_loss_fn, make_reference_fn
 from trainer.program import abstract_program
 from trainer.state import init_state, tree_bytes
 from test_post_training import STEPS, column, corpora  # noqa: F401  (corpora: a fixture)

@@ -24,7 +24,8 @@ from configs import ConfigError, load_config
 from sharding import activation_rules
 from trainer.program import abstract_program
 from trainer.state import init_state
-from trainer.step import accumulate, make_loss_fn
+from trainer.objectives.lm import make_loss_fn
+from trainer.step import accumulate
 
 
 def _loss_and_grads(cfg, batch, chunk):

@@ -34,7 +34,8 @@ from trainer import abstract_program
 from trainer.checks import check_devices
 from trainer.compute import grouped_matmul
 from trainer.layout import plan_layout
-from trainer.step import accumulate_stats, make_loss_fn
+from trainer.objectives.lm import make_loss_fn
+from trainer.step import accumulate_stats
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 MOE = ["model.num_layers=2", "model.moe.num_experts=8", "model.moe.experts_per_token=2", "model.moe.d_ff=32",
@@ -58,7 +59,7 @@ def step_outputs(cfg, devices=None) -> dict:
     params = initial_params(program)
     tokens = np.asarray(jax.random.randint(jax.random.key(7), (16, cfg.model.seq_len + 1), 0, 257))
     batch = {"tokens": jax.device_put(tokens, program.batch_sh)}
-    loss_fn = make_loss_fn(program.spec.model.graphdef, program.compute, router_losses=True)
+    loss_fn = make_loss_fn(program.spec.model.graphdef, program.compute, model_terms=True)
     fn = jax.jit(lambda p, b: accumulate_stats(loss_fn, p, b, cfg.train.grad_accum, program.compute.grad_fn))
     with activation_rules(program.mesh, program.spec.layout.act_rules):
         compiled = fn.lower(params, batch).compile()

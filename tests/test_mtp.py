@@ -21,7 +21,8 @@ from test_context import initial_params, packed_batch
 from trainer import abstract_program
 from trainer.optimizer import make_optimizer
 from trainer.state import init_state, random_params
-from trainer.step import accumulate_stats, make_loss_fn
+from trainer.objectives.lm import make_loss_fn
+from trainer.step import accumulate_stats
 
 # Two rows of 33 tokens: documents of 12, 14 and 7 padding tokens (segment 0), and of 20 and 13.
 DOCS = [[(1, 12), (2, 14), (0, 7)], [(1, 20), (2, 13)]]
@@ -39,7 +40,7 @@ def outputs(overrides: list[str]) -> tuple[float, dict, tuple, dict, object]:
     cfg = load_config(TINY, ["data.source=synthetic", "mesh.data=1", "train.global_batch=2", *overrides])
     program = abstract_program(cfg, jax.devices()[:1])
     params = initial_params(program)
-    loss_fn = make_loss_fn(program.spec.model.graphdef, program.compute, router_losses=True)
+    loss_fn = make_loss_fn(program.spec.model.graphdef, program.compute, model_terms=True)
     loss, grads, aux = jax.jit(lambda p, b: accumulate_stats(loss_fn, p, b, 1))(params, batch())
     return float(loss), jax.tree.map(np.asarray, grads), aux, jax.tree.map(np.asarray, params), cfg
 
@@ -114,7 +115,7 @@ def training_loss_and_grads(overrides: list[str], devices: list) -> tuple[float,
     program = abstract_program(cfg, devices)
     params = initial_params(program)
     data = {k: jax.device_put(v, program.batch_sh) for k, v in packed_batch(cfg.model.seq_len, True).items()}
-    loss_fn = make_loss_fn(program.spec.model.graphdef, program.compute, router_losses=True)
+    loss_fn = make_loss_fn(program.spec.model.graphdef, program.compute, model_terms=True)
     with activation_rules(program.mesh, program.spec.layout.act_rules):
         loss, grads, _ = jax.jit(lambda p, b: accumulate_stats(loss_fn, p, b, 1))(params, data)
     return float(loss), jax.tree.map(np.asarray, grads)
@@ -172,7 +173,7 @@ def test_mtp_modules_follow_the_remat_policy(remat):
     cfg = load_config(TINY, ["data.source=synthetic", "mesh.data=1", "train.global_batch=2", f"model.remat={remat}",
                              *MTP_TINY])
     program = abstract_program(cfg, jax.devices()[:1])
-    loss_fn = make_loss_fn(program.spec.model.graphdef, program.compute, router_losses=True)
+    loss_fn = make_loss_fn(program.spec.model.graphdef, program.compute, model_terms=True)
     text = str(jax.make_jaxpr(lambda p, b: loss_fn(p, b)[0])(program.spec.model.shapes, batch()))
     assert text.count("remat2[") == (0 if remat == "none" else 1 + 2)
     assert text.count("prevent_cse=True") == (0 if remat == "none" else 2)
@@ -239,7 +240,7 @@ def test_an_mtp_moe_blocks_load_moves_its_routing_bias():
     params = initial_params(program)
     block = params["mtp"][0]["block"]["mlp"]
     block["router"] = jnp.zeros_like(block["router"])
-    loss_fn = make_loss_fn(program.spec.model.graphdef, program.compute, router_losses=True)
+    loss_fn = make_loss_fn(program.spec.model.graphdef, program.compute, model_terms=True)
     _, grads, _ = jax.jit(lambda p, b: accumulate_stats(loss_fn, p, b, 1))(params, batch())
     g = np.asarray(grads["mtp"][0]["block"]["mlp"]["router_bias"], np.float64)
     over = np.array([0.5, 0.5, 0, 0, 0, 0, 0, 0]) - 1 / 8

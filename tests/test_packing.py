@@ -75,7 +75,7 @@ def test_a_packed_row_gives_each_document_the_loss_it_has_alone(tiny):
 
     from trainer.program import abstract_program
     from trainer.state import init_state
-    from trainer.step import make_loss_fn
+    from trainer.objectives.lm import make_loss_fn
 
     cfg = tiny("mesh.data=1")
     program = abstract_program(cfg, jax.devices()[:1])

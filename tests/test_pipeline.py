@@ -23,7 +23,8 @@ from test_context import initial_params, packed_batch
 from sharding import activation_rules
 from planner.compiled import collective_counts
 from trainer import abstract_program
-from trainer.step import accumulate, make_loss_fn
+from trainer.objectives.lm import make_loss_fn
+from trainer.step import accumulate
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 PIPELINED = {

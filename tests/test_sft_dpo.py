@@ -20,10 +20,11 @@ from data.chat import ChatTemplate, chat_segments
 from data.manifest import read_manifest
 from data.prepare import prepare
 from model.preference import preference_loss
-from trainer.preference import make_dpo_loss_fn, make_reference_fn
+from trainer import objectives
+from trainer.objectives.dpo import make_dpo_loss_fn, make_reference_fn
 from trainer.program import abstract_program
 from trainer.state import init_state
-from trainer.step import make_loss_fn
+from trainer.objectives.lm import make_loss_fn
 
 # ChatML with transformers' {% generation %} marks around what the assistant says.
 CHATML = ("{{ bos_token }}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
@@ -229,6 +230,7 @@ def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
      "model.loss_chunk: train.objective=dpo computes whole-row log-probs; set 0"),
 ])
 def test_objective_rules_are_one_line_naming_the_key(overrides, message):
+    """Each objective's own checks (trainer/objectives/), run by `trainer.prepare` before anything is built."""
     with pytest.raises(ConfigError) as err:
-        load_config("tiny", overrides)
+        objectives.build(load_config("tiny", overrides))
     assert str(err.value) == message

@@ -138,9 +138,6 @@ def check_pipeline(cfg: Config, stages: int, micro: int, per_replica: int) -> No
         if schedule.computes_grads:  # the 1F1B family needs stages to schedule
             raise ConfigError(f"pipeline.schedule={cfg.pipeline.schedule} needs mesh.pipeline > 1")
         return
-    if schedule.computes_grads and cfg.train.objective == "dpo":  # its own gradient code has the LM loss only
-        raise ConfigError(f"pipeline.schedule={cfg.pipeline.schedule} computes the language-model loss itself; "
-                          "train.objective=dpo pipelines with pipeline.schedule=gpipe")
     layers = stack_layers(cfg.model)  # the dense first layers run before the stages
     if layers % (stages * repeats):
         dense = cfg.model.num_layers - layers

@@ -5,9 +5,10 @@ of the parameters, the layer runner (the model's scan, or a pipeline schedule's)
 function (autodiff, or a 1F1B-family schedule's own), the kernels bound into the model while it
 traces (sharded attention under a sequence split, expert dispatch under expert parallelism, the
 embedding lookup under FSDP), the load-balanced order of a sequence split, the loss chunk, the
-micro-batches and the router losses.
+micro-batches. What the run trains (its objective, the model's loss terms) is not here:
+trainer/objectives/ says it.
 `build_compute` is the one place these are decided, from the config, the layout and the devices'
-platform; `make_train_step` and `make_loss_fn` (trainer/step.py) take the result by name.
+platform; `trainer.forward.forward`, the objectives and `make_train_step` take the result by name.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable
+from typing import Callable, TypeVar
 
 import jax
 import numpy as np
@@ -23,8 +24,6 @@ from flax import nnx
 
 import pipeline
 from configs import Config
-from configs.post import DPOConfig
-from configs.schema import MoEConfig
 from model import LayerRunner, scan_layers
 from model.attention import block_mask, splash_attention
 from model.kernels import AttentionFn, DispatchFn, Kernels
@@ -36,6 +35,8 @@ from sharding.experts import expert_parallel
 from sharding.lookup import traded_lookup
 from trainer.checks import megablox_misfit
 from trainer.layout import Layout
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,20 +50,14 @@ class Compute:
     grad_fn: GradFn | None = None  # the loss and gradients a schedule computes itself (None: autodiff)
     kernels: Kernels = Kernels()  # bound into the model while it traces (model/kernels.py)
     order: np.ndarray | None = None  # the load-balanced order of a sequence split's positions
-    moe: MoEConfig | None = None  # an MoE model's router losses join the training loss
-    objective: str = "lm"  # train.objective: lm, sft (masked targets) or dpo (preference pairs)
-    dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)  # the DPO loss (train.objective=dpo)
-    mtp_depth: int = 0  # multi-token prediction depths whose loss joins the training loss (model/mtp.py)
-    mtp_loss_coef: float = 0.0  # its weight there (model.mtp_loss_coef)
-    noise_seed: int | None = None  # LoRA dropout's seed (run.seed; None: no dropout, model/lora.py)
 
-    def in_order(self, *arrays: jax.Array | None, axis: int = 1) -> tuple[jax.Array | None, ...]:
-        """Each array (None passes) with its sequence axis `axis` in the sequence split's
+    def in_order(self, tree: T, axis: int = 1) -> T:
+        """Every array of `tree` with its sequence axis `axis` in the sequence split's
         load-balanced order; all unchanged without one. The losses are sums over tokens and the
         model masks by position, so every per-token input may be permuted alike."""
         if self.order is None:
-            return arrays
-        return tuple(None if a is None else a[(slice(None),) * axis + (self.order,)] for a in arrays)
+            return tree
+        return jax.tree.map(lambda a: a[(slice(None),) * axis + (self.order,)], tree)
 
 
 def build_compute(cfg: Config, layout: Layout, graphdef: nnx.GraphDef, platform: str,
@@ -81,12 +76,6 @@ def build_compute(cfg: Config, layout: Layout, graphdef: nnx.GraphDef, platform:
                         lookup=traded_lookup(layout.param_rules, layout.act_rules, layout.sizes)),
         order=balanced_order(m.seq_len, layout.sizes["context"]) if layout.sizes["context"] > 1
         and cfg.context.load_balance else None,
-        moe=m.moe if m.moe.enabled else None,
-        objective=cfg.train.objective,
-        dpo=cfg.dpo,
-        mtp_depth=m.mtp_depth,
-        mtp_loss_coef=m.mtp_loss_coef,
-        noise_seed=cfg.run.seed if m.lora.enabled and m.lora.dropout > 0 else None,
     )
 
 

@@ -8,7 +8,7 @@ interval (docs/design.md, "From config to checkpoint").
   the local tier at `checkpoint.local_every` (trainer.tiers), never a state reached only through
   bad steps.
 - `EvalHook` runs the held-out loss at `eval.every` and the last step.
-- `trainer.tasks.TaskHook` runs the lm-evaluation-harness tasks of `eval.tasks` at
+- `evaluation.tasks.TaskHook` runs the lm-evaluation-harness tasks of `eval.tasks` at
   `eval.tasks_every` and the last step; a failing task is one warning line, never the run's end.
 - `ProfileHook` traces `profile.steps=[a, b]` with `jax.profiler` into `run.dir/profile/`
   (TensorBoard's profile plugin or XProf read it); `ops.observe.instrument` marks each step
@@ -17,6 +17,7 @@ interval (docs/design.md, "From config to checkpoint").
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Callable
 
@@ -31,7 +32,6 @@ from ops.faults import TooManyBadSteps
 from ops.goodput import Goodput
 from ops.metrics import MetricsLogger, log
 from ops.observe import PROFILE_DIR
-from trainer.preference import DPO_METRICS
 from trainer.program import Program
 from trainer.state import TrainState
 
@@ -110,14 +110,14 @@ class CheckpointHook(Hook):
 
 
 class EvalHook(Hook):
-    """The per-token mean loss over all the held-out batches (their loss sums over their token
-    counts, not a mean of batch means), logged; under DPO the per-pair means of the held-out
-    pairs' loss and rewards (trainer/preference.py DPO_METRICS)."""
+    """The objective's held-out means over all the held-out batches (their sums over their counts
+    of tokens or pairs, not a mean of batch means), logged with the objective's other means
+    (the perplexity, or DPO's rewards)."""
 
     def __init__(self, cfg: Config, program: Program, eval_rows: list[dict[str, np.ndarray]], logger: MetricsLogger,
                  goodput: Goodput):
         self.every, self.last, self.logger, self.goodput = cfg.eval.every, cfg.train.steps, logger, goodput
-        self.names = DPO_METRICS if cfg.train.objective == "dpo" else ()
+        self.objective = program.spec.objective
         self.loss_fn = program.compile_eval()
         self.batches = [to_global(rows, program.batch_sh, cfg.train.global_batch) for rows in eval_rows]
 
@@ -126,16 +126,15 @@ class EvalHook(Hook):
 
     def run(self, step: int, state: TrainState, stopping: bool) -> None:
         with self.goodput.phase("eval"):
-            loss, extra = self.metrics(state)
-            self.logger.write_eval(step, loss, extra)
+            loss, extra, shown = self.metrics(state)
+            self.logger.write_eval(step, loss, extra, shown)
 
-    def metrics(self, state: TrainState) -> tuple[float, dict[str, float]]:
-        """(the mean loss, the objective's other means by name) over the held-out batches."""
+    def metrics(self, state: TrainState) -> tuple[float, dict[str, float], str]:
+        """(the mean loss, the objective's other means by name, their console text) over the
+        held-out batches."""
         outs = jax.device_get([self.loss_fn(state.params, state.ref_params, batch) for batch in self.batches])
         flat = [np.concatenate([np.ravel(a) for a in jax.tree.leaves(o)]) for o in outs]
-        sums = np.sum(flat, axis=0, dtype=np.float64)
-        count = max(sums[1], 1.0)  # target tokens, or pairs
-        return float(sums[0] / count), {name: float(v / count) for name, v in zip(self.names, sums[2:])}
+        return self.objective.eval_metrics(np.sum(flat, axis=0, dtype=np.float64))
 
 
 class ProfileHook(Hook):
@@ -188,7 +187,9 @@ def make_hooks(cfg: Config, program: Program, ckpt: Checkpointer, iterator: Any,
     if eval_rows:
         hooks.append(EvalHook(cfg, program, eval_rows, logger, goodput))
     if program.spec.tasks is not None:
-        from trainer.tasks import TaskHook  # lm-evaluation-harness only for a run with eval.tasks
+        # lm-evaluation-harness only for a run with eval.tasks
+        from evaluation.tasks import TaskHook
+        from trainer.scoring import evaluator_of
 
-        hooks.append(TaskHook(cfg, program, logger, goodput))
+        hooks.append(TaskHook(cfg, program.spec.tasks, functools.partial(evaluator_of, program), logger, goodput))
     return hooks

@@ -12,7 +12,6 @@ never waits on the host.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import signal
 import sys
@@ -24,7 +23,7 @@ import numpy as np
 
 from configs import Config, dump_config
 from configs.schema import nan_steps
-from data import batch_shape, describe, eval_batches, global_batches, make_iterator
+from data import describe, eval_batches, global_batches, make_iterator
 from model import flops_per_token, hf, stack_layers
 from model.lora import join, trainable
 from sharding.hardware import peak_flops_of_kind
@@ -213,8 +212,9 @@ def _run_holding_the_lock(spec: RunSpec, devices: list, goodput: Goodput, schedu
 
 
 def _train(cfg: Config, session: Session, devices: list, goodput: Goodput) -> list[dict[str, Any]]:
-    tokens_per_step = math.prod(batch_shape(cfg)[:-1]) * cfg.model.seq_len  # DPO: two sequences a pair
-    logger = MetricsLogger(cfg, tokens_per_step, flops_per_token(cfg.model), devices)
+    objective = session.program.spec.objective
+    tokens_per_step = cfg.train.global_batch * objective.rows_per_example * cfg.model.seq_len
+    logger = MetricsLogger(cfg, tokens_per_step, flops_per_token(cfg.model), devices, objective.console)
     if session.start >= cfg.train.steps:
         log(f"nothing to do: the checkpoint at step {session.start} has reached train.steps={cfg.train.steps}; "
             f"{cfg.run.dir} is left as it was")

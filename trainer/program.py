@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
+import pipeline
 from configs import Config, ConfigError
 from data import batch_fields, batch_shape, open_source
 from sharding import (
@@ -35,13 +36,15 @@ from sharding import (
 from sharding.cast import cast_for_compute
 from model import hf
 from model.lora import trainable
+from trainer import objectives
 from trainer.checkpoint import check_resumable, has_checkpoints
 from trainer.checks import check_divisible
 from trainer.compute import Compute, build_compute
 from trainer.layout import Layout, plan_layout
+from trainer.objectives import Objective
 from trainer.optimizer import make_optimizer
 from trainer.state import AbstractModel, TrainState, abstract_model, abstract_state, state_shardings
-from trainer.step import make_eval_fn, make_train_step
+from trainer.step import make_train_step
 from trainer.tiers import check_local_dir
 from ops.trackers import check_trackers
 
@@ -55,33 +58,36 @@ class RunSpec:
     cfg: Config
     layout: Layout
     model: AbstractModel
+    objective: Objective  # what it trains (trainer/objectives/)
     source: Any = None
-    tasks: Any = None  # eval.tasks checked (trainer.tasks.Tasks); None: none
+    tasks: Any = None  # eval.tasks checked (evaluation.tasks.Tasks); None: none
 
 
 def prepare(cfg: Config, num_devices: int, with_data: bool = True) -> RunSpec:
     """All checks that need devices or files. Raises ConfigError; creates and compiles nothing."""
+    objective = objectives.build(cfg)
     layout = plan_layout(cfg, num_devices, jax.process_count())
+    objective.check_schedule(layout.pipelined and pipeline.get(layout.schedule).computes_grads)
     model = abstract_model(cfg.model)
     check_divisible(model.shapes, model.axes, layout.param_rules, layout.sizes)
     if not with_data:
-        return RunSpec(cfg, layout, model)
+        return RunSpec(cfg, layout, model, objective)
     check_resumable(cfg)
     check_local_dir(cfg)
     check_trackers(cfg)
     # Once the run has checkpoints it resumes from them; a LoRA run's hold no base, read from init.from_hf again.
     if cfg.init.from_hf and (not has_checkpoints(cfg.run.dir) or cfg.model.lora.enabled):
         hf.check_compatible(cfg.model, cfg.init.from_hf)
-    return RunSpec(cfg, layout, model, open_source(cfg), check_tasks(cfg))
+    return RunSpec(cfg, layout, model, objective, open_source(cfg), check_tasks(cfg))
 
 
 def check_tasks(cfg: Config) -> Any:
-    """eval.tasks found, with their data files (trainer.tasks.Tasks), or None without any.
+    """eval.tasks found, with their data files (evaluation.tasks.Tasks), or None without any.
     Raises ConfigError; lm-evaluation-harness is imported only for a run that names tasks."""
     if not cfg.eval.tasks:
         return None
     try:
-        from trainer.tasks import resolve_tasks
+        from evaluation.tasks import resolve_tasks
     except ImportError as e:
         raise ConfigError(f"eval.tasks: needs lm-evaluation-harness ({e}): pip install 'meshlm[eval]'") from None
     return resolve_tasks(cfg.eval.tasks, cfg.eval.tasks_dir)
@@ -94,9 +100,7 @@ def sharded_optimizer(spec: RunSpec, mesh: Mesh | AbstractMesh) -> tuple[optax.G
     tx, schedule = make_optimizer(spec.cfg.optim, spec.cfg.train.steps, trainable(spec.model.axes),
                                   spec.cfg.model.moe.router_bias_update_rate)
     params = shardings(spec.model.axes, spec.layout.param_rules, mesh)
-    # Under LoRA, DPO's reference is the base the adapters sit on (their B zeroed): no copy to hold.
-    reference = spec.cfg.train.objective == "dpo" and not spec.cfg.model.lora.enabled
-    return tx, schedule, state_shardings(tx, spec.model.shapes, params, mesh, reference)
+    return tx, schedule, state_shardings(tx, spec.model.shapes, params, mesh, spec.objective.holds_reference)
 
 
 @dataclasses.dataclass
@@ -110,7 +114,7 @@ class Program:
     batch_sh: NamedSharding
     compute: Compute  # how the step computes (trainer/compute.py)
     step: Callable  # jitted, state donated
-    eval_loss: Callable  # jitted (params, ref_params, batch) -> trainer.step.make_eval_fn's sums, no update
+    eval_loss: Callable  # jitted (params, ref_params, batch) -> the objective's eval sums, no update
 
     def abstract_state(self) -> TrainState:
         return abstract_state(self.tx, self.spec.model.shapes, self.state_sh)
@@ -149,9 +153,9 @@ def make_program(spec: RunSpec, devices: list) -> Program:
     batch_sh = batch_sharding(mesh, layout.act_rules, len(batch_shape(cfg)))
     cast = functools.partial(cast_for_compute, axes=model.axes, dtype=cfg.model.dtype, shardings=state_sh.params)
     compute = build_compute(cfg, layout, model.graphdef, devices[0].platform, cast)
-    step = jax.jit(make_train_step(model.graphdef, tx, schedule, compute=compute),
+    step = jax.jit(make_train_step(model.graphdef, tx, schedule, compute=compute, objective=spec.objective),
                    in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=(0,))
-    eval_loss = jax.jit(make_eval_fn(model.graphdef, compute),
+    eval_loss = jax.jit(spec.objective.eval_fn(model.graphdef, compute),
                         in_shardings=(state_sh.params, state_sh.ref_params, batch_sh))
     return Program(spec, mesh, tx, state_sh, batch_sh, compute, step, eval_loss)
 

@@ -1,6 +1,6 @@
 """lm-evaluation-harness on a meshlm model: `MeshLM` is the harness's language model (its `LM`
-interface) backed by the run's own sharded forward on the run's mesh (trainer/tasks.py finds and
-runs the tasks on it).
+interface) backed by the run's own sharded forward on the run's mesh (trainer/scoring.py builds
+its `Evaluator`; evaluation/tasks.py finds and runs the tasks on it).
 
 Scoring requests are packed into rows of `train.global_batch` (the batch the run's layout
 divides) and right-padded to a few fixed lengths (powers of two up to `model.seq_len`), so the
@@ -9,7 +9,7 @@ keeps its last tokens, as the harness's own models do. Generation is greedy deco
 key/value cache of model/decode.py, prompts left-padded to the same lengths (padding slots never
 attended to), the decoding length rounded up to a power of two and the tokens past the request's
 cut: one program per (prompt length, decoding length) bucket.
-`lm_eval` is imported here, in trainer/tasks.py and in eval.py only (the optional `eval` extra).
+`lm_eval` is imported here, in evaluation/tasks.py and in eval.py only (the optional `eval` extra).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from collections import defaultdict
 from typing import Any, Callable, Iterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from lm_eval.api.model import TemplateLM
@@ -29,44 +28,22 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from data.tokenizer import Tokenizer
 from model.decode import generate
-from model.kernels import use_kernels
-from trainer.compute import Compute
 
 Array = jax.Array
 SHORTEST = 16  # the shortest padded row: shorter buckets would cost compiles for little
 
 
-def make_score_fn(graphdef: nnx.GraphDef, compute: Compute) -> Callable:
-    """score(params, inputs, targets, weights) -> (the weighted sum of the targets' log-probabilities
-    per row [batch] float32, whether every weighted target is the argmax [batch] bool), through the
-    training forward as `compute` says it runs (cast, layer runner, kernels, sequence order)."""
-    cast, order = compute.cast, compute.order
-
-    def score(params: dict, inputs: Array, targets: Array, weights: Array) -> tuple[Array, Array]:
-        model = nnx.merge(graphdef, params if cast is None else cast(params))
-        positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
-        if order is not None:  # a sum over positions: the rows may be permuted as a whole
-            inputs, targets, weights, positions = (a[:, order] for a in (inputs, targets, weights, positions))
-        with use_kernels(compute.kernels):
-            x, _ = model.features_and_stats(inputs, positions, None, runner=compute.runner)
-        # Reductions of the logits only (no second [batch, length, vocab] array of log-probabilities).
-        logits = model.logits(x).astype(jnp.float32)
-        hit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-        logp = hit - jax.nn.logsumexp(logits, axis=-1)
-        greedy = (jnp.argmax(logits, axis=-1) == targets) | (weights == 0)
-        return jnp.sum(logp * weights, axis=1), jnp.all(greedy, axis=1)
-
-    return score
-
-
 @dataclasses.dataclass
 class Evaluator:
-    """What `MeshLM` runs on: the parameters on their mesh, the model's structure, how it computes,
-    the batch's sharding and the context that binds the model's activation rules while tracing."""
+    """What `MeshLM` runs on: the parameters on their mesh, the model's structure, the run's
+    scoring forward (trainer/scoring.py), the batch's sharding and the context that binds the
+    model's activation rules while tracing."""
 
     params: dict
     graphdef: nnx.GraphDef
-    compute: Compute
+    # (params, inputs, targets, weights) -> (the weighted sum of the targets' log-probabilities per
+    # row [batch], whether every weighted target is the greedy one [batch]): the run's own forward
+    score: Callable[[dict, Array, Array, Array], tuple[Array, Array]]
     batch_sh: jax.sharding.NamedSharding
     rows: int  # rows of every scoring batch
     seq_len: int
@@ -86,21 +63,13 @@ def buckets_for(seq_len: int, fixed: bool) -> tuple[int, ...]:
     return (*out, seq_len)
 
 
-def evaluator_of(program: Any, params: dict) -> Evaluator:
-    """The `Evaluator` of a `trainer.program.Program` and parameters sharded as its state's."""
-    cfg, layout = program.spec.cfg, program.spec.layout
-    fixed = layout.pipelined or program.compute.order is not None
-    return Evaluator(params, program.spec.model.graphdef, program.compute, program.batch_sh, cfg.train.global_batch,
-                     cfg.model.seq_len, buckets_for(cfg.model.seq_len, fixed), program.tracing)
-
-
 class MeshLM(TemplateLM):
     """The harness's model interface over an `Evaluator` and the run's tokenizer."""
 
     def __init__(self, ev: Evaluator, tokenizer: Tokenizer, cfg_model: Any):
         super().__init__()
         self.ev, self.tokenizer, self.cfg_model = ev, tokenizer, cfg_model
-        self._score = jax.jit(make_score_fn(ev.graphdef, ev.compute), in_shardings=(None, ev.batch_sh, ev.batch_sh,
+        self._score = jax.jit(ev.score, in_shardings=(None, ev.batch_sh, ev.batch_sh,
                                                                                      ev.batch_sh))
         self.requests_done = 0
         self.model_seconds = 0.0  # spent in score_tokens and generate_until, compiles included

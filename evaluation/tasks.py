@@ -1,6 +1,6 @@
 """lm-evaluation-harness tasks on a meshlm model: which tasks a name means (the local YAML tasks
 of a folder such as configs/eval/, whose data files are read relative to it, or the harness's
-own), running them on a `trainer.harness.MeshLM`, and `TaskHook`, which does so during training.
+own), running them on an `evaluation.harness.MeshLM`, and `TaskHook`, which does so during training.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Any
+from typing import Any, Callable
 
 import datasets
 from lm_eval import simple_evaluate
@@ -18,7 +18,7 @@ from lm_eval.tasks._yaml_loader import load_yaml
 import configs
 from configs import Config, ConfigError
 from data.tokenizer import load_tokenizer
-from trainer.harness import MeshLM, evaluator_of
+from evaluation.harness import Evaluator, MeshLM
 from ops.goodput import Goodput
 from ops.metrics import MetricsLogger, log
 
@@ -131,10 +131,11 @@ class TaskHook:
     `eval.tasks_every` and the last step; the scores go to metrics.jsonl and the trackers, the time
     to goodput's eval. A task that fails is one warning line: the run goes on."""
 
-    def __init__(self, cfg: Config, program: Any, logger: MetricsLogger, goodput: Goodput):
-        """`program`: the run's `trainer.program.Program` (which imports this module)."""
-        self.every, self.last, self.limit = cfg.eval.tasks_every, cfg.train.steps, cfg.eval.tasks_limit
-        self.program, self.tasks, self.logger, self.goodput = program, program.spec.tasks, logger, goodput
+    def __init__(self, cfg: Config, tasks: Tasks, evaluator: Callable[[dict], Evaluator], logger: MetricsLogger,
+                 goodput: Goodput):
+        """`evaluator`: the run's `Evaluator` of given parameters (trainer/scoring.py)."""
+        self.every, self.last, self.limit, self.cfg = cfg.eval.tasks_every, cfg.train.steps, cfg.eval.tasks_limit, cfg
+        self.tasks, self.evaluator, self.logger, self.goodput = tasks, evaluator, logger, goodput
         self.lm: MeshLM | None = None
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
 
@@ -148,7 +149,7 @@ class TaskHook:
         scores: dict[str, float] = {}
         with self.goodput.phase("eval"):
             if self.lm is None:  # one model for the run: its compiled scoring steps are kept
-                self.lm = MeshLM(evaluator_of(self.program, state.params), self.tokenizer, self.program.spec.cfg.model)
+                self.lm = MeshLM(self.evaluator(state.params), self.tokenizer, self.cfg.model)
             self.lm.ev.params = state.params
             for one in each_task(self.tasks):
                 try:

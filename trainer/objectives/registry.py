@@ -1,0 +1,114 @@
+"""The objective registry: what a run trains, one module per objective, looked up by
+`train.objective`.
+
+An `Objective` owns everything that differs between objectives: its corpus format (the data
+side, data/corpus_format/), its config checks, whether the state holds a frozen reference copy,
+what joins a batch before the step (a reference's log-probs), its loss and eval functions (both
+on the one forward pass, trainer/forward.py) and the names and console text of its metrics. The
+step, the program, the hooks and the metrics logger ask it; none of them compares a name.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar, TypeVar
+
+import jax
+import numpy as np
+from flax import nnx
+
+from configs import Config, ConfigError
+from model.loss import LossFn
+from trainer.compute import Compute
+
+Array = jax.Array
+# (params, reference params or None, batch) -> the held-out sums (leaves add up over batches)
+EvalFn = Callable[[dict, Any, dict], Any]
+# (params, reference params or None, batch) -> the batch with what the objective adds before its loss
+BatchFn = Callable[[dict, Any, dict], dict]
+
+
+class Objective:
+    """One training objective, built from the run's config."""
+
+    name: ClassVar[str]
+    data_format: ClassVar[str]  # the corpus format its batches come in (data/corpus_format/)
+    rows_per_example: ClassVar[int] = 1  # sequences one example (a row of train.global_batch) holds
+    # Its loss is the per-token next-token loss, which a 1F1B-family schedule computes itself.
+    token_loss: ClassVar[bool] = True
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+
+    @classmethod
+    def check(cls, cfg: Config) -> None:
+        """Rules between `train.objective` and other keys (no devices needed). Raises ConfigError."""
+
+    def check_schedule(self, computes_grads: bool) -> None:
+        """A 1F1B-family schedule's own gradient code has the next-token loss only."""
+        if computes_grads and not self.token_loss:
+            raise ConfigError(f"pipeline.schedule={self.cfg.pipeline.schedule} computes the language-model loss "
+                              f"itself; train.objective={self.name} pipelines with pipeline.schedule=gpipe")
+
+    @property
+    def holds_reference(self) -> bool:
+        """Whether the train state holds a frozen copy of the starting weights (`ref_params`)."""
+        return False
+
+    @property
+    def noise_seed(self) -> int | None:
+        """LoRA dropout's seed (`run.seed`), the one randomness of a step; None: no dropout."""
+        lora = self.cfg.model.lora
+        return self.cfg.run.seed if lora.enabled and lora.dropout > 0 else None
+
+    def batch_fn(self, graphdef: nnx.GraphDef, compute: Compute) -> BatchFn | None:
+        """What joins a batch at the start of each step, before its dropout noise (None: nothing)."""
+        return None
+
+    def loss_fn(self, graphdef: nnx.GraphDef, compute: Compute) -> LossFn:
+        """loss(params, batch) -> (loss sum, aux): aux's leaves add up over micro-batches, its
+        first the count the sum is divided by (targets, or pairs)."""
+        raise NotImplementedError
+
+    def eval_fn(self, graphdef: nnx.GraphDef, compute: Compute) -> EvalFn:
+        """The held-out evaluation: no model loss terms and no dropout."""
+        raise NotImplementedError
+
+    def step_metrics(self, aux: Any) -> dict[str, Array]:
+        """The step's metrics by name from its loss function's aux summed over micro-batches."""
+        raise NotImplementedError
+
+    def eval_metrics(self, sums: np.ndarray) -> tuple[float, dict[str, float], str]:
+        """(mean loss, other means by name, their console text) from the held-out sums, flattened
+        and added over batches in float64: [loss sum, count, the eval function's other sums...]."""
+        raise NotImplementedError
+
+    def console(self, record: dict[str, float]) -> list[str]:
+        """The parts of a logged step's console line after the loss, gradient norm and rate."""
+        return []
+
+
+O = TypeVar("O", bound=type[Objective])
+_OBJECTIVES: dict[str, type[Objective]] = {}
+
+
+def register(cls: O) -> O:
+    """Class decorator: makes `train.objective=cls.name` select `cls`."""
+    _OBJECTIVES[cls.name] = cls
+    return cls
+
+
+def get(name: str) -> type[Objective]:
+    if name not in _OBJECTIVES:
+        raise ConfigError(f"train.objective: {name!r} is not one of {', '.join(_OBJECTIVES)}")
+    return _OBJECTIVES[name]
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_OBJECTIVES)
+
+
+def build(cfg: Config) -> Objective:
+    """The objective `cfg` trains, its config checks passed."""
+    cls = get(cfg.train.objective)
+    cls.check(cfg)
+    return cls(cfg)
