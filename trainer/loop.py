@@ -115,7 +115,7 @@ def make_session(spec: RunSpec, devices: list, schedule_note: str = "") -> Sessi
             log("warning: no other process holds a copy of this process's shards (mesh.data does not span "
                 "processes): a lost host's local checkpoints are lost, the persistent tier remains")
     iterator = make_iterator(cfg, source)
-    log(describe(source, cfg))
+    log(describe(source, cfg, cfg.train.objective))
     eval_rows: list = []
     if cfg.eval.every and source.eval is None:
         log(f"warning: eval.every={cfg.eval.every} but data.source={cfg.data.source} has no held-out split; no eval")
@@ -213,7 +213,7 @@ def _run_holding_the_lock(spec: RunSpec, devices: list, goodput: Goodput, schedu
 
 
 def _train(cfg: Config, session: Session, devices: list, goodput: Goodput) -> list[dict[str, Any]]:
-    tokens_per_step = math.prod(batch_shape(cfg)[:-1]) * cfg.model.seq_len  # DPO: two sequences a pair
+    tokens_per_step = math.prod(batch_shape(cfg, cfg.train.objective)[:-1]) * cfg.model.seq_len  # DPO: two sequences a pair
     logger = MetricsLogger(cfg, tokens_per_step, flops_per_token(cfg.model), devices)
     if session.start >= cfg.train.steps:
         log(f"nothing to do: the checkpoint at step {session.start} has reached train.steps={cfg.train.steps}; "
