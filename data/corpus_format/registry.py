@@ -10,7 +10,7 @@ becomes a record). The names are `train.objective`'s and `data.prepare --objecti
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Sequence, TypeVar
 
 import numpy as np
 
@@ -67,9 +67,10 @@ class CorpusFormat:
 
 
 _FORMATS: dict[str, CorpusFormat] = {}
+F_ = TypeVar("F_", bound=type[CorpusFormat])
 
 
-def register(cls: type[CorpusFormat]) -> type[CorpusFormat]:
+def register(cls: F_) -> F_:
     """Class decorator: makes the format available under `cls.name`."""
     assert cls.name not in _FORMATS, f"corpus format {cls.name} registered twice"
     _FORMATS[cls.name] = cls()
