@@ -41,7 +41,7 @@ def measure(corpus: str, batch: int, seq: int, batches: int, overrides: str) -> 
         *overrides.split(),
     ])
     t0 = time.perf_counter()
-    sources = open_source(cfg)
+    sources = open_source(cfg, "lm")  # a plain-text corpus
     plan_s = time.perf_counter() - t0
     rows = sources.train[0][0]
     fill = rows.fill() if hasattr(rows, "fill") else 1.0

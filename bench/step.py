@@ -52,7 +52,7 @@ def compiled_step(cfg: Config, devices: list | None = None) -> tuple[Program, ja
     rng = np.random.default_rng(0)
     shape = (cfg.train.global_batch, cfg.model.seq_len + 1)
     batch = {f: jax.device_put(rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32), program.batch_sh)
-             for f in batch_fields(cfg)}
+             for f in batch_fields(cfg, program.spec.objective.data_format)}
     return program, step, compile_s, state, batch
 
 

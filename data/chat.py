@@ -1,5 +1,6 @@
 """Supervised and preference examples for `data.prepare --objective sft|dpo`: chat templates,
-the trained (assistant/completion) tokens, and the records a prepared corpus holds for them.
+the trained (assistant/completion) tokens, and the records a prepared corpus holds for them. Which
+rows an example of each format is, is the format's (data/corpus_format/sft.py, dpo.py).
 
 The chat template is the tokenizer's own: `chat_template` of the `tokenizer_config.json` beside
 its `tokenizer.json` (or the file `--chat-template` names; the byte tokenizer's is
@@ -23,7 +24,6 @@ import numpy as np
 
 from configs.schema import ConfigError
 
-OBJECTIVES = ("lm", "sft", "dpo")
 TRAINED = np.uint32(1 << 31)  # the bit that marks a trained token in a record
 BYTE_TEMPLATE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                              "byte_tokenizer_config.json")
@@ -148,20 +148,20 @@ def chat_segments(template: ChatTemplate, messages: list[dict], trained_from: in
     return [(text, trained) for text, trained in out if text]
 
 
-def example_segments(obj: Any, template: ChatTemplate, objective: str) -> list[Segments]:
-    """A JSONL row -> its sequences (one for SFT, chosen then rejected for DPO) as segments.
+def conversation_segments(template: ChatTemplate, value: Any) -> Segments:
+    """A `messages` value -> the rendered conversation, every assistant turn trained. Raises Skip."""
+    return chat_segments(template, _messages(value, "messages"))
 
-    SFT rows: {"messages": [...]} or {"prompt", "completion"}; DPO rows: {"prompt", "chosen",
-    "rejected"}. Strings are joined as they are (prompt untrained, completion trained); lists of
-    messages go through the chat template (the completion's assistant turns trained)."""
-    if not isinstance(obj, dict):
-        raise Skip("not_object")
-    if objective == "sft" and "messages" in obj:
-        return [chat_segments(template, _messages(obj["messages"], "messages"))]
-    responses = ("completion",) if objective == "sft" else ("chosen", "rejected")
+
+def prompt_segments(obj: dict, template: ChatTemplate, responses: tuple[str, ...]) -> list[Segments]:
+    """A {"prompt", *responses} row -> one sequence per response, the prompt then that response.
+
+    Strings are joined as they are (prompt untrained, response trained); lists of messages go
+    through the chat template (the response's assistant turns trained). Raises Skip naming the
+    first missing key."""
     for key in ("prompt",) + responses:
         if key not in obj:
-            raise Skip(f"no_{key}" if objective == "dpo" or "prompt" in obj else "no_messages")
+            raise Skip(f"no_{key}")
     prompt = obj["prompt"]
     if isinstance(prompt, str):
         if not all(isinstance(obj[k], str) for k in responses):
@@ -182,21 +182,17 @@ def encode(segments: Segments, encode_batch: Callable[[list[str]], list[np.ndarr
     return seq
 
 
-def example_record(obj: Any, template: ChatTemplate, objective: str,
-                   encode_batch: Callable[[list[str]], list[np.ndarray]]) -> np.ndarray:
-    """A JSONL row -> its record (module docstring). Raises Skip with the reason."""
-    seqs = [encode(s, encode_batch) for s in example_segments(obj, template, objective)]
-    if objective == "sft":
-        return seqs[0]
-    return np.concatenate([np.array([len(seqs[0])], np.uint32), *seqs])
-
-
 def decode_sequence(record: np.ndarray, eod_id: int) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, trained as 0/1) of one encoded sequence, with the end-of-document token appended,
     trained when the sequence's last token is (the model learns to end its answer)."""
     tokens = np.append(record & ~TRAINED, np.uint32(eod_id)).astype(np.int32)
     mask = (record & TRAINED) != 0
     return tokens, np.append(mask, mask[-1] if len(mask) else False).astype(np.int32)
+
+
+def encode_pair(chosen: np.ndarray, rejected: np.ndarray) -> np.ndarray:
+    """The record of a DPO example: [chosen length] + chosen + rejected (each from `encode`)."""
+    return np.concatenate([np.array([len(chosen)], np.uint32), chosen, rejected])
 
 
 def decode_pair(record: np.ndarray, eod_id: int) -> list[tuple[np.ndarray, np.ndarray]]:

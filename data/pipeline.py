@@ -10,8 +10,7 @@ count (or device count) resumes exactly with another.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import grain
 import jax
@@ -19,107 +18,37 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from configs.schema import Config, ConfigError
-from data.packing import ConcatRows, Documents, DocumentRows
-from data.pairs import PairRows
-from data.prepared import open_corpus, open_manifest
-from data.sources import SyntheticRows, stdlib_files, text_documents, text_files
+from data import corpus_format
+from data.corpus_format import DataSources
+from data.sources import SyntheticRows
 from data.tokenizer import load_tokenizer
 
-Rows = Sequence[dict[str, np.ndarray]]
+
+def batch_fields(cfg: Config, fmt: str) -> tuple[str, ...]:
+    """The int32 arrays of `batch_shape` a batch of corpus format `fmt` holds (data/corpus_format/)."""
+    return corpus_format.get(fmt).fields(cfg)
 
 
-@dataclasses.dataclass
-class DataSources:
-    """Training rows (one or more weighted corpora), held-out rows, and the fields of a row."""
-
-    train: list[tuple[Rows, float]]
-    eval: Rows | None
-    fields: tuple[str, ...]  # "tokens", plus "segment_ids" and "positions" for document packing
+def batch_shape(cfg: Config, fmt: str) -> tuple[int, ...]:
+    """[global_batch, seq_len + 1]; for a format of several rows an example (DPO) [pairs, 2, seq_len + 1]."""
+    return corpus_format.get(fmt).shape(cfg)
 
 
-def parse_mixture(text: str) -> list[tuple[str, float]]:
-    """'DIR_A:0.7,DIR_B:0.3' -> [(DIR_A, 0.7), (DIR_B, 0.3)]. Raises ConfigError if malformed."""
-    parts = []
-    for item in text.split(","):
-        path, sep, weight = item.strip().rpartition(":")
-        try:
-            value = float(weight)
-        except ValueError:
-            value = -1.0
-        if not sep or not path or value <= 0:
-            raise ConfigError(f"data.mixture: expected DIR:WEIGHT[,DIR:WEIGHT...] with weights > 0, got {item.strip()!r}")
-        parts.append((path, value))
-    return parts
-
-
-def batch_fields(cfg: Config) -> tuple[str, ...]:
-    """The int32 arrays of `batch_shape` a batch holds: tokens, plus segments and positions for
-    document packing, plus the loss mask of train.objective=sft|dpo."""
-    fields = ("tokens", "segment_ids", "positions") if cfg.data.packing == "document" else ("tokens",)
-    return fields + ("loss_mask",) if cfg.train.objective != "lm" else fields
-
-
-def batch_shape(cfg: Config) -> tuple[int, ...]:
-    """[global_batch, seq_len + 1]; for DPO [pairs, 2 (chosen, rejected), seq_len + 1]."""
-    rows = (cfg.train.global_batch, 2) if cfg.train.objective == "dpo" else (cfg.train.global_batch,)
-    return rows + (cfg.model.seq_len + 1,)
-
-
-def _rows(docs: Documents, cfg: Config) -> Rows:
-    if cfg.data.packing == "document":
-        return DocumentRows(docs, cfg.model.seq_len, cfg.run.seed, cfg.model.max_documents)
-    return ConcatRows(docs, cfg.model.seq_len)
-
-
-def open_source(cfg: Config) -> DataSources:
-    """The rows named by `data.*`. Raises ConfigError for a bad path, tokenizer or size."""
-    d, seq_len = cfg.data, cfg.model.seq_len
-    fields = batch_fields(cfg)
-    if d.source == "synthetic":
-        return DataSources([(SyntheticRows(cfg.model.vocab_size, seq_len, cfg.run.seed), 1.0)], None, ("tokens",))
+def open_source(cfg: Config, fmt: str) -> DataSources:
+    """The rows named by `data.*`, read as corpus format `fmt`. Raises ConfigError for a bad path,
+    tokenizer or size."""
+    d = cfg.data
+    form = corpus_format.get(fmt)
+    if d.source == "synthetic":  # no documents and no tokenizer: random rows of tokens
+        return DataSources([(SyntheticRows(cfg.model.vocab_size, cfg.model.seq_len, cfg.run.seed), 1.0)], None,
+                           ("tokens",))
     tokenizer = load_tokenizer(d.tokenizer)
     if not tokenizer.vocab_size <= cfg.model.vocab_size < tokenizer.vocab_size + 128:
         raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size} does not match the {d.tokenizer!r} tokenizer's "
             f"{tokenizer.vocab_size} tokens (it may be padded by at most 127 for sharding)"
         )
-    if cfg.train.objective == "dpo":
-        return _pair_source(cfg, tokenizer.fingerprint(), tokenizer.eod_id)
-    if d.source == "text":
-        files = text_files(d.path) if d.path else stdlib_files()
-        train_docs, eval_docs = text_documents(files, tokenizer, d.eval_fraction)
-        corpora = [(d.path or "the standard library", train_docs, eval_docs, 1.0)]
-    else:
-        key = "data.mixture" if d.mixture else "data.path"
-        named = parse_mixture(d.mixture) if d.mixture else [(d.path, 1.0)]
-        corpora = [
-            (path, *open_corpus(path, tokenizer.fingerprint(), tokenizer.eod_id, key, cfg.train.objective), weight)
-            for path, weight in named
-        ]
-    train = []
-    for where, docs, _, weight in corpora:
-        rows = _rows(docs, cfg) if docs is not None and len(docs) else []
-        if len(rows) < cfg.train.global_batch:
-            raise ConfigError(
-                f"data.path: {where} holds {len(rows)} rows of model.seq_len={seq_len}, fewer than one global "
-                f"batch of {cfg.train.global_batch}"
-            )
-        train.append((rows, weight))
-    # Eval reads the first corpus's held-out split: one fixed yardstick, whatever the mixture.
-    held = corpora[0][2]
-    return DataSources(train, _rows(held, cfg) if held is not None else None, fields)
-
-
-def _pair_source(cfg: Config, fingerprint: str, eod_id: int) -> DataSources:
-    """The preference pairs of a DPO corpus: one element is one pair (data/pairs.py)."""
-    manifest = open_manifest(cfg.data.path, fingerprint, "dpo")
-    shards = {split: manifest["splits"][split]["shards"] for split in ("train", "eval")}
-    train = PairRows(cfg.data.path, shards["train"], eod_id, cfg.model.seq_len)
-    if len(train) < cfg.train.global_batch:
-        raise ConfigError(f"data.path: {cfg.data.path} holds {len(train)} pairs, fewer than one global batch of "
-                          f"{cfg.train.global_batch} (train.global_batch counts pairs under train.objective=dpo)")
-    held = PairRows(cfg.data.path, shards["eval"], eod_id, cfg.model.seq_len) if shards["eval"] else None
-    return DataSources([(train, 1.0)], held, batch_fields(cfg))
+    return form.open(cfg, tokenizer)
 
 
 def _stack(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -178,14 +107,6 @@ def global_batches(
         yield to_global(local, sharding, global_batch)
 
 
-def describe(sources: DataSources, cfg: Config) -> str:
-    """One log line about the data."""
-    rows = sum(len(r) for r, _ in sources.train)
-    if cfg.train.objective == "dpo":
-        held = f", {len(sources.eval)} held-out pairs" if sources.eval is not None else ""
-        return f"data: {rows} preference pairs of 2 rows of {cfg.model.seq_len + 1} tokens{held} (train.objective=dpo)"
-    fill = [r.fill() for r, _ in sources.train if isinstance(r, DocumentRows)]
-    held = f", {len(sources.eval)} held-out rows" if sources.eval is not None else ""
-    packing = f", packing {cfg.data.packing}" + (f" ({100 * min(fill):.1f}% filled)" if fill else "")
-    mixture = f" from {len(sources.train)} corpora" if len(sources.train) > 1 else ""
-    return f"data: {cfg.data.source}{mixture}, {rows} training rows of {cfg.model.seq_len + 1} tokens{held}{packing}"
+def describe(sources: DataSources, cfg: Config, fmt: str) -> str:
+    """One log line about the data of corpus format `fmt`."""
+    return corpus_format.get(fmt).describe(sources, cfg)

@@ -30,7 +30,8 @@ import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 
 from configs.schema import ConfigError
-from data.chat import OBJECTIVES, ChatTemplate, Skip, example_record, template_file
+from data import corpus_format
+from data.chat import ChatTemplate, Skip, template_file
 from data.formats import (FORMATS, Documents, FileStats, Task, detect_format, expand_inputs, json_rows, plan_tasks,
                           read_task)
 from data.manifest import FORMAT_VERSION, MANIFEST, SPLITS, content_hash, is_prepared_file, lengths_name, shard_name
@@ -62,7 +63,7 @@ def _init_worker(opts: Options, pooled: bool) -> None:
     global _worker
     if pooled:  # one thread per worker: the pool is the parallelism, not the tokenizer's own threads
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    template = None if opts.objective == "lm" else ChatTemplate(template_file(opts.tokenizer, opts.chat_template))
+    template = _chat_template(opts)
     _worker = (load_tokenizer(opts.tokenizer, "--tokenizer"), opts, template)
 
 
@@ -97,14 +98,14 @@ def tokenize_task(task: Task) -> Chunk:
 
 
 def _tokenize_examples(task: Task, tokenizer: Tokenizer, opts: Options, template: ChatTemplate) -> Chunk:
-    """A task of SFT or DPO rows -> their records (data.chat); rows that are no example are
-    counted under their reason."""
+    """A task of JSONL examples (SFT, DPO) -> their records (the corpus format's `record`); rows
+    that are no example are counted under their reason."""
     path = task.paths[0]
     stats = FileStats(path)
     kept, held = [], []
     for line, raw, obj in json_rows(task, stats):
         try:
-            record = example_record(obj, template, opts.objective, tokenizer.encode_batch)
+            record = corpus_format.get(opts.objective).record(obj, template, tokenizer.encode_batch)
         except Skip as why:
             stats.skip(str(why), line)
             continue
@@ -240,7 +241,7 @@ class Options:
     eval_fraction: float = 0.0
     shard_docs: int = 100_000
     overwrite: bool = False
-    objective: str = "lm"  # sft/dpo: JSONL examples with their trained tokens (data.chat)
+    objective: str = "lm"  # the corpus format (data/corpus_format/); sft/dpo: JSONL examples (data.chat)
     chat_template: str | None = None  # None: the tokenizer's own (data.chat.template_file)
 
     def validate(self) -> None:
@@ -252,10 +253,18 @@ class Options:
             raise ConfigError(f"--workers: must be at least 1, got {self.workers}")
         if self.fmt is not None and self.fmt not in FORMATS:
             raise ConfigError(f"--format: expected one of {', '.join(FORMATS)}, got {self.fmt!r}")
-        if self.objective not in OBJECTIVES:
-            raise ConfigError(f"--objective: expected one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
-        if self.objective != "lm" and self.fmt not in (None, "jsonl"):
+        names = corpus_format.names()
+        if self.objective not in names:
+            raise ConfigError(f"--objective: expected one of {', '.join(names)}, got {self.objective!r}")
+        if corpus_format.get(self.objective).examples and self.fmt not in (None, "jsonl"):
             raise ConfigError(f"--objective {self.objective}: reads JSONL rows, not --format {self.fmt}")
+
+
+def _chat_template(opts: Options) -> ChatTemplate | None:
+    """The chat template a format of JSONL examples renders them with; None for documents."""
+    if not corpus_format.get(opts.objective).examples:
+        return None
+    return ChatTemplate(template_file(opts.tokenizer, opts.chat_template))
 
 
 def prepare(inputs: list[str], output: str, progress: bool = True, **options: object) -> dict:
@@ -267,7 +276,7 @@ def prepare(inputs: list[str], output: str, progress: bool = True, **options: ob
     opts = dataclasses.replace(opts, fmt=detect_format(files, opts.fmt))
     opts.validate()
     tok = load_tokenizer(opts.tokenizer, "--tokenizer")
-    template = None if opts.objective == "lm" else ChatTemplate(template_file(opts.tokenizer, opts.chat_template))
+    template = _chat_template(opts)
     output = os.path.abspath(output)
     check_output(output, files, opts.overwrite)
     parent, base = os.path.split(output)
@@ -312,7 +321,7 @@ def _write(
         "format_version": FORMAT_VERSION,
         "tokenizer": tok.describe(),
         "format": opts.fmt,
-        "field": None if opts.fmt == "text" or opts.objective != "lm" else opts.field,
+        "field": None if opts.fmt == "text" or corpus_format.get(opts.objective).examples else opts.field,
         "objective": opts.objective,
         "chat_template": None if template is None else {"path": template.path, "sha256": _sha(template.source)},
         "eval_fraction": opts.eval_fraction,
@@ -333,7 +342,8 @@ def _check_file(stats: FileStats, opts: Options) -> None:
     if stats.documents == 0 and stats.skipped:
         reasons = ", ".join(f"{n} {r}" for r, n in sorted(stats.reasons.items()))
         items = "lines" if opts.fmt == "jsonl" else "rows"
-        check = f"--field {opts.field!r} and --format" if opts.objective == "lm" else f"--objective {opts.objective}"
+        examples = corpus_format.get(opts.objective).examples
+        check = f"--objective {opts.objective}" if examples else f"--field {opts.field!r} and --format"
         raise ConfigError(f"{stats.path}: no document in {stats.skipped} {items} ({reasons}); check {check}")
 
 
@@ -406,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-fraction", type=float, default=0.0, help="share of documents held out, by content hash")
     p.add_argument("--shard-docs", type=int, default=100_000, help="documents per shard at most")
     p.add_argument("--overwrite", action="store_true", help="replace a previous prepared corpus of other inputs")
-    p.add_argument("--objective", choices=OBJECTIVES, default="lm",
+    p.add_argument("--objective", choices=corpus_format.names(), default="lm",
                    help="sft: JSONL messages or prompt/completion; dpo: JSONL prompt/chosen/rejected (default: lm)")
     p.add_argument("--chat-template", help="a tokenizer_config.json with the chat_template (default: the tokenizer's)")
     args = p.parse_args(argv)

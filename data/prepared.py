@@ -53,9 +53,10 @@ class ArrayRecordDocuments:
         return span_from_docs(self, self.offsets, start, stop)
 
 
-def open_manifest(directory: str, fingerprint: str, objective: str, key: str = "data.path") -> dict:
+def open_manifest(directory: str, fingerprint: str, fmt: str, key: str = "data.path") -> dict:
     """The manifest of a prepared directory after checking it was prepared with this tokenizer
-    and for this `train.objective`. Raises ConfigError naming the key."""
+    and for this corpus format (the manifest's `objective`, `train.objective`). Raises
+    ConfigError naming the key."""
     manifest = read_manifest(directory, key)
     theirs = manifest["tokenizer"]["fingerprint"]
     if theirs != fingerprint:
@@ -63,18 +64,19 @@ def open_manifest(directory: str, fingerprint: str, objective: str, key: str = "
             f"data.tokenizer: {directory!r} was prepared with tokenizer {theirs!r}, the config uses {fingerprint!r}"
         )
     prepared_for = manifest.get("objective", "lm")
-    if prepared_for != objective:
+    if prepared_for != fmt:
         raise ConfigError(f"{key}: {directory!r} was prepared with --objective {prepared_for}, the config has "
-                          f"train.objective={objective}")
+                          f"train.objective={fmt}")
     return manifest
 
 
 def open_corpus(
-    directory: str, fingerprint: str, eod_id: int, key: str = "data.path", objective: str = "lm"
+    directory: str, fingerprint: str, eod_id: int, key: str = "data.path", fmt: str = "lm", masked: bool = False
 ) -> tuple[ArrayRecordDocuments | None, ArrayRecordDocuments | None]:
-    """(train, eval) documents of a prepared directory (None for an empty split). Raises
-    ConfigError if the directory is damaged or was prepared with another tokenizer or objective."""
-    manifest = open_manifest(directory, fingerprint, objective, key)
+    """(train, eval) documents of a prepared directory (None for an empty split); `masked`: its
+    records carry a loss mask (data/corpus_format/). Raises ConfigError if the directory is
+    damaged or was prepared with another tokenizer or corpus format."""
+    manifest = open_manifest(directory, fingerprint, fmt, key)
     shards = {split: manifest["splits"][split]["shards"] for split in ("train", "eval")}
-    return tuple(ArrayRecordDocuments(directory, s, shards[s], eod_id, objective == "sft") if shards[s] else None
+    return tuple(ArrayRecordDocuments(directory, s, shards[s], eod_id, masked) if shards[s] else None
                  for s in shards)

@@ -65,7 +65,7 @@ def reference(short_docs):
     """The first global batch of the corpus, the initial parameters, and their loss and
     gradients in one batch on one device."""
     cfg = config(short_docs, "mesh.data=1")
-    batch = process_dataset(open_source(cfg), 32, cfg.run.seed, 0, 1)[0]
+    batch = process_dataset(open_source(cfg, cfg.train.objective), 32, cfg.run.seed, 0, 1)[0]
     program = abstract_program(cfg, jax.devices()[:1])
     params = jax.device_get(init_state(cfg.model, program.tx, 0, program.state_sh).params)
     return batch, params, loss_and_grads(cfg, batch, params, jax.devices()[:1])
@@ -100,7 +100,7 @@ def test_accumulation_weighs_every_token_the_same(short_docs, reference, layout,
 
 def test_eval_loss_is_the_token_weighted_mean(short_docs, tmp_path):
     cfg = config(short_docs, "mesh.data=2", "mesh.tensor=4", "eval.every=1", "eval.batches=3", f"run.dir={tmp_path}")
-    source = open_source(cfg)
+    source = open_source(cfg, cfg.train.objective)
     rows = eval_batches(source, 32, 3, cfg.run.seed, 0, 1)
     counts = [int(targets(r).sum()) for r in rows]
     assert len(set(counts)) > 1, counts  # else a mean of batch means would pass as well

@@ -74,7 +74,7 @@ def test_a_path_matching_nothing_is_an_error():
 
 def _source():
     cfg = load_config("tiny", [f"data.path={stdlib_glob('json')}"])
-    return open_source(cfg)
+    return open_source(cfg, cfg.train.objective)
 
 
 @pytest.mark.parametrize("processes", [2, 4])
@@ -105,7 +105,7 @@ def test_iterator_resumes_at_the_right_element(tmp_path):
     from trainer.state import TrainState
 
     cfg = load_config("tiny", [f"data.path={stdlib_glob('json')}"])
-    source = open_source(cfg)
+    source = open_source(cfg, cfg.train.objective)
 
     def fresh():
         ds = process_dataset(source, 16, cfg.run.seed, 0, 1)

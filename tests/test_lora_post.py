@@ -45,7 +45,7 @@ def _log_softmax64(logits) -> np.ndarray:
 def test_the_lora_reference_is_the_base_model_and_the_loss_matches_numpy(corpora, tmp_path):
     cfg = config("dpo", corpora, tmp_path / "run", "mesh.data=1", *LORA)
     full_cfg = config("dpo", corpora, tmp_path / "run", "mesh.data=1")
-    source = open_source(cfg)
+    source = open_source(cfg, cfg.train.objective)
     batch = {k: np.stack([source.train[0][0][i][k] for i in range(8)]) for k in source.fields}
     program, full = abstract_program(cfg, jax.devices()[:1]), abstract_program(full_cfg, jax.devices()[:1])
     graphdef, full_graphdef = program.spec.model.graphdef, full.spec.model.graphdef
@@ -142,7 +142,7 @@ def _sft_steps(cfg, devices: list) -> tuple[list[float], dict, dict]:
     program = abstract_program(cfg, devices)
     state = init_state(cfg.model, program.tx, cfg.run.seed, program.state_sh)
     before = jax.device_get(lora.split(state.params)[1])
-    ds = process_dataset(open_source(cfg), cfg.train.global_batch, cfg.run.seed, 0, 1)
+    ds = process_dataset(open_source(cfg, cfg.train.objective), cfg.train.global_batch, cfg.run.seed, 0, 1)
     out = []
     with program.tracing():
         for step in range(STEPS):

@@ -54,7 +54,7 @@ def test_mtp_under_sft_predicts_assistant_tokens_ahead(corpora):
     """Depth k's target at position i weighs 1 only where the main targets i .. i + k are all
     assistant tokens of one conversation (the main weights, loss mask included)."""
     cfg = config("sft", corpora, "unused")
-    batch = process_dataset(open_source(cfg), cfg.train.global_batch, cfg.run.seed, 0, 1)[0]
+    batch = process_dataset(open_source(cfg, cfg.train.objective), cfg.train.global_batch, cfg.run.seed, 0, 1)[0]
     b = model_inputs({k: np.asarray(v) for k, v in batch.items()})
     w = np.asarray(b["weights"], np.float64)
     extra = mtp_targets(b["inputs"], b["targets"], b["weights"], 2)
@@ -122,7 +122,7 @@ def test_lora_dpo_on_an_expert_parallel_moe_evaluates_held_out_pairs(corpora, he
     assert abstract_program(cfg, jax.devices()[:1]).abstract_state().ref_params is None  # no copy: the base, B = 0
     assert column(one, "reward_margin")[0] == 0 and column(one, "reward_chosen")[0] == 0
     assert [r["step"] for r in one if "eval_loss" in r] == [2, STEPS]
-    source = open_source(cfg)
+    source = open_source(cfg, cfg.train.objective)
     assert source.eval is not None and 0 < len(source.eval) < len(source.train[0][0])
     batch = eval_batches(source, cfg.train.global_batch, 1, cfg.run.seed, 0, 1)[0]
     _, step, params = restore_params(cfg.run.dir, device=jax.devices()[0])

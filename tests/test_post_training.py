@@ -52,7 +52,7 @@ def sft_one(corpora, tmp_path_factory) -> list[dict]:
 
 def test_sft_trains_the_assistant_tokens_the_batches_hold(corpora, tmp_path, sft_one):
     cfg = config("sft", corpora, tmp_path / "run")
-    ds = process_dataset(open_source(cfg), cfg.train.global_batch, cfg.run.seed, 0, 1)
+    ds = process_dataset(open_source(cfg, cfg.train.objective), cfg.train.global_batch, cfg.run.seed, 0, 1)
     counts = []
     for step in range(STEPS):
         b = ds[step]

@@ -81,9 +81,10 @@ def test_bad_rows_are_counted_and_skipped_and_a_file_of_none_is_refused(tmp_path
     with pytest.raises(ConfigError, match=r"none.jsonl: no document in 1 lines \(1 no_rejected\); check --objective dpo"):
         prepare([none], str(tmp_path / "p_none"), progress=False, objective="dpo")
     assert not os.path.exists(tmp_path / "p_none")
+    lm = load_config("tiny", ["data.source=prepared", f"data.path={tmp_path / 'p_sft'}"])
     with pytest.raises(ConfigError, match="^data.path: .* was prepared with --objective sft, the config has "
                                           "train.objective=lm$"):
-        open_source(load_config("tiny", ["data.source=prepared", f"data.path={tmp_path / 'p_sft'}"]))
+        open_source(lm, lm.train.objective)
 
 
 def _sft_config(tmp_path, *extra: str):
@@ -108,7 +109,7 @@ def _log_softmax64(logits) -> np.ndarray:
 
 def test_the_sft_loss_is_the_cross_entropy_over_assistant_tokens(tmp_path):
     cfg = _sft_config(tmp_path)
-    source = open_source(cfg)
+    source = open_source(cfg, cfg.train.objective)
     rows, _ = source.train[0]
     batch = {k: np.stack([rows[i][k] for i in range(4)]) for k in source.fields}
     # The mask by hand: the bytes of what the assistant says (byte template: content then "\n"),
@@ -158,7 +159,7 @@ def test_the_dpo_step_loss_and_metrics_match_numpy_from_the_models_log_probs(tmp
     cfg = load_config(os.path.join(ROOT, "configs", "dpo-tiny.yaml"), [
         f"run.dir={tmp_path / 'run'}", f"data.path={tmp_path / 'dpo'}", "mesh.data=1", "model.seq_len=16",
         "train.global_batch=8", f"dpo.loss={variant}", "dpo.beta=0.5"])
-    source = open_source(cfg)
+    source = open_source(cfg, cfg.train.objective)
     batch = {k: np.stack([source.train[0][0][i][k] for i in range(8)]) for k in source.fields}
     assert batch["tokens"].shape == (8, 2, 17)
     program, params, model = _model(cfg)

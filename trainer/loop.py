@@ -114,7 +114,7 @@ def make_session(spec: RunSpec, devices: list, schedule_note: str = "") -> Sessi
             log("warning: no other process holds a copy of this process's shards (mesh.data does not span "
                 "processes): a lost host's local checkpoints are lost, the persistent tier remains")
     iterator = make_iterator(cfg, source)
-    log(describe(source, cfg))
+    log(describe(source, cfg, spec.objective.data_format))
     eval_rows: list = []
     if cfg.eval.every and source.eval is None:
         log(f"warning: eval.every={cfg.eval.every} but data.source={cfg.data.source} has no held-out split; no eval")

@@ -78,7 +78,7 @@ def prepare(cfg: Config, num_devices: int, with_data: bool = True) -> RunSpec:
     # Once the run has checkpoints it resumes from them; a LoRA run's hold no base, read from init.from_hf again.
     if cfg.init.from_hf and (not has_checkpoints(cfg.run.dir) or cfg.model.lora.enabled):
         hf.check_compatible(cfg.model, cfg.init.from_hf)
-    return RunSpec(cfg, layout, model, objective, open_source(cfg), check_tasks(cfg))
+    return RunSpec(cfg, layout, model, objective, open_source(cfg, objective.data_format), check_tasks(cfg))
 
 
 def check_tasks(cfg: Config) -> Any:
@@ -121,8 +121,9 @@ class Program:
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         cfg = self.spec.cfg
-        shape = batch_shape(cfg)
-        return {f: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sh) for f in batch_fields(cfg)}
+        fmt = self.spec.objective.data_format
+        shape = batch_shape(cfg, fmt)
+        return {f: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sh) for f in batch_fields(cfg, fmt)}
 
     @contextlib.contextmanager
     def tracing(self) -> Iterator[None]:
@@ -150,7 +151,7 @@ def make_program(spec: RunSpec, devices: list) -> Program:
     cfg, layout, model = spec.cfg, spec.layout, spec.model
     mesh = make_mesh(layout.sizes, devices, cfg.mesh.nodes, cfg.mesh.across)
     tx, schedule, state_sh = sharded_optimizer(spec, mesh)
-    batch_sh = batch_sharding(mesh, layout.act_rules, len(batch_shape(cfg)))
+    batch_sh = batch_sharding(mesh, layout.act_rules, len(batch_shape(cfg, spec.objective.data_format)))
     cast = functools.partial(cast_for_compute, axes=model.axes, dtype=cfg.model.dtype, shardings=state_sh.params)
     compute = build_compute(cfg, layout, model.graphdef, devices[0].platform, cast)
     step = jax.jit(make_train_step(model.graphdef, tx, schedule, compute=compute, objective=spec.objective),

@@ -1,0 +1,57 @@
+"""`dpo`: preference pairs, a chosen and a rejected sequence side by side, each padded to
+seq_len + 1 tokens with its loss mask of the response (data/pairs.py); nothing is packed. A batch
+is [pairs, 2, seq_len + 1], so `train.global_batch` counts pairs.
+
+`data.prepare --objective dpo` reads JSONL rows {"prompt", "chosen", "rejected"}, strings or
+lists of messages (then through the chat template); a record is [chosen length] + chosen +
+rejected (data/chat.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from configs.schema import Config, ConfigError
+from data.chat import ChatTemplate, Skip, encode, encode_pair, prompt_segments
+from data.corpus_format.registry import CorpusFormat, DataSources, register
+from data.pairs import PairRows
+from data.prepared import open_manifest
+from data.tokenizer import Tokenizer
+
+
+@register
+class PreferencePairs(CorpusFormat):
+    """Pairs of padded rows, chosen then rejected (`train.objective=dpo`)."""
+
+    name = "dpo"
+    rows = 2
+    masked = True
+    examples = True
+
+    def fields(self, cfg: Config) -> tuple[str, ...]:
+        return ("tokens", "loss_mask")  # what PairRows gives: padded rows, no documents to tell apart
+
+    def open(self, cfg: Config, tokenizer: Tokenizer) -> DataSources:
+        """One element is one pair (data/pairs.py)."""
+        manifest = open_manifest(cfg.data.path, tokenizer.fingerprint(), self.name)
+        shards = {split: manifest["splits"][split]["shards"] for split in ("train", "eval")}
+        train = PairRows(cfg.data.path, shards["train"], tokenizer.eod_id, cfg.model.seq_len)
+        if len(train) < cfg.train.global_batch:
+            raise ConfigError(f"data.path: {cfg.data.path} holds {len(train)} pairs, fewer than one global batch of "
+                              f"{cfg.train.global_batch} (train.global_batch counts pairs under train.objective=dpo)")
+        held = PairRows(cfg.data.path, shards["eval"], tokenizer.eod_id, cfg.model.seq_len) if shards["eval"] else None
+        return DataSources([(train, 1.0)], held, self.fields(cfg))
+
+    def describe(self, sources: DataSources, cfg: Config) -> str:
+        pairs = sum(len(r) for r, _ in sources.train)
+        held = f", {len(sources.eval)} held-out pairs" if sources.eval is not None else ""
+        return f"data: {pairs} preference pairs of 2 rows of {cfg.model.seq_len + 1} tokens{held} (train.objective=dpo)"
+
+    def record(self, obj: Any, template: ChatTemplate,
+               encode_batch: Callable[[list[str]], list[np.ndarray]]) -> np.ndarray:
+        if not isinstance(obj, dict):
+            raise Skip("not_object")
+        chosen, rejected = (encode(s, encode_batch) for s in prompt_segments(obj, template, ("chosen", "rejected")))
+        return encode_pair(chosen, rejected)
