@@ -25,13 +25,16 @@ ENTRY_POINTS = ("train.py", "plan.py", "hf.py", "generate.py", "eval.py")
 
 
 def _modules() -> dict[str, str]:
-    """Dotted module name -> file, for every package module and entry point."""
+    """Dotted module name -> file, for every package module (subpackages' too) and entry point."""
     found = {name.removesuffix(".py"): os.path.join(ROOT, name) for name in ENTRY_POINTS}
     for package in ALLOWED:
-        for name in sorted(os.listdir(os.path.join(ROOT, package))):
-            if name.endswith(".py"):
-                module = package if name == "__init__.py" else f"{package}.{name.removesuffix('.py')}"
-                found[module] = os.path.join(ROOT, package, name)
+        for folder, dirs, files in os.walk(os.path.join(ROOT, package)):
+            dirs[:] = sorted(d for d in dirs if os.path.isfile(os.path.join(folder, d, "__init__.py")))
+            dotted = os.path.relpath(folder, ROOT).replace(os.sep, ".")  # a subpackage: package.sub
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    module = dotted if name == "__init__.py" else f"{dotted}.{name.removesuffix('.py')}"
+                    found[module] = os.path.join(folder, name)
     return found
 
 
