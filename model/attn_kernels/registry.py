@@ -5,17 +5,18 @@ length must fill, whether it takes a sequence split, the platforms that run it),
 call it on arrays that hold whole sequences (`local`, `attend`), whether and how it must see the
 mesh (`mesh_bound`), what a run says about it at start (`notes`) and what the planner compiles
 in its place on a target that cannot run it (`planned_as`). Callers hold a name and ask `get`;
-no kernel name is compared outside this package.
+no kernel name is compared outside this package but in configs/validate.py (below).
 
-Why this shape, within the one import direction (docs/design.md, "Packages and the one import
-direction"): the registry sits in `model`, below `sharding`, so the layers can look their kernel
-up and the model still knows no mesh. The math stays in model/attention.py, which looks kernels
-up here; each kernel module imports that math, so the kernel modules are imported (and register)
-from model/__init__.py, not from this package's __init__ (which model/attention.py runs when it
-imports this registry: the kernels would then import a half-loaded model/attention.py). A kernel
-that must see the mesh builds its mesh-bound form from the two shard_map wrappers
-sharding/context.py hands it (`MeshBinders`: per device, or the ring over the sequence split),
-so the choice is the kernel's and the mesh code stays in `sharding`.
+Why this shape, within the import direction (docs/design.md,
+"Packages and the one import direction"): the registry sits in `model`, below `sharding`, so
+the layers can look their kernel up and the model still knows no mesh. The math stays in
+model/attention.py, which looks kernels up here; each kernel module imports that math, so the
+kernel modules are imported (and register) from model/__init__.py, not from this package's
+__init__ (which model/attention.py runs when it imports this registry: the kernels would then
+import a half-loaded model/attention.py). A kernel that must see the mesh builds its mesh-bound
+form from the two shard_map wrappers sharding/context.py hands it (`MeshBinders`: per device,
+or the ring over the sequence split), so the choice is the kernel's and the mesh code stays in
+`sharding`.
 
 The names are the config's (configs.schema.ATTENTION_KERNELS, which the configs cannot import
 from here); tests/test_attention_registry.py checks the two agree. Two config-only rules stay in
