@@ -7,6 +7,8 @@ than one tiny attention."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import numpy as np
 import pytest
@@ -26,7 +28,7 @@ MLA_WIDE_V = ["model.attention_type=mla", "model.num_kv_heads=16", "model.mla.qk
               "model.mla.qk_nope_head_dim=4", "model.mla.v_head_dim=16"]
 
 
-def _refusal(fn, *args) -> str | None:
+def _refusal(fn: Callable[..., object], *args: object) -> str | None:
     """The ConfigError `fn(*args)` raises (None: it passes); the message is one line."""
     try:
         fn(*args)
