@@ -63,7 +63,12 @@ from jax.sharding import AbstractMesh
 import pipeline
 from configs import Config, ConfigError, load_config
 from configs.schema import MESH_AXES, REMAT_POLICIES
+<<<<<<< HEAD
 from sharding.hardware import HARDWARE, Hardware, check_quant, kernel_seconds
+=======
+from model import attn_kernels
+from planner.hardware import HARDWARE, Hardware, check_quant, kernel_seconds
+>>>>>>> kernels
 from planner.hlo import collectives
 from planner.minimum import minimum
 from planner.rank import EXPERT_STORAGE, storage_gather_bytes
@@ -186,16 +191,10 @@ def measure(cfg: Config, hw: Hardware, target: Hardware | None, n: int, topology
     """Compile `cfg` for n devices of `target` (None: this process's fake CPU devices, the
     fallback); what the compile says, per device."""
     notes = []
-    if cfg.model.attention == "cudnn" and (target is None or target.platform != "cuda"):
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="xla"))
-        where = "the CPU" if target is None else "a TPU"
-        notes.append(f"model.attention=cudnn has no kernel on {where}: planned with xla attention, whose "
-                     "[batch, heads, T, T] scores flash attention would not hold (temporaries: an upper bound)")
-    if cfg.model.attention == "splash" and (target is None or target.platform != "tpu"):
-        fused = "xla" if target is None else "cudnn"
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=fused))
-        notes.append(f"model.attention=splash is a TPU kernel: planned with {fused} attention"
-                     + (" (temporaries: an upper bound)" if target is None else ""))
+    stand_in = attn_kernels.get(cfg.model.attention).planned_as(None if target is None else target.platform)
+    if stand_in is not None:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=stand_in[0]))
+        notes.append(stand_in[1])
     if cfg.model.moe.grouped_matmul == "megablox" and (target is None or target.platform != "tpu"):
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(
             cfg.model, moe=dataclasses.replace(cfg.model.moe, grouped_matmul="ragged_dot")))

@@ -416,6 +416,7 @@ class Config:
 
 # The choices other packages loop over, read from their fields.
 MESH_AXES = choices(MeshConfig, "across")  # outermost first: the order of the mesh's dims
+ATTENTION_KERNELS = choices(ModelConfig, "attention")  # model/attn_kernels registers one kernel each
 PIPELINE_SCHEDULES = choices(PipelineConfig, "schedule")
 REMAT_POLICIES = choices(ModelConfig, "remat")
 TRACKERS = choices(RunConfig, "trackers")

@@ -99,6 +99,7 @@ def _check_model(cfg: Config) -> None:
     )
     _require(m.attention_chunk == 0 or m.seq_len % m.attention_chunk == 0, "model.attention_chunk",
              f"{m.attention_chunk} must be 0 (off) or divide model.seq_len={m.seq_len}")
+    # A kernel's `chunks` (model/attn_kernels), named here: the configs cannot import the model.
     _require(m.attention_chunk == 0 or m.attention == "xla", "model.attention_chunk",
              f"chunks model.attention=xla only (model.attention={m.attention} never forms the scores); set 0")
 
@@ -138,7 +139,8 @@ def _check_mla(cfg: Config) -> None:
     _require(m.mla.qk_rope_head_dim % 2 == 0, "model.mla.qk_rope_head_dim",
              f"must be even for rotary embeddings, got {m.mla.qk_rope_head_dim}")
     _require(not m.qk_norm, "model.qk_norm", "has no meaning under model.attention_type=mla (its latents are normed)")
-    # jax.nn.dot_product_attention and cuDNN take one head dim: v is padded up to q's (model/attention.py).
+    # jax.nn.dot_product_attention and cuDNN take one head dim: v is padded up to q's (a kernel's
+    # `one_head_dim`, model/attn_kernels/registry.py; tests/test_attention_registry.py checks they agree).
     _require(m.attention not in ("dot_product", "cudnn") or m.mla.v_head_dim <= m.mla.qk_head_dim,
              "model.mla.v_head_dim", f"{m.mla.v_head_dim} is wider than qk_nope_head_dim + qk_rope_head_dim="
              f"{m.mla.qk_head_dim}, which model.attention={m.attention} cannot take")

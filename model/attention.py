@@ -1,4 +1,5 @@
-"""Causal attention kernels, chosen by `model.attention`.
+"""Causal attention kernels: the math of each `model.attention` choice, which model/attn_kernels
+(one module per kernel, a registry by name) says how to call, check and bind to the mesh.
 
 - `xla`: plain einsums and a softmax in float32; runs everywhere and is the reference. With
   `model.attention_chunk` it runs one block of queries at a time (`chunked_attention`), so the
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from model import kernels
+from model.attn_kernels import registry
 
 Array = jax.Array
 
@@ -169,46 +171,28 @@ def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, in
     return heads_first(out)
 
 
-def local_attention(q: Array, k: Array, v: Array, positions: Array, segment_ids: Array | None, *, impl: str,
-                    max_documents: int = 0) -> Array:
-    """The kernel `impl` on arrays that hold whole sequences (or, under GSPMD, look as if)."""
-    dv = v.shape[-1]
-    if impl in ("dot_product", "cudnn") and dv != q.shape[-1]:
-        # jax.nn.dot_product_attention and cuDNN's packed call take one head dim for q, k and v:
-        # v gets zero columns up to it (configs/validate.py refuses a v wider than q), and the
-        # output loses them again; the scores, and so the weights, are untouched.
-        padded = jnp.pad(v, ((0, 0),) * 3 + ((0, q.shape[-1] - dv),))
-        return local_attention(q, k, padded, positions, segment_ids, impl=impl, max_documents=max_documents)[..., :dv]
-    if impl == "xla":
-        return xla_attention(q, k, v, segment_ids, positions)
-    if impl == "dot_product":
-        return fused_attention(q, k, v, segment_ids, None, positions)
-    if impl == "cudnn":
-        if segment_ids is not None and max_documents > 0:
-            return cudnn_packed_attention(q, k, v, segment_ids, max_documents)
-        return fused_attention(q, k, v, segment_ids, "cudnn", positions)
-    if impl == "splash":
-        return splash_attention(q, k, v, segment_ids)
-    raise ValueError(f"unknown attention implementation {impl!r}")
+def gathered_attention(q: Array, k: Array, v: Array, positions: Array, segment_ids: Array | None,
+                       chunk: int = 0) -> Array:
+    """`masked_attention` on global arrays with keys, values and what masks them whole along
+    `length` and queries as they come (`chunk` > 0 queries at a time when it is less than the
+    length): the xla kernel as the layers call it."""
+    # Under a sequence split XLA gathers the keys and values over it (the all-gather strategy)
+    # and each device scores only its own queries; without one this changes nothing.
+    whole = lambda a, axes: nn.with_logical_constraint(a, axes)  # noqa: E731
+    k = whole(k, ("batch", None, "kv_heads", "head_dim"))
+    v = whole(v, ("batch", None, "kv_heads", "head_dim"))
+    k_pos = whole(positions, ("batch", None))
+    k_seg = None if segment_ids is None else whole(segment_ids, ("batch", None))
+    if 0 < chunk < q.shape[1]:
+        return chunked_attention(q, k, v, positions, k_pos, segment_ids, k_seg, chunk)
+    return masked_attention(q, k, v, block_mask(positions, k_pos, segment_ids, k_seg))
 
 
 def attend(q: Array, k: Array, v: Array, positions: Array, segment_ids: Array | None, *, impl: str,
            max_documents: int = 0, chunk: int = 0) -> Array:
-    """The layers' attention: the bound sharded kernel, else `impl` (xla: `chunk` > 0 queries at a
-    time when it is less than the length)."""
+    """The layers' attention: the bound sharded kernel, else the registered kernel `impl`
+    (model/attn_kernels; xla: `chunk` > 0 queries at a time when it is less than the length)."""
     sharded = kernels.current().attention
     if sharded is not None:
         return sharded(q, k, v, positions, segment_ids)
-    if impl == "xla":
-        # Keys, values and what masks them whole along `length`, queries as they come: under a
-        # sequence split XLA gathers the keys and values over it (the all-gather strategy) and
-        # each device scores only its own queries; without one this changes nothing.
-        whole = lambda a, axes: nn.with_logical_constraint(a, axes)  # noqa: E731
-        k = whole(k, ("batch", None, "kv_heads", "head_dim"))
-        v = whole(v, ("batch", None, "kv_heads", "head_dim"))
-        k_pos = whole(positions, ("batch", None))
-        k_seg = None if segment_ids is None else whole(segment_ids, ("batch", None))
-        if 0 < chunk < q.shape[1]:
-            return chunked_attention(q, k, v, positions, k_pos, segment_ids, k_seg, chunk)
-        return masked_attention(q, k, v, block_mask(positions, k_pos, segment_ids, k_seg))
-    return local_attention(q, k, v, positions, segment_ids, impl=impl, max_documents=max_documents)
+    return registry.get(impl).attend(q, k, v, positions, segment_ids, registry.Options(max_documents, chunk))

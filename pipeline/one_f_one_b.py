@@ -53,7 +53,7 @@ from flax import linen as nn
 from flax import nnx
 
 from configs import Config, ConfigError
-from model import LayerRunner
+from model import LayerRunner, attn_kernels
 from model.loss import GradFn
 from pipeline.gpipe import StageFn as RunnerStageFn
 from pipeline.gpipe import pipeline_runner
@@ -317,8 +317,9 @@ class OneFOneB(Schedule):
             raise ConfigError(f"pipeline.schedule: {self.name} does not carry the MoE router losses; use "
                               "pipeline.schedule=gpipe with model.moe")
         self.check_groups(stages, repeats, microbatches)
-        if cfg.mesh.context > 1 or cfg.model.attention == "splash":
-            what = f"mesh.context={cfg.mesh.context}" if cfg.mesh.context > 1 else "model.attention=splash"
+        split = cfg.mesh.context > 1
+        if split or attn_kernels.get(cfg.model.attention).per_device:  # a kernel bound per device (splash)
+            what = f"mesh.context={cfg.mesh.context}" if split else f"model.attention={cfg.model.attention}"
             raise ConfigError(f"pipeline.schedule={self.name} does not yet run the sequence split or sharded "
                               f"attention that {what} needs; use pipeline.schedule=gpipe")
 

@@ -23,20 +23,17 @@ Strategies (`context.strategy`):
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from model.attn_kernels.registry import LocalFn, MaskFn, MeshBinders
 from model.kernels import AttentionFn
 from sharding.rules import Rules, logical_to_spec, mesh_axes
 
 Array = jax.Array
-# (q_positions, k_positions, q_segment_ids, k_segment_ids) -> [batch, 1, q_len, kv_len] boolean:
-# the model's mask (model.attention.block_mask), handed in so that this package imports no model.
-MaskFn = Callable[[Array, Array, "Array | None", "Array | None"], Array]
 QKV_AXES = (("batch", "length", "heads", "head_dim"), ("batch", "length", "kv_heads", "head_dim"))
 
 
@@ -124,7 +121,7 @@ def sharded_ring(rules: Rules, shards: int, mask_fn: MaskFn) -> AttentionFn:
     return attention
 
 
-def per_device(kernel: Callable[[Array, Array, Array, "Array | None"], Array], rules: Rules) -> AttentionFn:
+def per_device(kernel: LocalFn, rules: Rules) -> AttentionFn:
     """`kernel(q, k, v, segment_ids)` on each device's rows and heads under shard_map: a Pallas
     call (the splash kernel) is opaque to XLA's partitioner, which would otherwise gather whole
     arrays to every device around it. Needs `length` whole (mesh.context=1)."""
@@ -138,3 +135,10 @@ def per_device(kernel: Callable[[Array, Array, Array, "Array | None"], Array], r
                              check_vma=False)(q, k, v, segment_ids)
 
     return attention
+
+
+def mesh_binders(rules: Rules, shards: int) -> MeshBinders:
+    """The shard_map wrappers of a layout (`rules`, `shards` devices along `length`) that an
+    attention kernel which must see the mesh builds its bound form from (model/attn_kernels)."""
+    return MeshBinders(per_device=lambda kernel: per_device(kernel, rules),
+                       ring=lambda mask_fn: sharded_ring(rules, shards, mask_fn))

@@ -17,7 +17,7 @@ import jax
 
 import pipeline
 from configs import Config, ConfigError
-from model import stack_layers
+from model import attn_kernels, stack_layers
 from model.moe import megablox_tile
 from sharding.hardware import check_quant, hardware_of_kind
 from sharding import Rules, axes_size, logical_to_spec, mesh_axes, resolve_mesh_shape
@@ -77,10 +77,10 @@ def check_batch(cfg: Config, sizes: dict[str, int], act_rules: Rules, processes:
 
 
 def check_context(cfg: Config, sizes: dict[str, int], act_rules: Rules) -> None:
-    """The sequence split (`mesh.context`) and the attention kernels that need whole tiles."""
-    c, m = sizes["context"], cfg.model
-    if m.attention == "splash" and m.seq_len % 128:
-        raise ConfigError(f"model.seq_len={m.seq_len} is not a multiple of 128, the tile of model.attention=splash")
+    """The sequence split (`mesh.context`), and the attention kernel's tiles and whether it takes
+    the split (model/attn_kernels)."""
+    c, m, kernel = sizes["context"], cfg.model, attn_kernels.get(cfg.model.attention)
+    kernel.check_tile(cfg)
     if c == 1:
         return
     if mesh_axes("length", act_rules) != ("context",):
@@ -89,9 +89,7 @@ def check_context(cfg: Config, sizes: dict[str, int], act_rules: Rules) -> None:
     if m.attention_chunk:
         raise ConfigError(f"model.attention_chunk={m.attention_chunk}: the query blocks would cut across the "
                           f"sequence split (mesh.context={c}); set 0")
-    if m.attention != "xla":
-        raise ConfigError(f"model.attention={m.attention}: the kernel cannot take a sequence split "
-                          f"(mesh.context={c}); use model.attention=xla with context.strategy=allgather or ring")
+    kernel.check_split(cfg, c)
     parts = 2 * c if cfg.context.load_balance else c
     if m.seq_len % parts:
         why = f"2 x mesh.context={c} (context.load_balance=true)" if cfg.context.load_balance else f"mesh.context={c}"
@@ -202,4 +200,5 @@ def check_devices(cfg: Config, devices: list, why_no_count: str = "") -> None:
     if cfg.model.moe.enabled and cfg.model.moe.grouped_matmul == "megablox" and platform not in ("tpu", "cpu"):
         raise ConfigError(f"model.moe.grouped_matmul=megablox is a TPU kernel (interpreted on CPU for tests), not "
                           f"for {platform}: use ragged_dot or auto")
+    attn_kernels.get(cfg.model.attention).check_platform(platform)
     check_nodes(devices, cfg.mesh.nodes)

@@ -24,13 +24,12 @@ from flax import nnx
 
 import pipeline
 from configs import Config
-from model import LayerRunner, scan_layers
-from model.attention import block_mask, splash_attention
+from model import LayerRunner, attn_kernels, scan_layers
 from model.kernels import AttentionFn, DispatchFn, Kernels
 from model.loss import GradFn
 from model.moe import GroupedMatmul, local_dispatch, megablox_matmul
 from sharding import axes_size, mesh_axes
-from sharding.context import balanced_order, per_device, sharded_ring
+from sharding.context import balanced_order, mesh_binders
 from sharding.experts import expert_parallel
 from sharding.lookup import traded_lookup
 from trainer.checks import megablox_misfit
@@ -80,23 +79,18 @@ def build_compute(cfg: Config, layout: Layout, graphdef: nnx.GraphDef, platform:
 
 
 def attention_notes(cfg: Config) -> list[str]:
-    """What the run's attention falls back to, said at start (train.py) and in plans."""
-    m = cfg.model
-    if m.attention == "cudnn" and cfg.data.packing == "document" and m.max_documents == 0:
-        return ["model.attention=cudnn with data.packing=document builds a dense [batch, 1, T, T] mask of the "
-                "documents; set model.max_documents (the most documents a row may hold) for cuDNN's packed "
-                "layout, no mask"]
-    return []
+    """What the run's attention falls back to, said at start (train.py) and in plans: the
+    kernel's own notes (model/attn_kernels)."""
+    return attn_kernels.get(cfg.model.attention).notes(cfg)
 
 
 def attention_kernel(cfg: Config, layout: Layout, platform: str) -> AttentionFn | None:
-    """The attention kernel that must see the mesh (None: the model's own): ring attention under
-    a sequence split, or splash per device (the TPU kernel on "tpu", interpreted elsewhere)."""
-    if cfg.context.strategy == "ring" and cfg.model.attention == "xla":
-        return sharded_ring(layout.stage_rules, layout.sizes["context"], block_mask)
-    if cfg.model.attention == "splash":
-        return per_device(functools.partial(splash_attention, interpret=platform != "tpu"), layout.stage_rules)
-    return None
+    """The attention kernel that must see the mesh (None: the model's own), as the registered
+    kernel of `model.attention` builds it from the layout's shard_map wrappers: ring attention
+    for xla under context.strategy=ring, or splash per device (the TPU kernel on "tpu",
+    interpreted elsewhere)."""
+    binders = mesh_binders(layout.stage_rules, layout.sizes["context"])
+    return attn_kernels.get(cfg.model.attention).mesh_bound(cfg, platform, binders)
 
 
 def layer_runner(layout: Layout, remat_policy: str) -> LayerRunner | None:
