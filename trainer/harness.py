@@ -29,6 +29,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from data.tokenizer import Tokenizer
 from model.decode import generate
+from model.inputs import TokenInputs
 from model.kernels import use_kernels
 from trainer.compute import Compute
 
@@ -48,7 +49,7 @@ def make_score_fn(graphdef: nnx.GraphDef, compute: Compute) -> Callable:
         if order is not None:  # a sum over positions: the rows may be permuted as a whole
             inputs, targets, weights, positions = (a[:, order] for a in (inputs, targets, weights, positions))
         with use_kernels(compute.kernels):
-            x, _ = model.features_and_stats(inputs, positions, None, runner=compute.runner)
+            x, _ = model.features_and_stats(inputs, TokenInputs(positions), runner=compute.runner)
         # Reductions of the logits only (no second [batch, length, vocab] array of log-probabilities).
         logits = model.logits(x).astype(jnp.float32)
         hit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]

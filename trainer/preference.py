@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from configs.post import DPOConfig
+from model.inputs import TokenInputs
 from model.kernels import use_kernels
 from model.lora import switched_off
 from model.loss import LossFn
@@ -47,7 +48,7 @@ def _logps(graphdef: nnx.GraphDef, compute: Compute, params: dict, batch: dict[s
     noise = batch["noise"].reshape(inputs.shape) if "noise" in batch else None  # the policy's LoRA dropout
     inputs, targets, weights, positions, noise = compute.in_order(inputs, targets, weights, positions, noise)
     with use_kernels(compute.kernels):
-        x, stats = model.features_and_stats(inputs, positions, None, runner=compute.runner, noise=noise)
+        x, stats = model.features_and_stats(inputs, TokenInputs(positions, None, noise), runner=compute.runner)
     logps = sequence_logps(model, x, targets, weights)
     if mean:
         logps = logps / jnp.maximum(jnp.sum(weights, axis=-1), 1.0)

@@ -15,6 +15,7 @@ import optax
 from flax import nnx
 
 from model.flops import moe_layer_count
+from model.inputs import TokenInputs
 from model.kernels import use_kernels
 from model.lora import join, split, token_noise
 from model.loss import GradFn, LossFn, head_loss, model_inputs
@@ -68,10 +69,11 @@ def make_loss_fn(graphdef: nnx.GraphDef, compute: Compute = Compute(), *, router
             inputs, targets, weights, positions, seg_in, noise)
         extra = dict(zip(extra, compute.in_order(*extra.values(), axis=2)))
         with use_kernels(compute.kernels):
-            x, stats = model.features_and_stats(inputs, positions, seg_in, runner=compute.runner, noise=noise)
+            token_inputs = TokenInputs.of(inputs, positions, seg_in, noise)
+            x, stats = model.features_and_stats(inputs, token_inputs, runner=compute.runner)
             mtp = None
             if depth:
-                mtp, mtp_stats = mtp_losses(model, x, positions, seg_in, extra, compute.loss_chunk, noise)
+                mtp, mtp_stats = mtp_losses(model, x, token_inputs, extra, compute.loss_chunk)
                 mtp = mtp.mean()
                 if moe is not None:
                     # Each module's block is one more MoE layer in the loss terms' mean (its router
