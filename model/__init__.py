@@ -5,7 +5,8 @@
 # In the schema's order, which the registry keeps (model.attention's choices).
 from model.attn_kernels import xla, dot_product, cudnn, splash  # noqa: F401, I001
 from model.flops import flops_per_token, matmul_params, stack_layers
+from model.inputs import TokenInputs
 from model.transformer import LayerRunner, Transformer, abstract_transformer, remat, scan_layers
 
-__all__ = ["LayerRunner", "Transformer", "abstract_transformer", "flops_per_token", "matmul_params", "remat", "scan_layers",
-           "stack_layers"]
+__all__ = ["LayerRunner", "TokenInputs", "Transformer", "abstract_transformer", "flops_per_token", "matmul_params",
+           "remat", "scan_layers", "stack_layers"]

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from configs.schema import ModelConfig
+from model.inputs import TokenInputs
 from model.layers import MLP, Attention, RMSNorm, constrain
 from model.lora import add_adapters
 from model.mla import MLAttention
@@ -34,16 +35,15 @@ class Block(nnx.Module):
             if not moe:
                 add_adapters(self.mlp, ("gate", "up", "down"), cfg, rngs)
 
-    def feed_forward(self, x: Array, noise: Array | None = None) -> tuple[Array, Array]:
+    def feed_forward(self, x: Array, inputs: TokenInputs | None = None) -> tuple[Array, Array]:
         """The feed-forward of normed x [b, l, d] -> (out [b, l, d], router stats float32)."""
         if isinstance(self.mlp, MoE):
             return self.mlp(x)
-        return self.mlp(x, noise), jnp.zeros(len(STATS), jnp.float32)
+        return self.mlp(x, inputs), jnp.zeros(len(STATS), jnp.float32)
 
-    def __call__(self, x: Array, positions: Array, segment_ids: Array | None,
-                 noise: Array | None = None) -> tuple[Array, Array]:
-        """`noise` [b, l] uint32: this layer's, for its LoRA adapters' dropout (model/lora.py);
-        None outside a training step."""
-        x = x + self.attn(self.attn_norm(x), positions, segment_ids, noise)
-        y, stats = self.feed_forward(self.mlp_norm(x), noise)
+    def __call__(self, x: Array, inputs: TokenInputs) -> tuple[Array, Array]:
+        """x [b, l, d] and this layer's per-token inputs (model/inputs.py: positions, documents
+        and, in a training step, the layer's LoRA dropout noise) -> (out, router stats)."""
+        x = x + self.attn(self.attn_norm(x), inputs)
+        y, stats = self.feed_forward(self.mlp_norm(x), inputs)
         return constrain(x + y, ("batch", "length", "embed")), stats

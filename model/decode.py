@@ -26,6 +26,7 @@ from flax import nnx
 from model.attention import masked_attention
 from model.block import Block
 from model.flops import stack_layers
+from model.inputs import TokenInputs
 from model.layers import Attention
 from model.mla import MLAttention
 from model.transformer import BlockGroup, Transformer
@@ -73,7 +74,7 @@ def _write(cache: Array, new: Array, start: Array | int) -> Array:
 def _attend_gqa(attn: Attention, x: Array, positions: Array, start: Array | int, k_cache: Array,
                 v_cache: Array) -> tuple[Array, Array, Array]:
     """Normed x [b, t, d] -> the attention output over the cache, and the cache with t new slots."""
-    q, k, v = attn.project(x, jnp.broadcast_to(positions, x.shape[:2]))
+    q, k, v = attn.project(x, TokenInputs(jnp.broadcast_to(positions, x.shape[:2])))
     k_cache, v_cache = _write(k_cache, k, start), _write(v_cache, v, start)
     return attn.output(masked_attention(q, k_cache, v_cache, _visible(positions, start, k_cache.shape[1]))), k_cache, v_cache
 
@@ -84,7 +85,7 @@ def _attend_mla(attn: MLAttention, x: Array, positions: Array, start: Array | in
     + q_rope . k_rope, computed as (q_nope @ kv_b's key part^T) . latent, and the output as
     (weights @ latent) @ kv_b's value part."""
     pos = jnp.broadcast_to(positions, x.shape[:2])
-    q_nope, q_rope = attn.queries(x, pos)
+    q_nope, q_rope = attn.queries(x, TokenInputs(pos))
     latent, k_rope = attn.latents(x, pos)
     latent_cache = _write(latent_cache, latent[:, :, None], start)
     rope_cache = _write(rope_cache, k_rope[:, :, None], start)

@@ -21,6 +21,7 @@ from flax import nnx
 from configs.rope import RopeScalingConfig
 from configs.schema import REMAT_SAVES, ModelConfig
 from model.attention import attend
+from model.inputs import TokenInputs
 from model.lora import adapt
 from model.quant import fp8_gather, qeinsum
 from model.rope import yarn_frequencies
@@ -70,9 +71,11 @@ def project(spec: str, x: Array, p: nnx.Param, cfg: ModelConfig) -> Array:
     return gathered(x, w)
 
 
-def project_adapted(module: nnx.Module, name: str, spec: str, x: Array, noise: Array | None = None) -> Array:
+def project_adapted(module: nnx.Module, name: str, spec: str, x: Array, inputs: TokenInputs | None = None) -> Array:
     """`project` by the module's weight `name`, plus its LoRA adapter's output if it has one
-    (model/lora.py; `noise`: the layer's, for the adapter's dropout in a training step)."""
+    (model/lora.py). The leaf that reads the layer's `inputs` for the adapter's dropout: their
+    noise, present in a training step only (None, or no noise: no dropout)."""
+    noise = None if inputs is None else inputs.noise
     return adapt(module, name, spec, x, project(spec, x, getattr(module, name), module.cfg), module.cfg, noise)
 
 
@@ -121,27 +124,28 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(hd, cfg.norm_eps, rngs=rngs, axis="head_dim")
         self.cfg = cfg
 
-    def __call__(self, x: Array, positions: Array, segment_ids: Array | None, noise: Array | None = None) -> Array:
-        q, k, v = self.project(x, positions, noise)
-        return self.output(attend(q, k, v, positions, segment_ids, impl=self.cfg.attention,
-                                  max_documents=self.cfg.max_documents, chunk=self.cfg.attention_chunk), noise)
+    def __call__(self, x: Array, inputs: TokenInputs) -> Array:
+        """Normed x [b, l, d] and the layer's per-token inputs (model/inputs.py) -> [b, l, d]."""
+        q, k, v = self.project(x, inputs)
+        return self.output(attend(q, k, v, inputs.positions, inputs.segment_ids, impl=self.cfg.attention,
+                                  max_documents=self.cfg.max_documents, chunk=self.cfg.attention_chunk), inputs)
 
-    def project(self, x: Array, positions: Array, noise: Array | None = None) -> tuple[Array, Array, Array]:
-        """x [b, l, d] -> q [b, l, heads, hd], k and v [b, l, kv_heads, hd], rotary applied.
-        Split from __call__ so KV-cache decoding (model/decode.py) reuses it."""
-        q = project_adapted(self, "q", "bld,dhk->blhk", x, noise)
-        k = project_adapted(self, "k", "bld,dhk->blhk", x, noise)
-        v = project_adapted(self, "v", "bld,dhk->blhk", x, noise)
+    def project(self, x: Array, inputs: TokenInputs) -> tuple[Array, Array, Array]:
+        """x [b, l, d] -> q [b, l, heads, hd], k and v [b, l, kv_heads, hd], rotary applied at
+        `inputs.positions`. Split from __call__ so KV-cache decoding (model/decode.py) reuses it."""
+        q = project_adapted(self, "q", "bld,dhk->blhk", x, inputs)
+        k = project_adapted(self, "k", "bld,dhk->blhk", x, inputs)
+        v = project_adapted(self, "v", "bld,dhk->blhk", x, inputs)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = constrain(rotary(q, positions, self.cfg.rope_theta), ("batch", "length", "heads", "head_dim"))
-        k = constrain(rotary(k, positions, self.cfg.rope_theta), ("batch", "length", "kv_heads", "head_dim"))
+        q = constrain(rotary(q, inputs.positions, self.cfg.rope_theta), ("batch", "length", "heads", "head_dim"))
+        k = constrain(rotary(k, inputs.positions, self.cfg.rope_theta), ("batch", "length", "kv_heads", "head_dim"))
         return q, k, constrain(v, ("batch", "length", "kv_heads", "head_dim"))
 
-    def output(self, out: Array, noise: Array | None = None) -> Array:
-        """Attention output [b, l, heads, hd] -> [b, l, d]."""
+    def output(self, out: Array, inputs: TokenInputs | None = None) -> Array:
+        """Attention output [b, l, heads, hd] -> [b, l, d] (None: no LoRA dropout, as in decoding)."""
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
-        return project_adapted(self, "o", "blhk,hkd->bld", out, noise)
+        return project_adapted(self, "o", "blhk,hkd->bld", out, inputs)
 
 
 class MLP(nnx.Module):
@@ -155,8 +159,10 @@ class MLP(nnx.Module):
         self.down = param(rngs, init, (f, cfg.d_model), ("mlp", "embed"))
         self.cfg = cfg
 
-    def __call__(self, x: Array, noise: Array | None = None) -> Array:
-        gate = project_adapted(self, "gate", "bld,df->blf", x, noise)
-        up = project_adapted(self, "up", "bld,df->blf", x, noise)
+    def __call__(self, x: Array, inputs: TokenInputs | None = None) -> Array:
+        """x [b, l, d] -> [b, l, d]; `inputs`: the layer's (None: no LoRA dropout, as in decoding
+        and for an MoE's shared experts, which have no adapters)."""
+        gate = project_adapted(self, "gate", "bld,df->blf", x, inputs)
+        up = project_adapted(self, "up", "bld,df->blf", x, inputs)
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-        return project_adapted(self, "down", "blf,fd->bld", hidden, noise)
+        return project_adapted(self, "down", "blf,fd->bld", hidden, inputs)

@@ -29,6 +29,7 @@ from flax import nnx
 
 from configs.schema import ModelConfig
 from model.attention import attend
+from model.inputs import TokenInputs
 from model.layers import RMSNorm, constrain, param, project, project_adapted, rotary
 from model.rope import softmax_factor
 
@@ -57,10 +58,11 @@ class MLAttention(nnx.Module):
         self.o = param(rngs, init, (h, m.v_head_dim, d), ("heads", "head_dim", "embed"))
         self.cfg = cfg
 
-    def __call__(self, x: Array, positions: Array, segment_ids: Array | None, noise: Array | None = None) -> Array:
-        q, k, v = self.project(x, positions, noise)
-        return self.output(attend(q, k, v, positions, segment_ids, impl=self.cfg.attention,
-                                  max_documents=self.cfg.max_documents, chunk=self.cfg.attention_chunk), noise)
+    def __call__(self, x: Array, inputs: TokenInputs) -> Array:
+        """Normed x [b, l, d] and the layer's per-token inputs (model/inputs.py) -> [b, l, d]."""
+        q, k, v = self.project(x, inputs)
+        return self.output(attend(q, k, v, inputs.positions, inputs.segment_ids, impl=self.cfg.attention,
+                                  max_documents=self.cfg.max_documents, chunk=self.cfg.attention_chunk), inputs)
 
     def rope(self, x: Array, positions: Array) -> Array:
         """The rotary embedding of x [b, l, heads, qk_rope_head_dim]. Interleaved pairs are
@@ -70,21 +72,21 @@ class MLAttention(nnx.Module):
             x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
         return rotary(x, positions, self.cfg.rope_theta, self.cfg.rope_scaling)
 
-    def queries(self, x: Array, positions: Array, noise: Array | None = None) -> tuple[Array, Array]:
+    def queries(self, x: Array, inputs: TokenInputs) -> tuple[Array, Array]:
         """x [b, l, d] -> each head's position-free query [b, l, heads, qk_nope_head_dim] and
-        rotary query [b, l, heads, qk_rope_head_dim], rotary applied (`q`'s LoRA adapter, if any,
-        under the layer's dropout `noise`)."""
+        rotary query [b, l, heads, qk_rope_head_dim], rotary applied at `inputs.positions` (`q`'s
+        LoRA adapter, if any, under the layer's dropout)."""
         if self.cfg.mla.q_lora_rank:
             latent = constrain(project("bld,dr->blr", x, self.q_a, self.cfg), ("batch", "length", "latent"))
             q = project("blr,rhk->blhk", self.q_norm(latent), self.q_b, self.cfg)
         else:
-            q = project_adapted(self, "q", "bld,dhk->blhk", x, noise)
+            q = project_adapted(self, "q", "bld,dhk->blhk", x, inputs)
         factor = softmax_factor(self.cfg.rope_scaling)
         if factor != 1.0:  # DeepSeek's YaRN softmax scale: every kernel scales by head_dim ** -0.5 alone
             q = q * jnp.asarray(factor, q.dtype)
         q = constrain(q, ("batch", "length", "heads", "head_dim"))
         nope = self.cfg.mla.qk_nope_head_dim
-        return q[..., :nope], self.rope(q[..., nope:], positions)
+        return q[..., :nope], self.rope(q[..., nope:], inputs.positions)
 
     def latents(self, x: Array, positions: Array) -> tuple[Array, Array]:
         """x [b, l, d] -> the normed key/value latent [b, l, kv_lora_rank] and the rotary key
@@ -93,10 +95,10 @@ class MLAttention(nnx.Module):
         rank = self.cfg.mla.kv_lora_rank
         return self.kv_norm(both[..., :rank]), self.rope(both[..., None, rank:], positions)[:, :, 0]
 
-    def project(self, x: Array, positions: Array, noise: Array | None = None) -> tuple[Array, Array, Array]:
+    def project(self, x: Array, inputs: TokenInputs) -> tuple[Array, Array, Array]:
         """x [b, l, d] -> q, k [b, l, heads, qk_head_dim] and v [b, l, heads, v_head_dim]."""
-        q_nope, q_rope = self.queries(x, positions, noise)
-        latent, k_rope = self.latents(x, positions)
+        q_nope, q_rope = self.queries(x, inputs)
+        latent, k_rope = self.latents(x, inputs.positions)
         kv = project("blr,rhk->blhk", latent, self.kv_b, self.cfg)
         nope = self.cfg.mla.qk_nope_head_dim
         k_rope = jnp.broadcast_to(k_rope[:, :, None], (*kv.shape[:3], k_rope.shape[-1]))
@@ -104,8 +106,8 @@ class MLAttention(nnx.Module):
         k = constrain(jnp.concatenate([kv[..., :nope], k_rope], axis=-1), ("batch", "length", "kv_heads", "head_dim"))
         return q, k, constrain(kv[..., nope:], ("batch", "length", "kv_heads", "head_dim"))
 
-    def output(self, out: Array, noise: Array | None = None) -> Array:
+    def output(self, out: Array, inputs: TokenInputs | None = None) -> Array:
         """Attention output [b, l, heads, v_head_dim] -> [b, l, d] (`o`'s LoRA adapter, if any, under
-        the layer's dropout `noise`)."""
+        the layer's dropout; None: none, as in decoding)."""
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
-        return project_adapted(self, "o", "blhk,hkd->bld", out, noise)
+        return project_adapted(self, "o", "blhk,hkd->bld", out, inputs)

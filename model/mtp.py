@@ -22,8 +22,8 @@ from flax import nnx
 
 from configs.schema import ModelConfig
 from model.block import Block
+from model.inputs import TokenInputs
 from model.layers import RMSNorm, constrain, param, project, remat
-from model.lora import for_layer
 from model.loss import head_loss
 from model.router import STATS
 
@@ -44,13 +44,13 @@ class MTPModule(nnx.Module):
         self.norm = RMSNorm(d, cfg.norm_eps, rngs=rngs)
         self.cfg = cfg
 
-    def __call__(self, h: Array, embedded: Array, positions: Array, segment_ids: Array | None,
-                 noise: Array | None = None) -> tuple[Array, Array]:
-        """h [b, l, d] from the depth before and the embeddings of the tokens k ahead [b, l, d]
-        -> (this depth's hidden states [b, l, d] before `norm`, its block's router statistics)."""
+    def __call__(self, h: Array, embedded: Array, inputs: TokenInputs) -> tuple[Array, Array]:
+        """h [b, l, d] from the depth before and the embeddings of the tokens k ahead [b, l, d],
+        with the block's per-token inputs (model/inputs.py) -> (this depth's hidden states
+        [b, l, d] before `norm`, its block's router statistics)."""
         both = jnp.concatenate([self.enorm(embedded), self.hnorm(h)], axis=-1)
         x = constrain(project("bld,de->ble", both, self.eh_proj, self.cfg), ("batch", "length", "embed"))
-        return self.block(x, positions, segment_ids, noise)
+        return self.block(x, inputs)
 
 
 def _ahead(a: Array, k: int) -> Array:
@@ -72,23 +72,21 @@ def mtp_targets(inputs: Array, targets: Array, weights: Array, depth: int) -> di
     return {"mtp_inputs": jnp.stack(tokens), "mtp_targets": jnp.stack(ahead), "mtp_weights": jnp.stack(ws)}
 
 
-def mtp_losses(model: nnx.Module, x: Array, positions: Array | None, segment_ids: Array | None,
-               extra: dict[str, Array], loss_chunk: int = 0, noise: Array | None = None) -> tuple[Array, Array]:
+def mtp_losses(model: nnx.Module, x: Array, inputs: TokenInputs, extra: dict[str, Array],
+               loss_chunk: int = 0) -> tuple[Array, Array]:
     """Each depth's mean cross-entropy [depth] float32, from the main model's final normed hidden
-    states x [b, l, d] and `mtp_targets`' arrays (in the order x's positions are in), and the sum
-    of the modules' router statistics (model/router.py `STATS`; zeros for dense blocks): a
-    module's MoE block balances its load as the stack's layers do. `noise`: a training step's
-    LoRA dropout noise (model/lora.py)."""
-    if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
+    states x [b, l, d], the per-token inputs the stack ran on (model/inputs.py) and
+    `mtp_targets`' arrays (all in the order x's positions are in), and the sum of the modules'
+    router statistics (model/router.py `STATS`; zeros for dense blocks): a module's MoE block
+    balances its load as the stack's layers do."""
     means, h, stats = [], x, jnp.zeros(len(STATS), jnp.float32)
     for k, module in enumerate(model.mtp):
         graphdef, state = nnx.split(module)
 
         def run(state: nnx.State, h: Array, embedded: Array) -> tuple[Array, Array]:
-            # LoRA dropout's noise (model/lora.py): depth k's block mixes in index -(k + 1) - 2^16,
+            # Depth k's block is layer -(k + 1) - 2^16 to its inputs (its LoRA dropout noise),
             # apart from every layer of the stack's and its dense prefix's.
-            return nnx.merge(graphdef, state)(h, embedded, positions, segment_ids, for_layer(noise, -(k + 1) - 2**16))
+            return nnx.merge(graphdef, state)(h, embedded, inputs.for_layer(-(k + 1) - 2**16))
 
         # Under `model.remat` as the layer stack is: the backward pass recomputes what the policy drops.
         h, block_stats = remat(run, model.cfg.remat, in_scan=False)(state, h, model.embed(extra["mtp_inputs"][k]))

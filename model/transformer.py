@@ -28,8 +28,8 @@ from configs.schema import ModelConfig
 from model import kernels
 from model.block import Block
 from model.flops import moe_layer_count, stack_layers
+from model.inputs import TokenInputs
 from model.layers import RMSNorm, constrain, param, remat
-from model.lora import for_layer
 from model.mtp import MTPModule
 from model.router import STATS
 
@@ -37,24 +37,21 @@ Array = jax.Array
 
 
 class LayerRunner(Protocol):
-    def __call__(
-        self, layers: Block, x: Array, positions: Array, segment_ids: Array | None, noise: Array | None = None
-    ) -> tuple[Array, Array]: ...
+    def __call__(self, layers: Block, x: Array, inputs: TokenInputs) -> tuple[Array, Array]: ...
 
 
 def scan_layers(
-    layers: Block, x: Array, positions: Array, segment_ids: Array | None, *, remat_policy: str,
-    noise: Array | None = None, first: Array | int = 0,
+    layers: Block, x: Array, inputs: TokenInputs, *, remat_policy: str, first: Array | int = 0,
 ) -> tuple[Array, Array]:
     """Applies the stacked blocks in order with one `lax.scan` (one compiled layer body, so
     compile time stays flat in depth); returns the output and the router statistics summed over
-    the layers. `noise` [b, l] uint32: the step's LoRA dropout noise (model/lora.py), which each
-    layer mixes with its global index, `first` + its place in this stack."""
+    the layers. Each layer sees `inputs.for_layer` of its global index, `first` + its place in
+    this stack (its own LoRA dropout noise, model/inputs.py)."""
     graphdef, stacked = nnx.split(layers)
 
     def body(carry: tuple[Array, Array], xs: tuple[nnx.State, Array]) -> tuple[tuple[Array, Array], None]:
         (h, total), (layer_state, i) = carry, xs
-        h, stats = nnx.merge(graphdef, layer_state)(h, positions, segment_ids, for_layer(noise, i))
+        h, stats = nnx.merge(graphdef, layer_state)(h, inputs.for_layer(i))
         return (h, total + stats), None
 
     init = (x, jnp.zeros(len(STATS), jnp.float32))
@@ -77,17 +74,16 @@ class BlockGroup(nnx.Module):
         self.moe = Block(cfg, rngs=rngs, moe=True)
         self.cfg = cfg
 
-    def __call__(self, x: Array, positions: Array, segment_ids: Array | None,
-                 noise: Array | None = None) -> tuple[Array, Array]:
-        """`noise`: the group's; its layers mix in their places in it (0 .. k - 1)."""
+    def __call__(self, x: Array, inputs: TokenInputs) -> tuple[Array, Array]:
+        """`inputs`: the group's; its layers see them for their places in it (0 .. k - 1)."""
         graphdef, stacked = nnx.split(self.dense)
 
         def body(h: Array, xs: tuple[nnx.State, Array]) -> tuple[Array, None]:
             layer_state, i = xs  # dense: no router stats
-            return nnx.merge(graphdef, layer_state)(h, positions, segment_ids, for_layer(noise, i))[0], None
+            return nnx.merge(graphdef, layer_state)(h, inputs.for_layer(i))[0], None
 
         x, _ = jax.lax.scan(body, x, (stacked, jnp.arange(self.cfg.moe.every - 1, dtype=jnp.int32)))
-        return self.moe(x, positions, segment_ids, for_layer(noise, self.cfg.moe.every - 1))
+        return self.moe(x, inputs.for_layer(self.cfg.moe.every - 1))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
@@ -157,30 +153,27 @@ class Transformer(nnx.Module):
         segment_ids: Array | None = None,
         runner: LayerRunner | None = None,
     ) -> Array:
-        """tokens [batch, length] int -> final normed hidden states [batch, length, embed]."""
-        return self.features_and_stats(tokens, positions, segment_ids, runner)[0]
+        """tokens [batch, length] int -> final normed hidden states [batch, length, embed]
+        (a convenience: `features_and_stats` with the inputs of `TokenInputs.of`)."""
+        return self.features_and_stats(tokens, TokenInputs.of(tokens, positions, segment_ids), runner)[0]
 
     def features_and_stats(
-        self,
-        tokens: Array,
-        positions: Array | None = None,
-        segment_ids: Array | None = None,
-        runner: LayerRunner | None = None,
-        noise: Array | None = None,
+        self, tokens: Array, inputs: TokenInputs | None = None, runner: LayerRunner | None = None,
     ) -> tuple[Array, Array]:
-        """As `features`, with the router statistics averaged over the MoE layers ([len(STATS)]
-        float32: model/router.py; zeros for a dense model). `noise` [batch, length] uint32: a
-        training step's LoRA dropout noise (model/lora.py; None: no dropout)."""
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        """tokens [batch, length] int and their per-token inputs (model/inputs.py; None: positions
+        0 .. length - 1, one document a row, no LoRA dropout) -> the final normed hidden states and
+        the router statistics averaged over the MoE layers ([len(STATS)] float32: model/router.py;
+        zeros for a dense model)."""
+        if inputs is None:
+            inputs = TokenInputs.of(tokens)
         x = self.embed(tokens)
         if hasattr(self, "dense_layers"):  # dense: no router statistics; indices -k .. -1, before the stack's
-            x = scan_layers(self.dense_layers, x, positions, segment_ids, remat_policy=self.cfg.remat, noise=noise,
+            x = scan_layers(self.dense_layers, x, inputs, remat_policy=self.cfg.remat,
                             first=-self.cfg.moe.first_k_dense_replace)[0]
         if runner is None:
-            x, stats = scan_layers(self.layers, x, positions, segment_ids, remat_policy=self.cfg.remat, noise=noise)
+            x, stats = scan_layers(self.layers, x, inputs, remat_policy=self.cfg.remat)
         else:
-            x, stats = runner(self.layers, x, positions, segment_ids, noise)
+            x, stats = runner(self.layers, x, inputs)
         return self.final_norm(x), stats / max(1, moe_layer_count(self.cfg))
 
     def embed(self, tokens: Array) -> Array:

@@ -24,44 +24,40 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
-from model import LayerRunner
+from model import LayerRunner, TokenInputs
 from model.router import STATS
 from pipeline.registry import Phase, Schedule, register
 from pipeline.stages import from_microbatches, to_microbatches, to_stages
 from sharding.rules import Rules
 
 Array = jax.Array
-# (sub-stack, x, positions, segment_ids, noise=, first=) -> (x, router statistics summed over the
-# sub-stack): model.scan_layers with its remat policy; `first` is the sub-stack's first global index.
+# (sub-stack, x, inputs, first=) -> (x, router statistics summed over the sub-stack):
+# model.scan_layers with its remat policy; `first` is the sub-stack's first global index.
 StageFn = Callable[..., tuple[Array, Array]]
 
 
 def pipeline_runner(stages: int, repeats: int, microbatches: int, stage_fn: StageFn, stage_rules: Rules) -> LayerRunner:
     """A layer runner (see model.LayerRunner) that pipelines the stack over `pipeline`.
 
-    stage_fn(sub_stack, x, positions, segment_ids, noise=, first=) applies a stack of K layers
-    (the model's scan, with its remat policy; `noise`: LoRA dropout's, mixed with each layer's
-    global index from `first`). stage_rules are the activation rules inside a stage, where
-    `batch` must not use the `pipeline` axis (it indexes stages there)."""
+    stage_fn(sub_stack, x, inputs, first=) applies a stack of K layers to a microbatch and its
+    per-token inputs (model/inputs.py; the model's scan, with its remat policy: each layer sees
+    the inputs of its global index, from `first`). stage_rules are the activation rules inside
+    a stage, where `batch` must not use the `pipeline` axis (it indexes stages there)."""
     S, R, M = stages, repeats, microbatches
 
-    def run(layers: nnx.Module, x: Array, positions: Array, segment_ids: Array | None,
-            noise: Array | None = None) -> tuple[Array, Array]:
+    def run(layers: nnx.Module, x: Array, inputs: TokenInputs) -> tuple[Array, Array]:
         graphdef, stack = nnx.split(layers)
         staged = jax.tree.map(lambda a: to_stages(a, S, R), stack)
         K = jax.tree.leaves(staged)[0].shape[2]  # layers (or groups) per stage and repeat
         with nn.logical_axis_rules(stage_rules):
             x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
             xs = to_microbatches(x, M)  # [M, mb, T, D]
-            pos = to_microbatches(positions, M)
-            seg = None if segment_ids is None else to_microbatches(segment_ids, M)
-            nz = None if noise is None else to_microbatches(noise, M)
+            micro = inputs.map(lambda a: to_microbatches(a, M))  # each field [M, mb, T]
 
-            def stage(params: nnx.State, s: Array, r: Array, h: Array, p: Array, sg: Array | None,
-                      n: Array | None) -> tuple[Array, Array]:
+            def stage(params: nnx.State, s: Array, r: Array, h: Array, mb: TokenInputs) -> tuple[Array, Array]:
                 sub = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, 0, keepdims=False), params)
                 # Stage s, repeat r holds layer group r S + s: its layers' global indices start there.
-                return stage_fn(nnx.merge(graphdef, sub), h, p, sg, noise=n, first=(r * S + s) * K)
+                return stage_fn(nnx.merge(graphdef, sub), h, mb, first=(r * S + s) * K)
 
             stage_ids = jnp.arange(S)
             all_stages = jax.vmap(stage, spmd_axis_name="pipeline")
@@ -73,8 +69,7 @@ def pipeline_runner(stages: int, repeats: int, microbatches: int, stage_fn: Stag
                 v = t - stage_ids  # each stage's virtual microbatch
                 r = jnp.clip(v // M, 0, R - 1)
                 m = v % M
-                out, stats = all_stages(staged, stage_ids, r, act, pos[m], None if seg is None else seg[m],
-                                        None if nz is None else nz[m])
+                out, stats = all_stages(staged, stage_ids, r, act, micro.map(lambda a: a[m]))
                 working = (v >= 0) & (v < R * M)
                 total = total + jnp.sum(jnp.where(working[:, None], stats, 0.0), axis=0)
                 done = t - (S - 1)  # the virtual microbatch leaving the last stage

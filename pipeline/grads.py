@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model import scan_layers
+from model import TokenInputs, scan_layers
 from model.loss import GradFn, head_loss, model_inputs
 from pipeline.registry import Schedule
 from pipeline.stages import from_stages, to_microbatches, to_stages
@@ -55,21 +55,19 @@ def make_scheduled_grad_fn(
         stack = cparams["layers"]
         layers_graphdef, _ = nnx.split(nnx.merge(graphdef, cparams).layers)
         model = lambda o: nnx.merge(graphdef, {**o, "layers": stack})  # noqa: E731
-        inputs = model_inputs(batch)
-        if "positions" not in inputs:
-            inputs["positions"] = jnp.broadcast_to(jnp.arange(inputs["inputs"].shape[1], dtype=jnp.int32),
-                                                   inputs["inputs"].shape)
-        if "noise" in batch:  # LoRA dropout's (model/lora.py), travelling with the microbatches
-            inputs["noise"] = batch["noise"]
+        b = model_inputs(batch)
+        # The layers' per-token inputs travel with the microbatches as one pytree (model/inputs.py),
+        # the step's LoRA dropout noise among them when it has one.
+        token_inputs = TokenInputs.of(b["inputs"], b.get("positions"), b.get("segment_ids"), batch.get("noise"))
+        inputs = {"inputs": b["inputs"], "targets": b["targets"], "weights": b["weights"], "token_inputs": token_inputs}
         micro = jax.tree.map(lambda a: to_microbatches(a, microbatches), inputs)
 
         def embed_fn(o: dict, mb: dict) -> Array:
             return model(o).embed(mb["inputs"])
 
         def stage_fn(p: dict, x: Array, mb: dict) -> Array:
-            first = mb["group"] * jax.tree.leaves(p)[0].shape[0] if "group" in mb else 0  # LoRA dropout's layer index
-            return scan_layers(nnx.merge(layers_graphdef, p), x, mb["positions"], mb.get("segment_ids"),
-                               remat_policy=remat_policy, noise=mb.get("noise"),
+            first = mb["group"] * jax.tree.leaves(p)[0].shape[0]  # the group's first layer, by global index
+            return scan_layers(nnx.merge(layers_graphdef, p), x, mb["token_inputs"], remat_policy=remat_policy,
                                first=first)[0]  # dense only: MoE refuses the 1F1B schedules
 
         def head_fn(o: dict, x: Array, mb: dict) -> tuple[Array, Array]:

@@ -64,7 +64,7 @@ from pipeline.ticks import backward_item, first_backward, forward_item, forward_
 from sharding.rules import Rules
 
 Array = jax.Array
-Micro = dict[str, Array]  # one microbatch's inputs; with a leading [M] dim: all of them
+Micro = dict[str, Any]  # one microbatch's inputs (arrays, the layers' TokenInputs); with a leading [M] dim: all
 EmbedFn = Callable[[Any, Micro], Array]  # (outer params, microbatch) -> x [mb, length, embed]
 StageFn = Callable[[Any, Array, Micro], Array]  # (one stage's layer params, x, microbatch) -> x
 HeadFn = Callable[[Any, Array, Micro], tuple[Array, Array]]  # (outer, x, microbatch) -> (loss sum, targets)
@@ -122,10 +122,9 @@ class OneFOneBStep:
 
     def stage_micro(self, m: Array, r: Array) -> Micro:
         """Each stage's microbatch inputs [S, mb, ...] for stages running microbatches m [S] of
-        repeats r [S]; with LoRA dropout noise also the layer group each runs ("group": r S + s),
-        whose layers' global indices the noise mixes in."""
-        mb = self.pick(m)
-        return {**mb, "group": r * self.stages + self.ids} if "noise" in self.micro else mb
+        repeats r [S], and the layer group each runs ("group": r S + s), whose layers' global
+        indices give each layer its per-token inputs (model/inputs.py `for_layer`)."""
+        return {**self.pick(m), "group": r * self.stages + self.ids}
 
     def chunk(self, tree: Any, r: Array) -> Any:
         """Repeat r's layer group of a stage's [R, K, ...] parameters."""

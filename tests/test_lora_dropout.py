@@ -22,7 +22,7 @@ import trainer
 from configs import ConfigError, load_config
 from configs.lora import LORA_TARGETS, LoraConfig
 from conftest import ROOT, require, stdlib_glob
-from model import Transformer, hf, lora
+from model import TokenInputs, Transformer, hf, lora
 from model.layers import MLP
 from trainer.objectives.lm import make_loss_fn
 from trainer.step import step_noise
@@ -87,7 +87,7 @@ def test_the_mask_is_the_numpy_hash_and_drops_about_p(mlp_case):
 def test_the_adapters_under_dropout_give_the_float64_numpy_output(mlp_case):
     cfg, mlp, x, noise = mlp_case["cfg"], mlp_case["mlp"], mlp_case["x"], mlp_case["noise"]
     layer_noise = lora.for_layer(noise, 2)
-    ours = np.asarray(mlp(x, layer_noise), np.float64)
+    ours = np.asarray(mlp(x, TokenInputs.of(layer_noise, noise=layer_noise)), np.float64)
     p, s = cfg.lora.dropout, cfg.lora.alpha / cfg.lora.rank
     w = {k: np.asarray(getattr(mlp, k)[...], np.float64) for k in ("gate", "up", "down")}
     ab = {k: [np.asarray(getattr(mlp, k + sfx)[...], np.float64) for sfx in lora.SUFFIXES] for k in w}

@@ -17,7 +17,7 @@ from conftest import require
 from configs import ConfigError, load_config
 from configs.mla import MLAConfig
 from configs.schema import ModelConfig
-from model import Transformer
+from model import TokenInputs, Transformer
 from model.decode import LatentCache, forward, generate, init_cache
 from model.mla import MLAttention
 
@@ -101,7 +101,7 @@ def ours(cfg: ModelConfig, params: dict, x: np.ndarray, documents: bool, cotange
     def f(p: dict, x: jax.Array) -> jax.Array:
         st = jax.tree.map(lambda a: a, state)
         nnx.replace_by_pure_dict(st, p)
-        return nnx.merge(graphdef, st)(x, jnp.asarray(pos), seg)
+        return nnx.merge(graphdef, st)(x, TokenInputs(jnp.asarray(pos), seg))
 
     out, vjp = jax.vjp(jax.jit(f), params, jnp.asarray(x))
     g_params, g_x = vjp(jnp.asarray(cotangent, jnp.float32))

@@ -363,6 +363,7 @@ def test_every_second_layer_equals_a_layer_by_layer_reference_and_stays_scanned(
     """model.moe.every=2: the grouped, scanned stack equals the layers run one by one in order
     (dense, MoE, dense, MoE), logits and router statistics; its program does not grow with depth."""
     from model.block import Block
+    from model.inputs import TokenInputs
     from model.decode import forward, init_cache
     from model.flops import moe_layer_count
     from model.transformer import Transformer, transformer_from_params
@@ -390,7 +391,7 @@ def test_every_second_layer_equals_a_layer_by_layer_reference_and_stays_scanned(
                 p = jax.tree.map(lambda a: a[group, 0] if kind == "dense" else a[group], params["layers"][kind])
                 graphdef, state = nnx.split(nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0), moe=kind == "moe")))
                 nnx.replace_by_pure_dict(state, p)
-                h, s = nnx.merge(graphdef, state)(h, positions, None)
+                h, s = nnx.merge(graphdef, state)(h, TokenInputs(positions))
                 total = total + s
         return model.logits(model.final_norm(h)), total / moe_layer_count(cfg)
 
