@@ -63,12 +63,8 @@ from jax.sharding import AbstractMesh
 import pipeline
 from configs import Config, ConfigError, load_config
 from configs.schema import MESH_AXES, REMAT_POLICIES
-<<<<<<< HEAD
-from sharding.hardware import HARDWARE, Hardware, check_quant, kernel_seconds
-=======
 from model import attn_kernels
-from planner.hardware import HARDWARE, Hardware, check_quant, kernel_seconds
->>>>>>> kernels
+from sharding.hardware import HARDWARE, Hardware, check_quant, kernel_seconds
 from planner.hlo import collectives
 from planner.minimum import minimum
 from planner.rank import EXPERT_STORAGE, storage_gather_bytes

@@ -15,6 +15,7 @@ from flax import nnx
 from bench.procs import TINY
 from configs import ConfigError, load_config
 from model import hf
+from model.inputs import TokenInputs
 from model.transformer import transformer_from_params
 from sharding import activation_rules
 from test_context import initial_params, packed_batch
@@ -83,7 +84,7 @@ def direct_mtp_loss(cfg, params: dict) -> float:  # noqa: ANN001 (a ModelConfig)
             for k, module in enumerate(model.mtp, start=1):
                 length = n - 1 - k  # positions whose token k + 1 ahead is in the document
                 pos = jnp.arange(length)[None]
-                h = module(h[:, :length], model.embed(doc[:, k:k + length]), pos, None)[0]
+                h = module(h[:, :length], model.embed(doc[:, k:k + length]), TokenInputs(pos))[0]
                 logits = model.logits(module.norm(h))
                 losses[k] += list(np.asarray(optax.softmax_cross_entropy_with_integer_labels(
                     logits.astype(jnp.float32), doc[:, k + 1:k + 1 + length]))[0])
