@@ -170,13 +170,13 @@ def state_bytes(cfg: Config, n: int) -> dict[str, int]:
     spec = prepare(cfg, n, with_data=False)
     mesh = AbstractMesh(tuple(spec.layout.sizes[a] for a in MESH_AXES), MESH_AXES)
     tx, _, sh = sharded_optimizer(spec, mesh)
-    state = abstract_state(tx, spec.model.shapes, sh)
+    state = abstract_state(tx, spec.model.shapes, sh, None if spec.frozen is None else spec.frozen.shapes)
 
     def per_device(tree: Any) -> int:
         return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
     return {
-        "params": per_device(state.params) + per_device(state.ref_params),  # DPO's frozen reference too
+        "params": per_device(state.params) + per_device(state.ref_params),  # the frozen weights too (DPO, distill)
         "optimizer": per_device(state.opt_state) + per_device(state.step),
         "minimum": minimum(cfg, spec.layout.sizes, spec.model.shapes, spec.model.axes),
         "expert_gathers": storage_gather_bytes(cfg, spec.layout.sizes, spec.model.shapes, spec.model.axes),

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Iterable, Literal
 from annotated_types import MinLen
 
 from configs.fields import Range, Resume, choices
-from configs.post import DPOConfig
+from configs.post import DistillConfig, DPOConfig
 from configs.straggler import StragglerConfig
 from configs.lora import LoraConfig
 from configs.mla import MLAConfig
@@ -82,8 +82,8 @@ class TrainConfig:
     """Non-finite loss or grad-norm steps in a row before the run stops (exit 3)."""
     preempt_exit_code: Annotated[int, Range(ge=0, lt=256)] = 143
     """Exit status after SIGTERM/SIGINT once the checkpoint is committed (0: "done")."""
-    objective: Literal["lm", "sft", "dpo"] = "lm"
-    """lm: loss on every token; sft: on assistant/completion tokens; dpo: preference pairs (docs/post-training.md)."""
+    objective: Literal["lm", "sft", "dpo", "distill"] = "lm"
+    """lm: loss on every token; sft: on assistant/completion tokens; dpo: preference pairs; distill: a teacher's logits (docs/post-training.md)."""
 
 
 @dataclass(kw_only=True)
@@ -407,6 +407,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     init: InitConfig = field(default_factory=InitConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)

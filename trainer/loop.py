@@ -140,10 +140,10 @@ def make_session(spec: RunSpec, devices: list, schedule_note: str = "") -> Sessi
             params = hf.load_params(cfg.init.from_hf, cfg.model, program.state_sh.params)
             if cfg.model.mtp_depth:  # no Hugging Face checkpoint holds them: they start from the random init
                 params["mtp"] = random_params(cfg.model, cfg.run.seed, program.state_sh.params, "mtp")
-            start, state = 0, state_from_params(params, program.tx, program.state_sh, cfg.model, cfg.run.seed)
+            start, state = 0, state_from_params(params, program.tx, program.init_sh, cfg.model, cfg.run.seed)
             log(f"initialized the parameters from {cfg.init.from_hf} (init.from_hf)")
         elif restored is None:
-            start, state = 0, init_state(cfg.model, program.tx, cfg.run.seed, program.state_sh)
+            start, state = 0, init_state(cfg.model, program.tx, cfg.run.seed, program.init_sh)
         else:
             start, state = restored
             if ckpt.local is not None and ckpt.restored_tier == "persistent":
@@ -154,6 +154,8 @@ def make_session(spec: RunSpec, devices: list, schedule_note: str = "") -> Sessi
             log(f"resumed from step {start}")
             if schedule_note and start < cfg.train.steps:
                 log(schedule_note)
+        if restored is None:  # a new state: the objective's frozen weights loaded (a teacher), if any
+            state = program.with_frozen(state)
         if start < cfg.train.steps:  # a run with nothing to do leaves run.dir as it was
             _write_config(cfg.run.dir, cfg, start)
         if layout.pipelined:

@@ -61,6 +61,21 @@ class RunSpec:
     objective: Objective  # what it trains (trainer/objectives/)
     source: Any = None
     tasks: Any = None  # eval.tasks checked (evaluation.tasks.Tasks); None: none
+    frozen: AbstractModel | None = None  # the objective's frozen weights (`objective.frozen`), if any
+
+
+def frozen_model(objective: Objective, model: AbstractModel, layout: Layout) -> AbstractModel | None:
+    """The abstract network of the objective's frozen weights: the model's own for a copy of the
+    starting weights, else their own (a teacher), checked to shard by the run's rules."""
+    frozen = objective.frozen
+    if frozen is None or frozen.load is None:
+        return None if frozen is None else model
+    ref = abstract_model(frozen.model)
+    try:
+        check_divisible(ref.shapes, ref.axes, layout.param_rules, layout.sizes)
+    except ConfigError as e:
+        raise ConfigError(f"{frozen.key}: its {e}") from None
+    return ref
 
 
 def prepare(cfg: Config, num_devices: int, with_data: bool = True) -> RunSpec:
@@ -70,15 +85,16 @@ def prepare(cfg: Config, num_devices: int, with_data: bool = True) -> RunSpec:
     objective.check_schedule(layout.pipelined and pipeline.get(layout.schedule).computes_grads)
     model = abstract_model(cfg.model)
     check_divisible(model.shapes, model.axes, layout.param_rules, layout.sizes)
+    frozen = frozen_model(objective, model, layout)
     if not with_data:
-        return RunSpec(cfg, layout, model, objective)
+        return RunSpec(cfg, layout, model, objective, frozen=frozen)
     check_resumable(cfg)
     check_local_dir(cfg)
     check_trackers(cfg)
     # Once the run has checkpoints it resumes from them; a LoRA run's hold no base, read from init.from_hf again.
     if cfg.init.from_hf and (not has_checkpoints(cfg.run.dir) or cfg.model.lora.enabled):
         hf.check_compatible(cfg.model, cfg.init.from_hf)
-    return RunSpec(cfg, layout, model, objective, open_source(cfg, objective.data_format), check_tasks(cfg))
+    return RunSpec(cfg, layout, model, objective, open_source(cfg, objective.data_format), check_tasks(cfg), frozen)
 
 
 def check_tasks(cfg: Config) -> Any:
@@ -100,7 +116,8 @@ def sharded_optimizer(spec: RunSpec, mesh: Mesh | AbstractMesh) -> tuple[optax.G
     tx, schedule = make_optimizer(spec.cfg.optim, spec.cfg.train.steps, trainable(spec.model.axes),
                                   spec.cfg.model.moe.router_bias_update_rate)
     params = shardings(spec.model.axes, spec.layout.param_rules, mesh)
-    return tx, schedule, state_shardings(tx, spec.model.shapes, params, mesh, spec.objective.holds_reference)
+    ref = None if spec.frozen is None else shardings(spec.frozen.axes, spec.layout.param_rules, mesh)
+    return tx, schedule, state_shardings(tx, spec.model.shapes, params, mesh, ref)
 
 
 @dataclasses.dataclass
@@ -117,7 +134,22 @@ class Program:
     eval_loss: Callable  # jitted (params, ref_params, batch) -> the objective's eval sums, no update
 
     def abstract_state(self) -> TrainState:
-        return abstract_state(self.tx, self.spec.model.shapes, self.state_sh)
+        return abstract_state(self.tx, self.spec.model.shapes, self.state_sh,
+                              None if self.spec.frozen is None else self.spec.frozen.shapes)
+
+    @property
+    def init_sh(self) -> TrainState:
+        """The shardings a new state is created with (init_state, state_from_params): loaded
+        frozen weights (a teacher) are left out, to join by `with_frozen`."""
+        frozen = self.spec.objective.frozen
+        return self.state_sh if frozen is None or frozen.load is None else self.state_sh.replace(ref_params=None)
+
+    def with_frozen(self, state: TrainState) -> TrainState:
+        """A new state with the objective's loaded frozen weights, placed (as it is without any)."""
+        frozen = self.spec.objective.frozen
+        if frozen is None or frozen.load is None:
+            return state
+        return state.replace(ref_params=frozen.load(self.state_sh.ref_params))
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         cfg = self.spec.cfg

@@ -28,7 +28,9 @@ class TrainState(struct.PyTreeNode):
     step: jax.Array  # int32 scalar: the number of updates applied
     params: dict
     opt_state: optax.OptState
-    ref_params: dict | None = None  # train.objective=dpo without LoRA: the frozen starting weights, sharded like params
+    # The objective's frozen weights (trainer/objectives Frozen), sharded by the parameter rules: DPO's
+    # starting weights without LoRA, distillation's teacher.
+    ref_params: dict | None = None
 
 
 class AbstractModel(NamedTuple):
@@ -45,10 +47,11 @@ def abstract_model(cfg: ModelConfig) -> AbstractModel:
 
 
 def state_shardings(tx: optax.GradientTransformation, shapes: dict, param_sh: dict, mesh: Mesh,
-                    reference: bool = False) -> TrainState:
+                    ref_sh: dict | None = None) -> TrainState:
     """Optimizer moments shard like their parameters; counters, and statistics not shaped like
-    their parameter (adafactor's row and column second moments), are replicated; a `reference`
-    (DPO's frozen weights) shards as the parameters. A moment is
+    their parameter (adafactor's row and column second moments), are replicated; `ref_sh`: the
+    shardings of the objective's frozen weights, if it holds any (DPO's copy of the parameters,
+    a teacher). A moment is
     found by its key path: optax keeps each moment tree shaped like the parameters' dict, so the
     path's trailing dict keys name the parameter (optax.tree_map_params cannot be used: Muon's
     parameter labels need the real tree)."""
@@ -66,14 +69,16 @@ def state_shardings(tx: optax.GradientTransformation, shapes: dict, param_sh: di
         return replicated
 
     opt_sh = jax.tree_util.tree_map_with_path(sharding, jax.eval_shape(tx.init, trainable(shapes)))
-    return TrainState(step=replicated, params=param_sh, opt_state=opt_sh, ref_params=param_sh if reference else None)
+    return TrainState(step=replicated, params=param_sh, opt_state=opt_sh, ref_params=ref_sh)
 
 
-def abstract_state(tx: optax.GradientTransformation, shapes: dict, shardings: TrainState) -> TrainState:
-    """ShapeDtypeStructs with concrete shardings: the target for restoring a checkpoint."""
+def abstract_state(tx: optax.GradientTransformation, shapes: dict, shardings: TrainState,
+                   ref_shapes: dict | None = None) -> TrainState:
+    """ShapeDtypeStructs with concrete shardings: the target for restoring a checkpoint.
+    `ref_shapes`: the frozen weights' shapes where they are not a copy of the parameters (a teacher)."""
     abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=shapes,
                           opt_state=jax.eval_shape(tx.init, trainable(shapes)),
-                          ref_params=None if shardings.ref_params is None else shapes)
+                          ref_params=None if shardings.ref_params is None else ref_shapes or shapes)
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
 
@@ -84,7 +89,9 @@ def _step_zero(params: dict, tx: optax.GradientTransformation, reference: bool) 
 
 
 def _holds_reference(shardings: TrainState | None) -> bool:
-    """Whether the state has DPO's frozen reference (None shardings: let jit place a plain state)."""
+    """Whether the state starts with a copy of its parameters as its frozen weights (DPO's
+    reference); weights loaded from elsewhere (a teacher) join after (`Program.with_frozen`).
+    None shardings: let jit place a plain state."""
     return shardings is not None and shardings.ref_params is not None
 
 

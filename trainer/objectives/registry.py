@@ -2,7 +2,8 @@
 `train.objective`.
 
 An `Objective` owns everything that differs between objectives: its corpus format (the data
-side, data/corpus_format/), its config checks, whether the state holds a frozen reference copy,
+side, data/corpus_format/), its config checks, the frozen weights the state holds beside the
+parameters (`Frozen`: DPO's copy of the starting weights, distillation's teacher),
 what joins a batch before the step (a reference's log-probs), its loss and eval functions (both
 on the one forward pass, trainer/forward.py) and the names and console text of its metrics. The
 step, the program, the hooks and the metrics logger ask it; none of them compares a name.
@@ -10,6 +11,7 @@ step, the program, the hooks and the metrics logger ask it; none of them compare
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, ClassVar, TypeVar
 
 import jax
@@ -17,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from configs import Config, ConfigError
+from configs.schema import ModelConfig
 from model.loss import LossFn
 from trainer.compute import Compute
 
@@ -25,6 +28,17 @@ Array = jax.Array
 EvalFn = Callable[[dict, Any, dict], Any]
 # (params, reference params or None, batch) -> the batch with what the objective adds before its loss
 BatchFn = Callable[[dict, Any, dict], dict]
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    """Frozen weights the train state holds beside the parameters (`TrainState.ref_params`):
+    sharded by the run's parameter rules, out of the optimizer, saved and restored with the state."""
+
+    model: ModelConfig  # their network: its shapes and logical axes
+    # Their shardings -> the weights, placed; None: a copy of the starting weights (same shapes).
+    load: Callable[[dict], dict] | None = None
+    key: str = "train.objective"  # the config key an error about them names
 
 
 class Objective:
@@ -53,6 +67,12 @@ class Objective:
     def holds_reference(self) -> bool:
         """Whether the train state holds a frozen copy of the starting weights (`ref_params`)."""
         return False
+
+    @property
+    def frozen(self) -> Frozen | None:
+        """The frozen weights the state holds (None: none); by default the copy of the starting
+        weights `holds_reference` asks for."""
+        return Frozen(self.cfg.model) if self.holds_reference else None
 
     @property
     def noise_seed(self) -> int | None:
