@@ -254,6 +254,7 @@ FIXED_ON_RESUME = [
     "model.mla.q_lora_rank", "model.mla.kv_lora_rank", "model.mla.qk_rope_head_dim", "model.mla.qk_nope_head_dim",
     "model.mla.v_head_dim",
     "data.source", "data.path", "data.mixture", "data.tokenizer", "data.packing", "data.eval_fraction",
+    "distill.teacher",
 ]
 
 

@@ -16,9 +16,10 @@ import pytest
 import hf as hf_cli
 import train
 import trainer
-from configs import load_config
+from configs import ConfigError, load_config
 from conftest import ROOT, stdlib_glob
 from model.loss import model_inputs
+from trainer.checkpoint import check_resumable
 from trainer.compute import Compute
 from trainer.forward import forward
 from trainer.program import make_program, prepare
@@ -141,6 +142,8 @@ def test_resume_restores_the_teacher_and_is_bitwise_exact(runs, teacher, tmp_pat
     assert "resumed from step 3" in capsys.readouterr().out
     for key in KEYS:
         np.testing.assert_array_equal(column(first + second, key), column(runs["eight"], key), err_msg=key)
+    with pytest.raises(ConfigError, match=r"^distill.teacher=.* differs from"):  # the checkpoints hold their teacher
+        check_resumable(student(tmp_path / "run", teacher + "-other", *common))
 
 
 def test_a_hugging_face_teacher_loads_the_run_teachers_weights(teacher, tmp_path):
