@@ -164,8 +164,8 @@ def check(config: str | None, overrides: list[str], n: int) -> Config:
 
 
 def state_bytes(cfg: Config, n: int) -> dict[str, int]:
-    """Per-device bytes of parameters (DPO's frozen reference with them) and optimizer state (the
-    step counter included), from the shardings the rules give on an abstract mesh of n devices:
+    """Per-device bytes of parameters (an objective's frozen weights with them) and optimizer state
+    (the step counter included), and the sequences a step trains, from the shardings the rules give on an abstract mesh of n devices:
     exact, nothing compiled."""
     spec = prepare(cfg, n, with_data=False)
     mesh = AbstractMesh(tuple(spec.layout.sizes[a] for a in MESH_AXES), MESH_AXES)
@@ -180,6 +180,8 @@ def state_bytes(cfg: Config, n: int) -> dict[str, int]:
         "optimizer": per_device(state.opt_state) + per_device(state.step),
         "minimum": minimum(cfg, spec.layout.sizes, spec.model.shapes, spec.model.axes),
         "expert_gathers": storage_gather_bytes(cfg, spec.layout.sizes, spec.model.shapes, spec.model.axes),
+        # the sequences a step trains, as its objective counts them (DPO: two a pair)
+        "sequences": cfg.train.global_batch * spec.objective.rows_per_example,
     }
 
 

@@ -108,7 +108,7 @@ def estimate(cfg: Config, n: int, state: dict, hw: Hardware) -> dict[str, float]
     sizes = resolve_mesh_shape(cfg.mesh, n)
     m = cfg.model
     memory = 2 * state["params"] + state["optimizer"] + m.num_layers * activation_bytes(cfg, sizes)
-    tokens = cfg.train.global_batch * (2 if cfg.train.objective == "dpo" else 1) * m.seq_len
+    tokens = state["sequences"] * m.seq_len
     compute = flops_per_token(m) * tokens / n / (hw.peak_flops * hw.matmul_efficiency)
     compute *= 4 / 3 if m.remat == "full" else 1.0
     if sizes["pipeline"] > 1:

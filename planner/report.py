@@ -67,8 +67,8 @@ def traffic(collectives: list[dict], least: dict[str, float]) -> dict[str, Any]:
 
 def entry(cfg: Config, n: int, hw: Hardware, measured: dict, state: dict[str, int]) -> dict[str, Any]:
     """One plan: memory, FLOPs, collectives against their minimum, and the predicted time."""
-    # DPO trains two sequences a pair; the frozen reference's forward is not counted as model FLOPs.
-    tokens = cfg.train.global_batch * (2 if cfg.train.objective == "dpo" else 1) * cfg.model.seq_len
+    # The sequences its objective trains (DPO: two a pair); a frozen model's forward is not model FLOPs.
+    tokens = state["sequences"] * cfg.model.seq_len
     model_flops = flops_per_token(cfg.model) * tokens / n
     total = measured["total_bytes"]
     memory = {
