@@ -11,17 +11,47 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 Array = jax.Array
+
+
+def _token_logps_fwd(logits: Array, targets: Array) -> tuple[Array, tuple[Array, Array, Array]]:
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return picked - lse, (logits, lse, targets)
+
+
+def _token_logps_bwd(res: tuple[Array, Array, Array], g: Array) -> tuple[Array, None]:
+    logits, lse, targets = res
+    # exp(logits - lse), not the forward's exp(logits - max): a different expression, so XLA
+    # cannot merge the two and the forward's exp stays private to its sum.
+    probs = jnp.exp(logits - lse[..., None])
+    onehot = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
+    return g[..., None] * (onehot - probs), None
+
+
+@jax.custom_vjp
+def token_logps(logits: Array, targets: Array) -> Array:
+    """log softmax(logits)[target] per token ([batch, length]), computed as the same program
+    whether differentiated or not, so a policy's and a reference's log-probs of equal weights
+    are equal bitwise.
+    Autodiff of logsumexp keeps exp(logits - max) for the backward pass, so XLA materializes it
+    in an elementwise kernel, where a forward-only program fuses the exp into its sum (XLA:CPU
+    hands that fusion to YNNPACK, whose exp rounds differently in about 2% of elements). Here
+    the backward pass computes its own softmax from the logits and the logsumexp, and the
+    forward pass is one dataflow in both programs."""
+    return _token_logps_fwd(logits, targets)[0]
+
+
+token_logps.defvjp(_token_logps_fwd, _token_logps_bwd)
 
 
 def sequence_logps(model: nnx.Module, x: Array, targets: Array, weights: Array) -> Array:
     """Per row, the weighted sum of the targets' log-probabilities (float32 [batch]) from the final
     hidden states x [batch, length, embed]."""
     logits = model.logits(x).astype(jnp.float32)
-    return -jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, targets) * weights, axis=-1)
+    return jnp.sum(token_logps(logits, targets) * weights, axis=-1)
 
 
 def preference_loss(policy: Array, reference: Array, beta: float, variant: str) -> tuple[Array, Array, Array]:

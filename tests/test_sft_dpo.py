@@ -9,6 +9,7 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -19,7 +20,7 @@ from data import open_source
 from data.chat import ChatTemplate, chat_segments
 from data.manifest import read_manifest
 from data.prepare import prepare
-from model.preference import preference_loss
+from model.preference import preference_loss, token_logps
 from trainer import objectives
 from trainer.objectives.dpo import make_dpo_loss_fn, make_reference_fn
 from trainer.program import abstract_program
@@ -136,6 +137,25 @@ def test_the_sft_loss_is_the_cross_entropy_over_assistant_tokens(tmp_path):
     np.testing.assert_allclose(float(total) / float(count), -(picked * weights).sum() / weights.sum(), rtol=1e-5)
     every = ((s[:, 1:] == s[:, :-1]) & (s[:, 1:] != 0))
     assert abs(-(picked * every).sum() / every.sum() - float(total) / float(count)) > 0.01  # the mask matters
+
+
+def test_token_logps_are_the_same_bits_differentiated_or_not_and_match_numpy():
+    """DPO's first step has the policy equal to its reference: the log-probs the gradient's
+    program computes must be the reference's forward-only ones bit for bit (rewards exactly 0)."""
+    rng = np.random.default_rng(0)
+    # A new model's small logits: where XLA:CPU's two exp kernels disagreed (on AMD EPYC).
+    logits = np.float32(rng.normal(0, 0.1, (16, 32, 264)))
+    targets = rng.integers(0, 264, (16, 32)).astype(np.int32)
+    weights = np.float32(rng.random((16, 32)))
+    alone = jax.jit(token_logps)(logits, targets)
+    (_, within), grad = jax.jit(jax.value_and_grad(
+        lambda z: (jnp.sum(token_logps(z, targets) * weights), token_logps(z, targets)), has_aux=True))(logits)
+    np.testing.assert_array_equal(within, alone)
+    log_softmax = _log_softmax64(logits)
+    onehot = np.eye(264)[targets]
+    np.testing.assert_allclose(alone, np.take_along_axis(log_softmax, targets[..., None], -1)[..., 0], rtol=1e-6,
+                               atol=1e-6)
+    np.testing.assert_allclose(grad, weights[..., None] * (onehot - np.exp(log_softmax)), rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("variant", ["sigmoid", "ipo"])
