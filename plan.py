@@ -72,7 +72,7 @@ from planner.report import evaluate, print_plan, print_search
 from planner.roofline import compute_seconds, kernels
 from planner.targets import child_env, compiler_name, has_compiler, node_of, target_devices, tpu_slice_shape
 from sharding import resolve_mesh_shape
-from trainer.compute import attention_notes
+from trainer.kernels import attention_notes
 from planner.compiled import compiled_stats
 from trainer.program import abstract_program, fill_microbatches, prepare, sharded_optimizer
 from trainer.state import abstract_state

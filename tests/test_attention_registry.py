@@ -20,7 +20,7 @@ from configs.schema import ATTENTION_KERNELS
 from model import attn_kernels
 from model.attention import attend, xla_attention
 from trainer.checks import check_devices
-from trainer.compute import attention_kernel
+from trainer.kernels import attention_kernel
 from trainer.layout import plan_layout
 
 SPLIT = ["mesh.data=4", "mesh.context=2", "model.seq_len=128"]

@@ -243,7 +243,7 @@ def test_cudnn_document_spans_attend_what_segment_ids_and_positions_do():
 
 
 def test_cudnn_with_packed_documents_says_when_it_builds_a_dense_mask():
-    from trainer.compute import attention_notes
+    from trainer.kernels import attention_notes
 
     packed = ["model.attention=cudnn", "data.packing=document"]
     assert "dense [batch, 1, T, T] mask" in attention_notes(load_config(TINY, packed))[0]

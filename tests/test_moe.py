@@ -32,7 +32,7 @@ from sharding.experts import expert_parallel
 from planner.compiled import collective_counts
 from trainer import abstract_program
 from trainer.checks import check_devices
-from trainer.compute import grouped_matmul
+from trainer.kernels import grouped_matmul
 from trainer.layout import plan_layout
 from trainer.objectives.lm import make_loss_fn
 from trainer.step import accumulate_stats

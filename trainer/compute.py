@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Callable, TypeVar
 
 import jax
@@ -24,15 +23,12 @@ from flax import nnx
 
 import pipeline
 from configs import Config
-from model import LayerRunner, attn_kernels, scan_layers
-from model.kernels import AttentionFn, DispatchFn, Kernels
+from model import LayerRunner, scan_layers
+from model.kernels import Kernels
 from model.loss import GradFn
-from model.moe import GroupedMatmul, local_dispatch, megablox_matmul
 from sharding import axes_size, mesh_axes
-from sharding.context import balanced_order, mesh_binders
-from sharding.experts import expert_parallel
-from sharding.lookup import traded_lookup
-from trainer.checks import megablox_misfit
+from sharding.context import balanced_order
+from trainer.kernels import bound_kernels
 from trainer.layout import Layout
 
 T = TypeVar("T")
@@ -70,27 +66,10 @@ def build_compute(cfg: Config, layout: Layout, graphdef: nnx.GraphDef, platform:
         cast=cast,
         runner=layer_runner(layout, m.remat),
         grad_fn=scheduled_grads(layout, graphdef, m.remat, m.loss_chunk, cast),
-        kernels=Kernels(attention=attention_kernel(cfg, layout, platform),
-                        dispatch=expert_dispatcher(layout, grouped_matmul(cfg, layout, platform)),
-                        lookup=traded_lookup(layout.param_rules, layout.act_rules, layout.sizes)),
+        kernels=bound_kernels(cfg, layout, platform),
         order=balanced_order(m.seq_len, layout.sizes["context"]) if layout.sizes["context"] > 1
         and cfg.context.load_balance else None,
     )
-
-
-def attention_notes(cfg: Config) -> list[str]:
-    """What the run's attention falls back to, said at start (train.py) and in plans: the
-    kernel's own notes (model/attn_kernels)."""
-    return attn_kernels.get(cfg.model.attention).notes(cfg)
-
-
-def attention_kernel(cfg: Config, layout: Layout, platform: str) -> AttentionFn | None:
-    """The attention kernel that must see the mesh (None: the model's own), as the registered
-    kernel of `model.attention` builds it from the layout's shard_map wrappers: ring attention
-    for xla under context.strategy=ring, or splash per device (the TPU kernel on "tpu",
-    interpreted elsewhere)."""
-    binders = mesh_binders(layout.stage_rules, layout.sizes["context"])
-    return attn_kernels.get(cfg.model.attention).mesh_bound(cfg, platform, binders)
 
 
 def layer_runner(layout: Layout, remat_policy: str) -> LayerRunner | None:
@@ -112,28 +91,3 @@ def scheduled_grads(layout: Layout, graphdef: nnx.GraphDef, remat_policy: str, l
         graphdef, layout.stages, layout.repeats, layout.microbatches, remat_policy, layout.stage_rules, loss_chunk, cast,
         axes_size(mesh_axes("length", layout.stage_rules), layout.sizes),
     )
-
-
-def grouped_matmul(cfg: Config, layout: Layout, platform: str) -> GroupedMatmul:
-    """The dropless experts' grouped matmul on devices of `platform` (`model.moe.grouped_matmul`):
-    megablox is the TPU kernel on "tpu" and interpreted elsewhere (tests; trainer/checks.py
-    refuses it on GPUs); auto takes it on TPU where it fits, else jax.lax.ragged_dot."""
-    choice = cfg.model.moe.grouped_matmul
-    if choice == "auto":
-        fits = platform == "tpu" and megablox_misfit(cfg, layout.sizes, layout.stage_rules) is None
-        choice = "megablox" if fits else "ragged_dot"
-    if choice == "ragged_dot" or not cfg.model.moe.enabled:
-        return jax.lax.ragged_dot
-    return functools.partial(megablox_matmul, interpret=platform != "tpu")
-
-
-def expert_dispatcher(layout: Layout, matmul: GroupedMatmul = jax.lax.ragged_dot) -> DispatchFn | None:
-    """The MoE dispatch of a multi-device layout: each device routes its own tokens (over
-    `expert` when mesh.expert > 1; with one expert shard the all-to-alls are no-ops and the
-    experts' weights are gathered, as FSDP gathers a dense MLP's). Left to the partitioner, the
-    sort of the assignments would run over the global batch. On one device, or when the rules
-    give the `expert` dim no mesh axis, every expert runs on the one device (None with
-    ragged_dot, the model's default). `matmul`: the dropless experts' grouped matmul."""
-    if math.prod(layout.sizes.values()) == 1 or not mesh_axes("expert", layout.stage_rules):
-        return None if matmul is jax.lax.ragged_dot else functools.partial(local_dispatch, matmul=matmul)
-    return expert_parallel(layout.stage_rules, layout.sizes["expert"], matmul)

@@ -10,6 +10,7 @@ cross-entropy, log-probs of responses, a score) is the caller's.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 from flax import nnx
@@ -17,6 +18,7 @@ from flax import nnx
 from model.inputs import TokenInputs
 from model.kernels import use_kernels
 from model.terms import LossTerm, loss_terms, term_targets
+from pipeline.stages import from_microbatches, to_microbatches
 from trainer.compute import Compute
 
 Array = jax.Array
@@ -51,3 +53,12 @@ def forward(graphdef: nnx.GraphDef, compute: Compute, params: dict, rows: dict[s
         x, stats = model.features_and_stats(tokens, inputs, runner=compute.runner)
         terms = loss_terms(model, x, stats, inputs, ahead, compute.loss_chunk) if with_terms else {}
     return Pass(model, x, targets, weights, stats, terms)
+
+
+def by_microbatch(fn: Callable[[dict[str, Array]], Array], batch: dict[str, Array], microbatches: int) -> Array:
+    """`fn` of a batch computed one micro-batch at a time (the step's split), its outputs joined:
+    a frozen model's pass before the step never holds more activations than the step does."""
+    if microbatches == 1:
+        return fn(batch)
+    micro = jax.tree.map(lambda a: to_microbatches(a, microbatches), batch)
+    return from_microbatches(jax.lax.map(fn, micro))

@@ -34,7 +34,7 @@ from trainer.checks import check_devices
 from ops.faults import Preempted, StopSignal, Watchdog, fingerprint
 from ops.goodput import Goodput, invocation_outcome
 from trainer.hooks import Hook, StepLog, make_hooks
-from trainer.compute import attention_notes
+from trainer.kernels import attention_notes
 from ops.metrics import MetricsLogger, log
 from ops.observe import instrument
 from trainer.program import Program, RunSpec, make_program, prepare

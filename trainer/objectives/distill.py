@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from typing import Any, Callable
 
 import jax
@@ -30,20 +29,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from configs import Config, ConfigError, load_config
+from configs import Config, ModelConfig
 from configs.post import DistillConfig
-from configs.schema import ModelConfig
-from model import hf
-from model.hf_arch import model_keys
 from model.loss import LossFn, cross_entropy_sum, model_inputs
 from model.terms import metric_names
-from pipeline.stages import from_microbatches, to_microbatches
-from trainer.checkpoint import find_checkpoint, restore_params
 from trainer.compute import Compute
-from trainer.forward import forward
+from trainer.forward import by_microbatch, forward
+from trainer.frozen import load_dir, model_of_dir
 from trainer.objectives.lm import add_terms, terms_console
-from trainer.objectives.registry import BatchFn, EvalFn, Frozen, Objective, register
-from trainer.objectives.sft import require
+from trainer.objectives.registry import BatchFn, EvalFn, Frozen, Objective, register, require
 from trainer.state import abstract_model
 
 Array = jax.Array
@@ -52,36 +46,12 @@ KEY = "distill.teacher"
 SHARED_KEYS = ("seq_len", "dtype", "attention", "remat")
 
 
-def is_hf_dir(path: str) -> bool:
-    """A Hugging Face checkpoint directory holds config.json; a meshlm run directory config.yaml."""
-    return os.path.exists(os.path.join(path, "config.json"))
-
-
 def teacher_model(cfg: Config) -> ModelConfig:
-    """The teacher's network, running as the student's does (SHARED_KEYS). Raises ConfigError
-    naming distill.teacher when the directory is missing, holds neither kind or has no checkpoint."""
-    path = cfg.distill.teacher
-    require(bool(path), KEY, "train.objective=distill needs a teacher: a meshlm run directory or a Hugging Face one")
-    require(os.path.isdir(path), KEY, f"{path} is not a directory")
-    if is_hf_dir(path):
-        keys = model_keys(hf.read_hf_config(path, KEY), KEY)
-        model = load_config(None, [f"model.{k}={v}" for k, v in keys.items()]).model
-    else:
-        require(os.path.exists(os.path.join(path, "config.yaml")), KEY,
-                f"{path} holds neither a Hugging Face config.json nor a meshlm run's config.yaml")
-        try:
-            model = find_checkpoint(path)[0].model
-        except ConfigError as e:  # its text names --run-dir, the flag of the commands that share it
-            raise ConfigError(f"{KEY}: {str(e).removeprefix('--run-dir: ')}") from None
+    """The teacher's network, running as the student's does (SHARED_KEYS)."""
+    require(bool(cfg.distill.teacher), KEY, "train.objective=distill needs a teacher: a meshlm run directory or a "
+            "Hugging Face one")
+    model = model_of_dir(cfg.distill.teacher, KEY)
     return dataclasses.replace(model, **{k: getattr(cfg.model, k) for k in SHARED_KEYS})
-
-
-def load_teacher(path: str, model: ModelConfig, shardings: dict) -> dict:
-    """The teacher's weights placed by `shardings`: a run's newest checkpoint (whatever mesh
-    wrote it), or a Hugging Face checkpoint."""
-    if is_hf_dir(path):
-        return hf.load_params(path, model, shardings, KEY)
-    return restore_params(path, shardings=shardings)[2]
 
 
 def teacher_compute(compute: Compute) -> Compute:
@@ -102,11 +72,7 @@ def make_teacher_fn(graphdef: nnx.GraphDef, compute: Compute, temperature: float
         return jax.nn.log_softmax(out.model.logits(out.x).astype(jnp.float32) / temperature, axis=-1)
 
     def logps(params: dict, batch: dict[str, Array]) -> Array:
-        params = jax.lax.stop_gradient(params)
-        if compute.grad_accum == 1:
-            return one(params, batch)
-        micro = jax.tree.map(lambda a: to_microbatches(a, compute.grad_accum), batch)
-        return from_microbatches(jax.lax.map(functools.partial(one, params), micro))
+        return by_microbatch(functools.partial(one, jax.lax.stop_gradient(params)), batch, compute.grad_accum)
 
     return logps
 
@@ -158,7 +124,7 @@ class Distill(Objective):
     @functools.cached_property
     def frozen(self) -> Frozen:
         model, path = teacher_model(self.cfg), self.cfg.distill.teacher
-        return Frozen(model, functools.partial(load_teacher, path, model), KEY)
+        return Frozen(model, functools.partial(load_dir, path, model, key=KEY), KEY)
 
     def batch_fn(self, graphdef: nnx.GraphDef, compute: Compute) -> BatchFn:
         logps = make_teacher_fn(abstract_model(self.frozen.model).graphdef, compute, self.cfg.distill.temperature)

@@ -23,12 +23,10 @@ from model.lora import switched_off
 from model.loss import LossFn
 from model.preference import preference_loss, sequence_logps
 from model.terms import LossTerm
-from pipeline.stages import from_microbatches, to_microbatches
 from trainer.compute import Compute
-from trainer.forward import forward
+from trainer.forward import by_microbatch, forward
 from trainer.objectives.lm import add_terms
-from trainer.objectives.registry import BatchFn, EvalFn, Objective, register
-from trainer.objectives.sft import check_prepared, require
+from trainer.objectives.registry import BatchFn, EvalFn, Objective, check_prepared, register, require
 
 Array = jax.Array
 
@@ -62,10 +60,7 @@ def make_reference_fn(graphdef: nnx.GraphDef, compute: Compute, dpo: DPOConfig) 
 
     def ref_logps(ref_params: dict, batch: dict[str, Array]) -> Array:
         ref_params = jax.lax.stop_gradient(ref_params)
-        if compute.grad_accum == 1:
-            return _logps(graphdef, compute, ref_params, batch, mean)[0]
-        micro = jax.tree.map(lambda a: to_microbatches(a, compute.grad_accum), batch)
-        return from_microbatches(jax.lax.map(lambda mb: _logps(graphdef, compute, ref_params, mb, mean)[0], micro))
+        return by_microbatch(lambda mb: _logps(graphdef, compute, ref_params, mb, mean)[0], batch, compute.grad_accum)
 
     return ref_logps
 

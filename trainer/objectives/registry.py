@@ -107,6 +107,20 @@ class Objective:
         return []
 
 
+def require(ok: bool, key: str, message: str) -> None:
+    """An objective's config rule: one ConfigError line naming `key` unless `ok`."""
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+def check_prepared(cfg: Config) -> None:
+    """A post-training objective reads one corpus `data.prepare --objective NAME` wrote."""
+    name, d = cfg.train.objective, cfg.data
+    require(d.source == "prepared", "train.objective", f"{name} reads a corpus that `python -m data.prepare "
+            f"--objective {name}` wrote; set data.source=prepared and data.path")
+    require(not d.mixture, "train.objective", f"{name} reads one prepared corpus (data.path), not data.mixture")
+
+
 O = TypeVar("O", bound=type[Objective])
 _OBJECTIVES: dict[str, type[Objective]] = {}
 

@@ -10,24 +10,11 @@ from typing import Any
 
 import jax
 
-from configs import Config, ConfigError
+from configs import Config
 from trainer.objectives.lm import LM, terms_console
-from trainer.objectives.registry import register
+from trainer.objectives.registry import check_prepared, register, require
 
 Array = jax.Array
-
-
-def require(ok: bool, key: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: {message}")
-
-
-def check_prepared(cfg: Config) -> None:
-    """A post-training objective reads one corpus `data.prepare --objective NAME` wrote."""
-    name, d = cfg.train.objective, cfg.data
-    require(d.source == "prepared", "train.objective", f"{name} reads a corpus that `python -m data.prepare "
-            f"--objective {name}` wrote; set data.source=prepared and data.path")
-    require(not d.mixture, "train.objective", f"{name} reads one prepared corpus (data.path), not data.mixture")
 
 
 @register
