@@ -20,7 +20,7 @@ interval (docs/design.md, "From config to checkpoint").
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Callable
 
 import grain
 import jax
