@@ -52,6 +52,9 @@ def run(cfg: Config, devices: list | None = None) -> list[dict[str, Any]]:
 
 
 def _train(session: Session, devices: list, goodput: Goodput) -> list[dict[str, Any]]:
+    """Builds the run's context, compiles the step, builds the hooks and runs the loop; the
+    context's `close` writes the summary however the loop ends. A session already at train.steps
+    compiles nothing and leaves run.dir as it was."""
     ctx = open_context(session, devices, goodput)
     cfg = ctx.cfg
     if session.start >= cfg.train.steps:
