@@ -30,8 +30,8 @@ from model import lora
 from model.hf import check_compatible, peft_config, read_hf_config, to_hf_tensors, to_peft_tensors
 from model.hf_arch import hf_config, model_keys
 from model.safetensors_files import EXPORT_DTYPES, write_safetensors
-from trainer.checkpoint import has_checkpoints, restore_params
-from trainer.loop import make_session
+from trainer.checkpoint import read_run_dir, restore_params
+from trainer.session import make_session
 from trainer.program import prepare
 from ops.xla_env import set_default_flags
 
@@ -111,11 +111,12 @@ def import_(
     The state is built on one local device: for models larger than one device, train with
     `init.from_hf` instead, which loads straight into the sharded layout."""
     cfg = import_config(hf_dir, run_dir, preset, overrides)
-    if has_checkpoints(cfg.run.dir):
+    found = read_run_dir(cfg.run.dir)  # once: prepare and the session read this, not the disk
+    if found.checkpoints:
         raise ConfigError(f"--run-dir: {cfg.run.dir} already holds checkpoints; import into a new run directory")
     check_compatible(cfg.model, cfg.init.from_hf, "--hf-dir")  # user overrides of model.* must still fit
     one = dataclasses.replace(cfg, mesh=MeshConfig(pipeline=1, data=1, fsdp=1, tensor=1), pipeline=PipelineConfig())
-    session = make_session(prepare(one, 1), jax.devices()[:1])
+    session = make_session(prepare(one, 1, found=found), jax.devices()[:1])
     session.ckpt.save(0, session.state, session.iterator)
     session.ckpt.wait()
     session.ckpt.close()

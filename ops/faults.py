@@ -6,6 +6,7 @@
 - `Watchdog`: a daemon thread. If no step finishes within `train.step_timeout_s` it dumps every
   thread's stack and exits 4; if a peer process stops sending heartbeats it says which and
   exits 5, so no process waits forever in a collective.
+- `poisoned`: fault injection (`debug.nan_steps`), batches that make given steps non-finite.
 """
 
 from __future__ import annotations
@@ -22,10 +23,13 @@ import sys
 import threading
 import time
 from types import FrameType
+from typing import Iterator
 
 import jax
+import numpy as np
 
 from configs import Config
+from configs.schema import nan_steps
 from sharding.distributed import FINISHED, peer_beats, publish_beat
 from ops.metrics import log
 from ops.stragglers import StepClock, find_stragglers, own_means
@@ -75,6 +79,21 @@ def fingerprint(cfg: Config) -> dict[str, object]:
     flat.pop("dist.process_id")
     flat["code version"] = code_version()
     return flat
+
+
+def poisoned(batches: Iterator[dict[str, np.ndarray]], cfg: Config, start: int) -> Iterator[dict[str, np.ndarray]]:
+    """Fault injection (`debug.nan_steps`): token ids past the vocabulary at the given steps make
+    the embedding lookup return NaN, as a corrupt data file would. `start`: the step before the
+    first batch's."""
+    steps, vocab = nan_steps(cfg), cfg.model.vocab_size  # read once, before the first batch is asked for
+
+    def batches_of_steps() -> Iterator[dict[str, np.ndarray]]:
+        for step, batch in enumerate(batches, start=start + 1):
+            if step in steps:
+                batch = {**batch, "tokens": np.full_like(batch["tokens"], vocab)}
+            yield batch
+
+    return batches_of_steps()
 
 
 class StopSignal:

@@ -14,6 +14,7 @@ to `run.dir/library.log` (`LibraryLog`), not the console.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import time
@@ -50,13 +51,32 @@ def has_checkpoints(run_dir: str) -> bool:
     return os.path.isdir(ckpt_dir) and bool(os.listdir(ckpt_dir))
 
 
-def saved_config(run_dir: str) -> Config | None:
-    """The config of the run whose checkpoints run_dir holds (its config.yaml), or None when
-    there are no checkpoints to resume."""
-    saved = os.path.join(run_dir, "config.yaml")
-    if not (os.path.exists(saved) and has_checkpoints(run_dir)):
-        return None
-    return load_config(saved)
+@dataclasses.dataclass(frozen=True)
+class RunDir:
+    """What run.dir holds before a run writes there, read once (`read_run_dir`): every later
+    question (does the config fit the checkpoints, which schedule horizon, import init.from_hf or
+    resume, keep the old config.yaml aside) reads this value instead of the disk.
+
+    A training run reads it twice, each in one place: `trainer.program.prepare`, before the lock,
+    to refuse bad input with nothing written; then `trainer.session.reread`, under run.dir's lock,
+    because a run alive at the first read may have saved since."""
+
+    path: str
+    checkpoints: bool  # checkpoints/ holds anything: the run resumes rather than starts
+    config_text: str | None  # config.yaml as found; None: there is none
+    saved: Config | None  # the config of the checkpoints (config.yaml); None without checkpoints
+
+
+def read_run_dir(run_dir: str) -> RunDir:
+    """run_dir as it is now. config.yaml is parsed only beside checkpoints: it is then the config
+    of the run they resume."""
+    path = os.path.join(run_dir, "config.yaml")
+    checkpoints, text = has_checkpoints(run_dir), None
+    if os.path.exists(path):
+        with open(path) as f:
+            text = f.read()
+    saved = load_config(path) if checkpoints and text is not None else None
+    return RunDir(run_dir, checkpoints, text, saved)
 
 
 def find_checkpoint(run_dir: str, step: int | None = None) -> tuple[Config, int]:
@@ -109,10 +129,11 @@ def saved(params: dict) -> dict:
     return adapters or params
 
 
-def check_resumable(cfg: Config) -> None:
+def check_resumable(cfg: Config, found: RunDir | None = None) -> None:
     """If run.dir holds checkpoints, the new config must fit them. Raises ConfigError naming
-    the first key that differs, before anything in run.dir is touched."""
-    old = saved_config(cfg.run.dir)
+    the first key that differs, before anything in run.dir is touched. `found`: run.dir as the
+    caller read it (read now when not given)."""
+    old = (read_run_dir(cfg.run.dir) if found is None else found).saved
     if old is None:
         return
     # The keys marked Resume in the schema fix the shapes of the state, or which example comes at

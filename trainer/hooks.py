@@ -13,13 +13,14 @@ interval (docs/design.md, "From config to checkpoint").
 - `ProfileHook` traces `profile.steps=[a, b]` with `jax.profiler` into `run.dir/profile/`
   (TensorBoard's profile plugin or XProf read it); `ops.observe.instrument` marks each step
   for the trace viewer.
+
+`trainer.context.make_hooks` builds a run's hooks, in order, from its `RunContext`.
 """
 
 from __future__ import annotations
 
-import functools
 import os
-from typing import Any, Callable
+from typing import Callable
 
 import grain
 import jax
@@ -174,22 +175,3 @@ class ProfileHook(Hook):
         jax.profiler.stop_trace()
         last = min(self.goodput.last_step or self.opened, self.last)
         print(f"profile of steps {self.opened}..{last} written to {self.dir}", flush=True)
-
-
-def make_hooks(cfg: Config, program: Program, ckpt: Checkpointer, iterator: Any, eval_rows: list, book: StepLog,
-               logger: MetricsLogger, goodput: Goodput) -> list[Hook]:
-    """The hooks of this run, in the order they act on a step they share: close a trace (so it
-    holds steps, not the save after them), save, then evaluate."""
-    hooks: list[Hook] = []
-    if cfg.profile.steps and jax.process_index() == 0 and book.start < cfg.profile.steps[1]:
-        hooks.append(ProfileHook(cfg, goodput))
-    hooks.append(CheckpointHook(cfg, ckpt, iterator, book, goodput))
-    if eval_rows:
-        hooks.append(EvalHook(cfg, program, eval_rows, logger, goodput))
-    if program.spec.tasks is not None:
-        # lm-evaluation-harness only for a run with eval.tasks
-        from evaluation.tasks import TaskHook
-        from trainer.scoring import evaluator_of
-
-        hooks.append(TaskHook(cfg, program.spec.tasks, functools.partial(evaluator_of, program), logger, goodput))
-    return hooks

@@ -37,7 +37,7 @@ from sharding.cast import cast_for_compute
 from model import hf
 from model.lora import trainable
 from trainer import objectives
-from trainer.checkpoint import check_resumable, has_checkpoints
+from trainer.checkpoint import RunDir, check_resumable, read_run_dir
 from trainer.checks import check_divisible
 from trainer.compute import Compute, build_compute
 from trainer.layout import Layout, plan_layout
@@ -62,6 +62,7 @@ class RunSpec:
     source: Any = None
     tasks: Any = None  # eval.tasks checked (evaluation.tasks.Tasks); None: none
     frozen: AbstractModel | None = None  # the objective's frozen weights (`objective.frozen`), if any
+    rundir: RunDir | None = None  # run.dir as the checks read it (trainer.checkpoint); None: checked without data
 
 
 def frozen_model(objective: Objective, model: AbstractModel, layout: Layout) -> AbstractModel | None:
@@ -78,8 +79,10 @@ def frozen_model(objective: Objective, model: AbstractModel, layout: Layout) -> 
     return ref
 
 
-def prepare(cfg: Config, num_devices: int, with_data: bool = True) -> RunSpec:
-    """All checks that need devices or files. Raises ConfigError; creates and compiles nothing."""
+def prepare(cfg: Config, num_devices: int, with_data: bool = True, found: RunDir | None = None) -> RunSpec:
+    """All checks that need devices or files. Raises ConfigError; creates and compiles nothing.
+    With data, run.dir is read once here (`found`, if the caller has read it already) and kept in
+    the spec; the run reads it again under its lock (trainer.session.reread)."""
     objective = objectives.build(cfg)
     layout = plan_layout(cfg, num_devices, jax.process_count())
     objective.check_schedule(layout.pipelined and pipeline.get(layout.schedule).computes_grads)
@@ -88,13 +91,15 @@ def prepare(cfg: Config, num_devices: int, with_data: bool = True) -> RunSpec:
     frozen = frozen_model(objective, model, layout)
     if not with_data:
         return RunSpec(cfg, layout, model, objective, frozen=frozen)
-    check_resumable(cfg)
+    found = read_run_dir(cfg.run.dir) if found is None else found
+    check_resumable(cfg, found)
     check_local_dir(cfg)
     check_trackers(cfg)
     # Once the run has checkpoints it resumes from them; a LoRA run's hold no base, read from init.from_hf again.
-    if cfg.init.from_hf and (not has_checkpoints(cfg.run.dir) or cfg.model.lora.enabled):
+    if cfg.init.from_hf and (not found.checkpoints or cfg.model.lora.enabled):
         hf.check_compatible(cfg.model, cfg.init.from_hf)
-    return RunSpec(cfg, layout, model, objective, open_source(cfg, objective.data_format), check_tasks(cfg), frozen)
+    return RunSpec(cfg, layout, model, objective, open_source(cfg, objective.data_format), check_tasks(cfg), frozen,
+                   found)
 
 
 def check_tasks(cfg: Config) -> Any:

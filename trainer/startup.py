@@ -1,0 +1,34 @@
+"""A training run's start, before run.dir is touched: the job's processes, its devices, every check.
+
+`bring_up` sets the CPU device count a mesh asks for (ops.xla_env) and the compile cache, starts
+the multi-process job and checks that every process runs the same config and code, then checks
+the config against the devices and files (trainer.checks, `trainer.program.prepare`). Bad input
+raises ConfigError here, with run.dir as it was; `trainer.loop.run` takes run.dir's lock after.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from configs import Config
+from ops.faults import fingerprint
+from ops.xla_env import set_cpu_device_count, use_compile_cache
+from sharding import distributed
+from trainer.checks import check_devices
+from trainer.program import RunSpec, prepare
+
+
+def bring_up(cfg: Config, devices: list | None) -> tuple[RunSpec, list]:
+    """The checked `RunSpec` of `cfg` and the devices it runs on (`devices`, default: all).
+    Raises ConfigError for bad input; writes nothing."""
+    notices: list[str] = []
+    why_not = set_cpu_device_count(cfg, notices=notices) if devices is None else "the caller chose the devices"
+    use_compile_cache(cfg.run.compile_cache)
+    distributed.initialize(cfg.dist)
+    distributed.check_same_everywhere(fingerprint(cfg), cfg.dist.init_timeout_s)
+    devices = jax.devices() if devices is None else devices
+    check_devices(cfg, devices, why_not)
+    spec = prepare(cfg, len(devices))
+    for line in notices:  # after the checks: a bad command gets its error line alone
+        print(line, flush=True)
+    return spec, devices
