@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # the real imports wait until the arguments are checked: impo
     import jax
 
     from data.tokenizer import Tokenizer
-    from trainer.program import RunSpec
+    from trainer.spec import RunSpec
     from evaluation.tasks import Tasks
 
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         import jax
         from data.tokenizer import load_tokenizer
         from trainer.checks import check_devices
-        from trainer.program import prepare
+        from trainer.spec import prepare
         from evaluation.tasks import resolve_tasks
         from ops.xla_env import set_cpu_device_count, set_default_flags
 

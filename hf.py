@@ -32,7 +32,7 @@ from model.hf_arch import hf_config, model_keys
 from model.safetensors_files import EXPORT_DTYPES, write_safetensors
 from trainer.checkpoint import read_run_dir, restore_params
 from trainer.session import make_session
-from trainer.program import prepare
+from trainer.spec import prepare
 from ops.xla_env import set_default_flags
 
 TOKENIZER_FILES = (

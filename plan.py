@@ -74,7 +74,8 @@ from planner.targets import child_env, compiler_name, has_compiler, node_of, tar
 from sharding import resolve_mesh_shape
 from trainer.kernels import attention_notes
 from planner.compiled import compiled_stats
-from trainer.program import abstract_program, fill_microbatches, prepare, sharded_optimizer
+from trainer.program import abstract_program, fill_microbatches, sharded_optimizer
+from trainer.spec import prepare
 from trainer.state import abstract_state
 from ops.xla_env import set_cpu_collective_env, set_default_flags
 

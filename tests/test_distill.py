@@ -22,7 +22,8 @@ from model.loss import model_inputs
 from trainer.checkpoint import check_resumable
 from trainer.compute import Compute
 from trainer.forward import forward
-from trainer.program import make_program, prepare
+from trainer.program import make_program
+from trainer.spec import prepare
 from trainer.state import abstract_model, init_state
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")

@@ -17,7 +17,7 @@ import trainer
 from configs import ConfigError, load_config
 from conftest import ROOT, require, stdlib_glob
 from ops import trackers
-from trainer.program import prepare
+from trainer.spec import prepare
 
 require("wandb", "trackers", lazy=True)
 require("mlflow", "trackers", lazy=True)

@@ -6,7 +6,8 @@ XLA flags, ops/xla_env.py) before JAX starts its backend.
 
 from ops.faults import Preempted, RunStopped, TooManyBadSteps
 from trainer.loop import run
-from trainer.program import abstract_program, prepare
+from trainer.program import abstract_program
+from trainer.spec import prepare
 from ops.xla_env import set_default_flags
 
 __all__ = ["Preempted", "RunStopped", "TooManyBadSteps", "abstract_program", "prepare", "run",

@@ -1,10 +1,6 @@
-"""A config's train step as a program, built in two stages.
-
-`prepare` does every check that bad input can fail (mesh, divisibility, batch, pipeline, resume,
-Hugging Face checkpoint, data path) before anything is compiled or written, and returns the
-`RunSpec`: the config, its layout on the device count, the abstract model, the data source.
-`make_program` puts a `RunSpec` on devices: the `Program` holds it with the mesh, shardings, the
-jitted step and its ahead-of-time compile (on real devices, or abstractly for planning).
+"""A config's train step as a program: `make_program` puts a checked `RunSpec` (trainer/spec.py,
+`prepare`) on devices, and the `Program` holds it with the mesh, shardings, the jitted step and
+eval loss, and its ahead-of-time compile (on real devices, or abstractly for planning).
 """
 
 from __future__ import annotations
@@ -20,9 +16,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-import pipeline
-from configs import Config, ConfigError
-from data import batch_fields, batch_shape, open_source
+from configs import Config
+from data import batch_fields, batch_shape
 from sharding import (
     activation_rules,
     axes_size,
@@ -34,84 +29,12 @@ from sharding import (
     to_rules,
 )
 from sharding.cast import cast_for_compute
-from model import hf
 from model.lora import trainable
-from trainer import objectives
-from trainer.checkpoint import RunDir, check_resumable, read_run_dir
-from trainer.checks import check_divisible
 from trainer.compute import Compute, build_compute
-from trainer.layout import Layout, plan_layout
-from trainer.objectives import Objective
 from trainer.optimizer import make_optimizer
-from trainer.state import AbstractModel, TrainState, abstract_model, abstract_state, state_shardings
+from trainer.spec import RunSpec, prepare
+from trainer.state import TrainState, abstract_state, state_shardings
 from trainer.step import make_train_step
-from trainer.tiers import check_local_dir
-from ops.trackers import check_trackers
-
-
-@dataclasses.dataclass(frozen=True)
-class RunSpec:
-    """A config checked against a device count: its layout, the model's abstract parameters and
-    the data source (None when checked without data). `prepare` makes one; everything built from
-    it (the program, the run) reads these fields here and keeps no copy."""
-
-    cfg: Config
-    layout: Layout
-    model: AbstractModel
-    objective: Objective  # what it trains (trainer/objectives/)
-    source: Any = None
-    tasks: Any = None  # eval.tasks checked (evaluation.tasks.Tasks); None: none
-    frozen: AbstractModel | None = None  # the objective's frozen weights (`objective.frozen`), if any
-    rundir: RunDir | None = None  # run.dir as the checks read it (trainer.checkpoint); None: checked without data
-
-
-def frozen_model(objective: Objective, model: AbstractModel, layout: Layout) -> AbstractModel | None:
-    """The abstract network of the objective's frozen weights: the model's own for a copy of the
-    starting weights, else their own (a teacher), checked to shard by the run's rules."""
-    frozen = objective.frozen
-    if frozen is None or frozen.load is None:
-        return None if frozen is None else model
-    ref = abstract_model(frozen.model)
-    try:
-        check_divisible(ref.shapes, ref.axes, layout.param_rules, layout.sizes)
-    except ConfigError as e:
-        raise ConfigError(f"{frozen.key}: its {e}") from None
-    return ref
-
-
-def prepare(cfg: Config, num_devices: int, with_data: bool = True, found: RunDir | None = None) -> RunSpec:
-    """All checks that need devices or files. Raises ConfigError; creates and compiles nothing.
-    With data, run.dir is read once here (`found`, if the caller has read it already) and kept in
-    the spec; the run reads it again under its lock (trainer.session.reread)."""
-    objective = objectives.build(cfg)
-    layout = plan_layout(cfg, num_devices, jax.process_count())
-    objective.check_schedule(layout.pipelined and pipeline.get(layout.schedule).computes_grads)
-    model = abstract_model(cfg.model)
-    check_divisible(model.shapes, model.axes, layout.param_rules, layout.sizes)
-    frozen = frozen_model(objective, model, layout)
-    if not with_data:
-        return RunSpec(cfg, layout, model, objective, frozen=frozen)
-    found = read_run_dir(cfg.run.dir) if found is None else found
-    check_resumable(cfg, found)
-    check_local_dir(cfg)
-    check_trackers(cfg)
-    # Once the run has checkpoints it resumes from them; a LoRA run's hold no base, read from init.from_hf again.
-    if cfg.init.from_hf and (not found.checkpoints or cfg.model.lora.enabled):
-        hf.check_compatible(cfg.model, cfg.init.from_hf)
-    return RunSpec(cfg, layout, model, objective, open_source(cfg, objective.data_format), check_tasks(cfg), frozen,
-                   found)
-
-
-def check_tasks(cfg: Config) -> Any:
-    """eval.tasks found, with their data files (evaluation.tasks.Tasks), or None without any.
-    Raises ConfigError; lm-evaluation-harness is imported only for a run that names tasks."""
-    if not cfg.eval.tasks:
-        return None
-    try:
-        from evaluation.tasks import resolve_tasks
-    except ImportError as e:
-        raise ConfigError(f"eval.tasks: needs lm-evaluation-harness ({e}): pip install 'meshlm[eval]'") from None
-    return resolve_tasks(cfg.eval.tasks, cfg.eval.tasks_dir)
 
 
 def sharded_optimizer(spec: RunSpec, mesh: Mesh | AbstractMesh) -> tuple[optax.GradientTransformation, Callable,

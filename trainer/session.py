@@ -4,8 +4,8 @@
 `prepare`'s read may have saved since) and resolves what depends on it: the config must still fit
 the checkpoints, and the learning-rate schedule's horizon (`resolve_schedule`). `make_session`
 builds the program, the checkpointer (with the local tier, trainer.tiers), this process's data
-iterator and held-out rows, and the state through `initial_state`, the one place that decides
-where it comes from; then writes the resolved config into run.dir.
+iterator and held-out rows, and the state through `initial_state` (trainer/restore.py), the one
+place that decides where it comes from; then writes the resolved config into run.dir.
 """
 
 from __future__ import annotations
@@ -19,15 +19,14 @@ import numpy as np
 
 from configs import Config, dump_config
 from data import describe, eval_batches, make_iterator
-from model import hf, stack_layers
-from model.lora import join, trainable
+from model import stack_layers
 from ops.metrics import log
-from sharding.hardware import peak_flops_of_kind
-from trainer.checkpoint import Checkpointer, RunDir, check_resumable, checkpoint_dir, read_run_dir
-from trainer.kernels import attention_notes
-from trainer.program import Program, RunSpec, make_program
-from trainer.state import TrainState, frozen_base, init_state, param_count, random_params, state_from_params
-from trainer.tiers import LocalTier
+from trainer.checkpoint import Checkpointer, RunDir, check_resumable, read_run_dir
+from trainer.program import Program, make_program
+from trainer.restore import checkpointer, initial_state
+from trainer.spec import RunSpec
+from trainer.startup import log_layout
+from trainer.state import TrainState
 
 # The optim keys that shape the learning-rate schedule.
 SCHEDULE_KEYS = ("lr", "warmup_steps", "schedule", "min_lr_ratio", "decay_steps")
@@ -45,21 +44,7 @@ class Session:
     iterator: Any  # the Grain iterator of this process's rows
     ckpt: Checkpointer
     eval_rows: list[dict[str, np.ndarray]]  # this process's rows of the held-out batches; [] = no eval
-    origin: str = ""  # Start.origin
-
-
-@dataclasses.dataclass(frozen=True)
-class Start:
-    """The state a run starts from (`initial_state`), its step, and where it came from: "random"
-    (run.seed), "hf" (init.from_hf), or the checkpoint tier resumed, "local" or "persistent"."""
-
-    state: TrainState
-    step: int
-    origin: str
-
-    @property
-    def resumed(self) -> bool:
-        return self.origin in ("local", "persistent")
+    origin: str = ""  # trainer.restore.Start.origin
 
 
 def resolve_schedule(cfg: Config, found: RunDir) -> tuple[Config, str]:
@@ -108,49 +93,6 @@ def _write_config(cfg: Config, found: RunDir, resume_step: int) -> None:
         f.write(text)
 
 
-def initial_state(program: Program, ckpt: Checkpointer, iterator: Any, found: RunDir) -> Start:
-    """The state the run starts from, and where from; the one place that decides it:
-    - the newest readable checkpoint of either tier (Checkpointer.restore_latest: the local tier's
-      when newer), `iterator` rewound to its data position; a LoRA run's checkpoints hold the
-      adapters alone, and its frozen base is read again (trainer.state.frozen_base);
-    - else, when run.dir held no checkpoints (`found`), the Hugging Face weights of init.from_hf;
-    - else a random init from run.seed (also when every checkpoint proved unreadable and
-      checkpoint.fresh_if_unreadable let the run start over).
-    A new state (not restored) gets the objective's loaded frozen weights (a teacher: Program.with_frozen)."""
-    cfg, sh = program.spec.cfg, program.state_sh
-    restored = ckpt.restore_latest(program.abstract_state(), iterator, warn=log)
-    if restored is not None:
-        step, state = restored
-        if ckpt.local is not None and ckpt.restored_tier == "persistent":
-            log(f"restoring from the persistent tier: step {step}")
-        if cfg.model.lora.enabled:
-            base = frozen_base(cfg.model, cfg.init.from_hf, cfg.run.seed, sh.params)
-            state = state.replace(params=join(state.params, base))
-        log(f"resumed from step {step}")
-        return Start(state, step, ckpt.restored_tier)
-    if cfg.init.from_hf and not found.checkpoints:  # checked by `prepare`
-        params = hf.load_params(cfg.init.from_hf, cfg.model, sh.params)
-        if cfg.model.mtp_depth:  # no Hugging Face checkpoint holds them: they start from the random init
-            params["mtp"] = random_params(cfg.model, cfg.run.seed, sh.params, "mtp")
-        state = state_from_params(params, program.tx, program.init_sh, cfg.model, cfg.run.seed)
-        log(f"initialized the parameters from {cfg.init.from_hf} (init.from_hf)")
-        return Start(program.with_frozen(state), 0, "hf")
-    # A new state: the objective's frozen weights loaded (a teacher), if any.
-    return Start(program.with_frozen(init_state(cfg.model, program.tx, cfg.run.seed, program.init_sh)), 0, "random")
-
-
-def _checkpointer(program: Program) -> Checkpointer:
-    """The run's checkpointer, with the local tier attached when checkpoint.local_dir is set."""
-    cfg = program.spec.cfg
-    ckpt = Checkpointer(checkpoint_dir(cfg.run.dir), cfg.checkpoint)
-    if cfg.checkpoint.local_dir:
-        ckpt.attach_local(LocalTier(cfg, program.mesh, program.abstract_state()))
-        if jax.process_count() > 1 and not ckpt.local.peers:
-            log("warning: no other process holds a copy of this process's shards (mesh.data does not span "
-                "processes): a lost host's local checkpoints are lost, the persistent tier remains")
-    return ckpt
-
-
 def _eval_rows(cfg: Config, source: Any, held_out: Callable) -> list[dict[str, np.ndarray]]:
     """This process's rows of the held-out batches, by `held_out` (data.eval_batches); [] = no eval."""
     if cfg.eval.every and source.eval is None:
@@ -159,24 +101,6 @@ def _eval_rows(cfg: Config, source: Any, held_out: Callable) -> list[dict[str, n
         return held_out(source, cfg.train.global_batch, cfg.eval.batches, cfg.run.seed, jax.process_index(),
                         jax.process_count())
     return []
-
-
-def _log_layout(spec: RunSpec, devices: list) -> None:
-    """The mesh, the parameter count and the notes on how the step computes."""
-    cfg, layout = spec.cfg, spec.layout
-    log(
-        f"mesh {' x '.join(f'{a}={s}' for a, s in layout.sizes.items())} on {len(devices)} "
-        f"{devices[0].platform} devices, {jax.process_count()} process(es); "
-        f"{param_count(spec.model.shapes) / 1e6:.2f}M parameters"
-        + (f", {param_count(trainable(spec.model.shapes)) / 1e6:.3f}M of them trained (LoRA adapters; the rest frozen)"
-           if cfg.model.lora.enabled else "")
-    )
-    for note in attention_notes(cfg):
-        log(note)
-    if cfg.model.quant != "none":
-        log(f"model.quant={cfg.model.quant}: the block matmuls run in 8 bits"
-            + ("; MFU is against the bf16 peak" if peak_flops_of_kind(getattr(devices[0], "device_kind", "")) else
-               " (emulated on this device)"))
 
 
 def make_session(spec: RunSpec, devices: list, schedule_note: str = "", held_out: Callable = eval_batches) -> Session:
@@ -188,11 +112,11 @@ def make_session(spec: RunSpec, devices: list, schedule_note: str = "", held_out
     if found is None:
         raise ValueError("make_session needs a RunSpec prepared with data (trainer.program.prepare)")
     program = make_program(spec, devices)
-    ckpt = _checkpointer(program)
+    ckpt = checkpointer(program)
     iterator = make_iterator(cfg, source)
     log(describe(source, cfg, spec.objective.data_format))
     eval_rows = _eval_rows(cfg, source, held_out)
-    _log_layout(spec, devices)
+    log_layout(spec, devices)
     try:
         start = initial_state(program, ckpt, iterator, found)
         if start.resumed and schedule_note and start.step < cfg.train.steps:

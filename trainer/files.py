@@ -1,0 +1,37 @@
+"""The checks of a run against what is on disk, before anything is compiled or written: run.dir
+(a resume must keep the keys its checkpoints fix), the local checkpoint tier's directory, a
+Hugging Face checkpoint to start from, the trackers' packages and the eval tasks' files. Each
+failure is one `ConfigError` line naming the key.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from configs import Config, ConfigError
+from model import hf
+from ops.trackers import check_trackers
+from trainer.checkpoint import RunDir, check_resumable
+from trainer.tiers import check_local_dir
+
+
+def check_files(cfg: Config, found: RunDir) -> None:
+    """What `cfg` names on disk, `found` being run.dir as read once (trainer.checkpoint)."""
+    check_resumable(cfg, found)
+    check_local_dir(cfg)
+    check_trackers(cfg)
+    # Once the run has checkpoints it resumes from them; a LoRA run's hold no base, read from init.from_hf again.
+    if cfg.init.from_hf and (not found.checkpoints or cfg.model.lora.enabled):
+        hf.check_compatible(cfg.model, cfg.init.from_hf)
+
+
+def check_tasks(cfg: Config) -> Any:
+    """eval.tasks found, with their data files (evaluation.tasks.Tasks), or None without any.
+    Raises ConfigError; lm-evaluation-harness is imported only for a run that names tasks."""
+    if not cfg.eval.tasks:
+        return None
+    try:
+        from evaluation.tasks import resolve_tasks
+    except ImportError as e:
+        raise ConfigError(f"eval.tasks: needs lm-evaluation-harness ({e}): pip install 'meshlm[eval]'") from None
+    return resolve_tasks(cfg.eval.tasks, cfg.eval.tasks_dir)
