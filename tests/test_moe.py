@@ -95,7 +95,7 @@ def _compare(got: dict, ref: dict) -> None:
 
 
 def test_expert8_equals_one_device(reference, expert8):
-    lm_loss, aux, z, dropped, imbalance = reference["stats"]  # trainer.step MOE_METRICS
+    lm_loss, aux, z, dropped, imbalance = reference["stats"]  # model.terms MOE_METRICS
     assert aux > 1.0 and imbalance > 1.0 and z > 0 and lm_loss < reference["loss"]  # a real routing
     assert dropped == 0.0  # dropless
     _compare(expert8, reference)
