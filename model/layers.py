@@ -77,7 +77,7 @@ def project_adapted(module: nnx.Module, name: str, spec: str, x: Array, inputs: 
     (model/lora.py). The leaf that reads the layer's `inputs` for the adapter's dropout: their
     noise, present in a training step only (None, or no noise: no dropout)."""
     noise = None if inputs is None else inputs.noise
-    return adapt(module, name, spec, x, project(spec, x, getattr(module, name), module.cfg), module.cfg, noise)
+    return adapt(module, name, spec, x, project(spec, x, getattr(module, name), module.cfg), noise)
 
 
 class RMSNorm(nnx.Module):
