@@ -19,7 +19,7 @@ import numpy as np
 
 from configs import ConfigError
 from data.tokenizer import load_tokenizer
-from model.decode import generate
+from model.decode import Sampling, generate
 from model.transformer import transformer_from_params
 from trainer.checkpoint import restore_params
 from ops.xla_env import set_default_flags
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     model = transformer_from_params(cfg.model, params)
-    new = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    new = generate(model, prompt, args.max_new_tokens, sampling=Sampling(args.temperature, args.top_k), seed=args.seed)
     tokens = [int(t) for t in np.asarray(new)[0]]
     if tokenizer.eod_id in tokens:  # the end of a document ends the sample
         tokens = tokens[: tokens.index(tokenizer.eod_id)]

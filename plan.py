@@ -241,15 +241,27 @@ def measure(cfg: Config, hw: Hardware, target: Hardware | None, n: int, topology
     }
 
 
-def run_child(config: str | None, jobs: list[list[str]], n: int, hw: Hardware, target: Hardware | None,
-              topology: str, dump: str = "") -> list[dict]:
-    """Measures each job in one child process that compiles for n devices of `target` (None:
-    n fake CPU devices)."""
+@dataclasses.dataclass(frozen=True)
+class Child:
+    """What the compiling child process compiles for, the same for every job of one plan."""
+
+    config: str | None  # the preset (--config; None: the built-in default run)
+    devices: int  # how many devices it compiles for (--devices)
+    hw: Hardware  # the hardware the plan is for (--hardware)
+    target: Hardware | None  # whose compiler runs (None: `devices` fake CPU devices)
+    topology: str  # --topology
+    dump: str = ""  # the folder the HLO is dumped to ("": none)
+
+
+def run_child(child_spec: Child, jobs: list[list[str]]) -> list[dict]:
+    """Measures each job in one child process that compiles for `child_spec.devices` devices of
+    its `target` (None: that many fake CPU devices)."""
+    config, n, hw, target = child_spec.config, child_spec.devices, child_spec.hw, child_spec.target
     with tempfile.TemporaryDirectory() as tmp:
         spec = os.path.join(tmp, "spec.json")
         with open(spec, "w") as f:
             json.dump({"config": config, "jobs": jobs, "hardware": hw.name, "target": target is not None,
-                       "devices": n, "topology": topology, "dump": dump}, f)
+                       "devices": n, "topology": child_spec.topology, "dump": child_spec.dump}, f)
         env = child_env(target, dict(os.environ))
         if target is None:  # the program train.py runs on n CPU devices
             env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
@@ -400,8 +412,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FALLBACK: {hw.name}'s compiler is not installed (make compilers installs it); compiling "
               f"for {args.devices} fake CPU devices: memory, traffic and time below are CPU figures, not {hw.name}'s",
               flush=True)
-    measure_jobs = lambda jobs: run_child(args.config, jobs, args.devices, hw, target, args.topology,
-                                          os.path.abspath(args.dump_hlo) if args.dump_hlo else "")  # noqa: E731
+    child_spec = Child(args.config, args.devices, hw, target, args.topology,
+                       os.path.abspath(args.dump_hlo) if args.dump_hlo else "")
+    measure_jobs = lambda jobs: run_child(child_spec, jobs)  # noqa: E731
     sizing = Heartbeat("sizing the parameters and optimizer state", sum(r["cfg"] is not None for r in rows))
 
     def sized(cfg: Config, n: int) -> dict[str, int]:

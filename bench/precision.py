@@ -36,6 +36,7 @@ moves) against the plain float32 run; in a bfloat16 run that key changes nothing
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import sys
@@ -49,12 +50,24 @@ from configs import ConfigError, load_config
 WINDOW = 10
 
 
-def losses(config: str | None, overrides: list[str], dtype: str, steps: int, root: str, quant: str = "none",
-           grad_reduce: str = "compute", seeds: int = 0) -> np.ndarray:
+@dataclasses.dataclass(frozen=True)
+class Runs:
+    """What every variant's runs share: the preset and overrides, their length, where their run
+    directories go and how many seeds each variant runs."""
+
+    config: str | None  # the preset (None: the built-in default run)
+    overrides: list[str]  # key=value, before each variant's own
+    steps: int
+    root: str  # each run's directory is made under it
+    seeds: int = 0  # > 0: one run per run.seed 0..seeds-1
+
+
+def losses(runs: Runs, dtype: str, quant: str = "none", grad_reduce: str = "compute") -> np.ndarray:
     """Per-step training losses of a fresh run with compute dtype `dtype`, `model.quant` and
-    `model.grad_reduce`; with `seeds` > 0, [seeds, steps]: one run per `run.seed` 0..seeds-1."""
+    `model.grad_reduce`; with `runs.seeds` > 0, [seeds, steps]: one run per `run.seed` 0..seeds-1."""
+    config, steps, root, seeds = runs.config, runs.steps, runs.root, runs.seeds
     name = f"{dtype}-{quant}-{grad_reduce}"
-    overrides = [*overrides, f"model.dtype={dtype}", f"model.quant={quant}", f"model.grad_reduce={grad_reduce}"]
+    overrides = [*runs.overrides, f"model.dtype={dtype}", f"model.quant={quant}", f"model.grad_reduce={grad_reduce}"]
     if seeds:
         return np.stack([_run(config, [*overrides, f"run.seed={s}"], steps, os.path.join(root, f"{name}-seed{s}"))
                          for s in range(seeds)])
@@ -90,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for q in modes:  # a bad mode fails before any run
             load_config(args.config, [*args.overrides, f"model.quant={q}"])
-        run = functools.partial(losses, args.config, args.overrides, steps=args.steps, root=root, seeds=args.seeds)
+        run = functools.partial(losses, Runs(args.config, args.overrides, args.steps, root, args.seeds))
         f32 = None if modes else run("float32")
         if args.grad_reduce:
             reduced = run("float32", grad_reduce="bfloat16")

@@ -23,7 +23,7 @@ import gzip
 import json
 import lzma
 import os
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterator, NamedTuple
 
 from configs.schema import ConfigError
 
@@ -109,7 +109,14 @@ class Documents:
         self.stats[path].documents += 1
 
 
-def expand_inputs(patterns: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+class Matched(NamedTuple):
+    """The files the --input globs match, as one value."""
+
+    files: list[str]  # every matching file, as sorted absolute paths
+    by_pattern: dict[str, list[str]]  # the files of each pattern
+
+
+def expand_inputs(patterns: list[str]) -> Matched:
     """(all matching files as sorted absolute paths, the files of each pattern).
     Raises ConfigError naming a pattern that matches no file."""
     by_pattern = {}
@@ -119,7 +126,7 @@ def expand_inputs(patterns: list[str]) -> tuple[list[str], dict[str, list[str]]]
         if not files:
             raise ConfigError(f"--input: no file matches {pattern!r}")
         by_pattern[pattern] = files
-    return sorted({f for files in by_pattern.values() for f in files}), by_pattern
+    return Matched(sorted({f for files in by_pattern.values() for f in files}), by_pattern)
 
 
 def detect_format(files: list[str], fmt: str | None) -> str:

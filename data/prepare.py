@@ -32,8 +32,8 @@ from array_record.python.array_record_module import ArrayRecordWriter
 from configs.schema import ConfigError
 from data import corpus_format
 from data.chat import ChatTemplate, Skip, template_file
-from data.formats import (FORMATS, Documents, FileStats, Task, detect_format, expand_inputs, json_rows, plan_tasks,
-                          read_task)
+from data.formats import (FORMATS, Documents, FileStats, Matched, Task, detect_format, expand_inputs, json_rows,
+                          plan_tasks, read_task)
 from data.manifest import FORMAT_VERSION, MANIFEST, SPLITS, content_hash, is_prepared_file, lengths_name, shard_name
 from data.sources import held_out
 from data.tokenizer import Tokenizer, load_tokenizer
@@ -272,7 +272,8 @@ def prepare(inputs: list[str], output: str, progress: bool = True, **options: ob
     Options); returns the manifest written. Raises ConfigError (one line, naming the flag or file)."""
     opts = Options(**options)
     opts.validate()
-    files, by_pattern = expand_inputs(inputs)
+    matched = expand_inputs(inputs)
+    files = matched.files
     opts = dataclasses.replace(opts, fmt=detect_format(files, opts.fmt))
     opts.validate()
     tok = load_tokenizer(opts.tokenizer, "--tokenizer")
@@ -286,17 +287,16 @@ def prepare(inputs: list[str], output: str, progress: bool = True, **options: ob
     shutil.rmtree(tmp, ignore_errors=True)
     os.mkdir(tmp)
     try:
-        manifest = _write(tmp, files, by_pattern, tok, opts, progress, template)
+        manifest = _write(tmp, matched, tok, opts, progress, template)
         _swap_in(tmp, output)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return manifest
 
 
-def _write(
-    tmp: str, files: list[str], by_pattern: dict[str, list[str]], tok: Tokenizer, opts: Options, progress: bool,
-    template: ChatTemplate | None = None,
-) -> dict:
+def _write(tmp: str, inputs: Matched, tok: Tokenizer, opts: Options, progress: bool,
+           template: ChatTemplate | None = None) -> dict:
+    files, by_pattern = inputs
     writers = {split: SplitWriter(tmp, split, opts.shard_docs) for split in SPLITS}
     stats = {path: FileStats(path) for path in files}
     bar = Progress(sum(os.path.getsize(f) for f in files)) if progress else None

@@ -36,6 +36,7 @@ from flax import linen as nn
 
 from model import kernels
 from model.attn_kernels import registry
+from model.inputs import TokenInputs
 
 Array = jax.Array
 
@@ -77,13 +78,14 @@ def masked_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
     return out.reshape(b, kv, g, t, dv).transpose(0, 3, 1, 2, 4).reshape(b, t, h, dv)
 
 
-def chunked_attention(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array, q_seg: Array | None,
-                      k_seg: Array | None, chunk: int) -> Array:
+def chunked_attention(q: Array, k: Array, v: Array, q_in: TokenInputs, k_in: TokenInputs, chunk: int) -> Array:
     """`masked_attention` for `chunk` queries at a time (a `lax.map` over the query blocks), each
     block against every key: the same sums, but no [batch, heads, length, length] scores, only
     one block's [batch, heads, chunk, length]. Each block is rematerialized, so its backward keeps
     only its inputs and recomputes its scores (one more q.k product). q [b, t, h, d] with t a
-    multiple of `chunk`; q_pos, q_seg [b, t]; k_pos, k_seg [b, s]."""
+    multiple of `chunk`; the queries' positions and segment ids (`q_in`) [b, t], the keys'
+    (`k_in`) [b, s]."""
+    q_pos, q_seg, k_pos, k_seg = q_in.positions, q_in.segment_ids, k_in.positions, k_in.segment_ids
     b, t = q.shape[:2]
     blocks = lambda a: a.reshape(b, t // chunk, chunk, *a.shape[2:]).swapaxes(0, 1)  # noqa: E731  [n, b, chunk, ...]
 
@@ -184,15 +186,16 @@ def gathered_attention(q: Array, k: Array, v: Array, positions: Array, segment_i
     k_pos = whole(positions, ("batch", None))
     k_seg = None if segment_ids is None else whole(segment_ids, ("batch", None))
     if 0 < chunk < q.shape[1]:
-        return chunked_attention(q, k, v, positions, k_pos, segment_ids, k_seg, chunk)
+        return chunked_attention(q, k, v, TokenInputs(positions, segment_ids), TokenInputs(k_pos, k_seg), chunk)
     return masked_attention(q, k, v, block_mask(positions, k_pos, segment_ids, k_seg))
 
 
-def attend(q: Array, k: Array, v: Array, positions: Array, segment_ids: Array | None, *, impl: str,
-           max_documents: int = 0, chunk: int = 0) -> Array:
-    """The layers' attention: the bound sharded kernel, else the registered kernel `impl`
-    (model/attn_kernels; xla: `chunk` > 0 queries at a time when it is less than the length)."""
+def attend(q: Array, k: Array, v: Array, inputs: TokenInputs, *, impl: str,
+           opts: registry.Options = registry.Options()) -> Array:
+    """The layers' attention, masked by the positions and segment ids of the layer's `inputs`:
+    the bound sharded kernel, else the registered kernel `impl` (model/attn_kernels) with the
+    config's `opts` (xla: `opts.chunk` > 0 queries at a time when it is less than the length)."""
     sharded = kernels.current().attention
     if sharded is not None:
-        return sharded(q, k, v, positions, segment_ids)
-    return registry.get(impl).attend(q, k, v, positions, segment_ids, registry.Options(max_documents, chunk))
+        return sharded(q, k, v, inputs.positions, inputs.segment_ids)
+    return registry.get(impl).attend(q, k, v, inputs.positions, inputs.segment_ids, opts)

@@ -16,6 +16,7 @@ value part applied after the weighted sum), so no step expands the cache.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -170,9 +171,19 @@ def _scan_blocks(
     return x, k, v
 
 
-def sample(logits: Array, key: Array, temperature: float, top_k: int) -> Array:
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How `generate` picks each new token, as one value. Static under jit (hashable): one
+    compiled program per setting, whatever the seed."""
+
+    temperature: float = 0.0  # 0: greedy (argmax), else the softmax of the logits / temperature
+    top_k: int = 0  # draw among the k most likely tokens only (0: all)
+
+
+def sample(logits: Array, key: Array, sampling: Sampling) -> Array:
     """logits [batch, vocab] -> token ids [batch]: argmax at temperature 0, else a draw from the
-    softmax at `temperature` over the `top_k` most likely tokens (0: all)."""
+    softmax at `sampling.temperature` over the `sampling.top_k` most likely tokens (0: all)."""
+    temperature, top_k = sampling.temperature, sampling.top_k
     if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / temperature
@@ -182,33 +193,32 @@ def sample(logits: Array, key: Array, temperature: float, top_k: int) -> Array:
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def generate(
-    model: Transformer, prompt: Array, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0, seed: int = 0,
-    pad: Array | None = None,
-) -> Array:
-    """prompt [batch, t] int -> the next `max_new_tokens` tokens [batch, max_new_tokens]. `pad`
-    [batch]: how many of each row's first tokens are left padding (prompts of different lengths in
-    one batch, so one program serves them all); each row then decodes as it would alone."""
+def generate(model: Transformer, prompt: Array, max_new_tokens: int, *, sampling: Sampling = Sampling(),
+             seed: int = 0, pad: Array | None = None) -> Array:
+    """prompt [batch, t] int -> the next `max_new_tokens` tokens [batch, max_new_tokens], greedy
+    unless `sampling` says otherwise (drawn from `seed`). `pad` [batch]: how many of each row's
+    first tokens are left padding (prompts of different lengths in one batch, so one program
+    serves them all); each row then decodes as it would alone."""
     pad = jnp.zeros(len(prompt), jnp.int32) if pad is None else jnp.asarray(pad, jnp.int32)
-    return _generate(model, jnp.asarray(prompt, jnp.int32), pad, jax.random.key(seed), max_new_tokens,
-                     float(temperature), int(top_k))
+    # Plain Python numbers: the static settings hash alike however the caller typed them.
+    sampling = Sampling(float(sampling.temperature), int(sampling.top_k))
+    return _generate(model, jnp.asarray(prompt, jnp.int32), pad, jax.random.key(seed), max_new_tokens, sampling)
 
 
 # One jitted function for every call (the sampling settings static): calls with the same model
 # structure, shapes and settings run one compiled program, whatever the parameters, prompt or
 # seed; a jit made inside `generate` would trace and compile again on every call.
-@functools.partial(nnx.jit, static_argnums=(4, 5, 6))
-def _generate(m: Transformer, prompt: Array, pad: Array, key: Array, max_new_tokens: int, temperature: float,
-              top_k: int) -> Array:
+@functools.partial(nnx.jit, static_argnums=(4, 5))
+def _generate(m: Transformer, prompt: Array, pad: Array, key: Array, max_new_tokens: int, sampling: Sampling) -> Array:
     batch, length = prompt.shape
     logits, cache = forward(m, prompt, init_cache(m, batch, length + max_new_tokens), 0, pad)
     keys = jax.random.split(key, max_new_tokens)
-    first = sample(logits[:, -1], keys[0], temperature, top_k)
+    first = sample(logits[:, -1], keys[0], sampling)
 
     def step(carry: tuple[Array, AnyCache, Array], key: Array) -> tuple[tuple[Array, AnyCache, Array], Array]:
         token, cache, pos = carry
         logits, cache = forward(m, token[:, None], cache, pos, pad)
-        nxt = sample(logits[:, -1], key, temperature, top_k)
+        nxt = sample(logits[:, -1], key, sampling)
         return (nxt, cache, pos + 1), nxt
 
     _, rest = jax.lax.scan(step, (first, cache, jnp.int32(length)), keys[1:])

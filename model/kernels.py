@@ -17,16 +17,27 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import jax
 
 Array = jax.Array
 # (q, k, v, positions, segment_ids) -> out [batch, length, heads, head_dim]
 AttentionFn = Callable[[Array, Array, Array, Array, "Array | None"], Array]
-# (x [b, l, d], expert ids [b, l, k], weights [b, l, k], gate, up, down, capacity_factor)
+
+
+class Experts(NamedTuple):
+    """A mixture's SwiGLU expert weights in the compute dtype, as one value (a pytree): gate and
+    up [E, d, f], down [E, f, d], E the experts at hand (under expert parallelism, a device's)."""
+
+    gate: Array
+    up: Array
+    down: Array
+
+
+# (x [b, l, d], expert ids [b, l, k], weights [b, l, k], experts, capacity_factor)
 #   -> (y [b, l, d], kept [b, l, k] bool)
-DispatchFn = Callable[[Array, Array, Array, Array, Array, Array, float], tuple[Array, Array]]
+DispatchFn = Callable[[Array, Array, Array, Experts, float], tuple[Array, Array]]
 # (table [vocab, embed] in the compute dtype, tokens [b, l]) -> rows [b, l, embed]
 LookupFn = Callable[[Array, Array], Array]
 

@@ -21,6 +21,7 @@ from flax import nnx
 from configs.rope import RopeScalingConfig
 from configs.schema import REMAT_SAVES, ModelConfig
 from model.attention import attend
+from model.attn_kernels.registry import Options
 from model.inputs import TokenInputs
 from model.lora import adapt
 from model.quant import fp8_gather, qeinsum
@@ -76,7 +77,7 @@ def project_adapted(module: nnx.Module, name: str, spec: str, x: Array, inputs: 
     (model/lora.py). The leaf that reads the layer's `inputs` for the adapter's dropout: their
     noise, present in a training step only (None, or no noise: no dropout)."""
     noise = None if inputs is None else inputs.noise
-    return adapt(module, name, spec, x, project(spec, x, getattr(module, name), module.cfg), module.cfg, noise)
+    return adapt(module, name, spec, x, project(spec, x, getattr(module, name), module.cfg), noise)
 
 
 class RMSNorm(nnx.Module):
@@ -127,8 +128,8 @@ class Attention(nnx.Module):
     def __call__(self, x: Array, inputs: TokenInputs) -> Array:
         """Normed x [b, l, d] and the layer's per-token inputs (model/inputs.py) -> [b, l, d]."""
         q, k, v = self.project(x, inputs)
-        return self.output(attend(q, k, v, inputs.positions, inputs.segment_ids, impl=self.cfg.attention,
-                                  max_documents=self.cfg.max_documents, chunk=self.cfg.attention_chunk), inputs)
+        return self.output(attend(q, k, v, inputs, impl=self.cfg.attention,
+                                  opts=Options(self.cfg.max_documents, self.cfg.attention_chunk)), inputs)
 
     def project(self, x: Array, inputs: TokenInputs) -> tuple[Array, Array, Array]:
         """x [b, l, d] -> q [b, l, heads, hd], k and v [b, l, kv_heads, hd], rotary applied at

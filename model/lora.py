@@ -108,14 +108,15 @@ def adapter_specs(spec: str) -> tuple[str, str]:
     return f"{x_dims},{w_in}r->{rest}r", f"{rest}r,r{w_out}->{out}"
 
 
-def adapt(module: nnx.Module, name: str, spec: str, x: Array, y: Array, cfg: ModelConfig,
-          noise: Array | None = None) -> Array:
+def adapt(module: nnx.Module, name: str, spec: str, x: Array, y: Array, noise: Array | None = None) -> Array:
     """y (the projection `name` of x by `spec`) plus its adapter's output, if it has one; the
-    adapter runs in x's dtype, on x under dropout where the layer's `noise` is given."""
+    adapter runs in x's dtype, on x under dropout where the layer's `noise` is given. Its rank,
+    alpha and dropout are the module's config (`module.cfg`, the ModelConfig it was built with)."""
     a = getattr(module, name + SUFFIXES[0], None)
     if a is None:
         return y
     b = getattr(module, name + SUFFIXES[1])
+    cfg: ModelConfig = module.cfg
     rate = cfg.lora.dropout
     if noise is not None and rate > 0:
         keep = keep_mask(noise, name, x.shape, rate)

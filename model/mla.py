@@ -29,6 +29,7 @@ from flax import nnx
 
 from configs.schema import ModelConfig
 from model.attention import attend
+from model.attn_kernels.registry import Options
 from model.inputs import TokenInputs
 from model.layers import RMSNorm, constrain, param, project, project_adapted, rotary
 from model.rope import softmax_factor
@@ -61,8 +62,8 @@ class MLAttention(nnx.Module):
     def __call__(self, x: Array, inputs: TokenInputs) -> Array:
         """Normed x [b, l, d] and the layer's per-token inputs (model/inputs.py) -> [b, l, d]."""
         q, k, v = self.project(x, inputs)
-        return self.output(attend(q, k, v, inputs.positions, inputs.segment_ids, impl=self.cfg.attention,
-                                  max_documents=self.cfg.max_documents, chunk=self.cfg.attention_chunk), inputs)
+        return self.output(attend(q, k, v, inputs, impl=self.cfg.attention,
+                                  opts=Options(self.cfg.max_documents, self.cfg.attention_chunk)), inputs)
 
     def rope(self, x: Array, positions: Array) -> Array:
         """The rotary embedding of x [b, l, heads, qk_rope_head_dim]. Interleaved pairs are

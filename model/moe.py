@@ -31,6 +31,7 @@ from flax import nnx
 
 from configs.schema import ModelConfig
 from model import kernels
+from model.kernels import Experts
 from model.layers import MLP, constrain, param
 from model.router import RouterBias, route, router_stats
 
@@ -72,14 +73,15 @@ def megablox_matmul(lhs: Array, rhs: Array, sizes: Array, *, interpret: bool = F
     return gmm(lhs, rhs, sizes.astype(jnp.int32), lhs.dtype, tiles, interpret=interpret)
 
 
-def expert_rows(rows: Array, ids: Array, gate: Array, up: Array, down: Array, cap: int = 0,
+def expert_rows(rows: Array, ids: Array, experts: Experts, cap: int = 0,
                 matmul: GroupedMatmul = jax.lax.ragged_dot) -> Array:
-    """rows [m, d], ids [m] in [0, G] (G = gate.shape[0]; id G: padding, output 0) -> [m, d]:
+    """rows [m, d], ids [m] in [0, G] (G experts; id G: padding, output 0) -> [m, d]:
     row i through SwiGLU expert ids[i]. Dropless (cap 0): grouped matmuls over the rows sorted
     by expert. cap > 0, when no expert has more than `cap` rows: one batched matmul over
     [G, cap] slots (GShard's layout), so the work is G x cap rows whatever the compiler makes
     of a grouped matmul (XLA's GPU compiler computes every group over every row). `matmul`: the
     dropless grouped matmul."""
+    gate, up, down = experts
     groups = gate.shape[0]
     if cap:
         one_hot = jax.nn.one_hot(ids, groups, dtype=jnp.int32)  # padding: a row of zeros
@@ -100,16 +102,16 @@ def expert_rows(rows: Array, ids: Array, gate: Array, up: Array, down: Array, ca
     return jnp.zeros_like(y).at[order].set(y)
 
 
-def local_dispatch(x: Array, ids: Array, weights: Array, gate: Array, up: Array, down: Array,
-                   capacity_factor: float, matmul: GroupedMatmul = jax.lax.ragged_dot) -> tuple[Array, Array]:
+def local_dispatch(x: Array, ids: Array, weights: Array, experts: Experts, capacity_factor: float,
+                   matmul: GroupedMatmul = jax.lax.ragged_dot) -> tuple[Array, Array]:
     """The dispatcher without expert parallelism: every expert on every device."""
     b, l, d = x.shape
-    k, num_experts = ids.shape[-1], gate.shape[0]
+    k, num_experts = ids.shape[-1], experts.gate.shape[0]
     flat = ids.reshape(-1)
     cap = capacity(b * l, num_experts, k, capacity_factor)
     kept = capacity_keep(flat, num_experts, cap)
     rows = jnp.repeat(x.reshape(b * l, d), k, axis=0)  # assignment a is token a // k
-    y = expert_rows(rows, jnp.where(kept, flat, num_experts), gate, up, down, cap, matmul).reshape(b, l, k, d)
+    y = expert_rows(rows, jnp.where(kept, flat, num_experts), experts, cap, matmul).reshape(b, l, k, d)
     return combine(y, weights, kept.reshape(ids.shape)), kept.reshape(ids.shape)
 
 
@@ -145,8 +147,8 @@ class MoE(nnx.Module):
         bias = self.router_bias[...] if e.router_bias else None
         ids, weights = route(logits, e, bias)
         dispatch = kernels.current().dispatch or local_dispatch
-        y, kept = dispatch(x, ids, weights, self.gate[...].astype(dt), self.up[...].astype(dt),
-                           self.down[...].astype(dt), e.capacity_factor)
+        experts = Experts(self.gate[...].astype(dt), self.up[...].astype(dt), self.down[...].astype(dt))
+        y, kept = dispatch(x, ids, weights, experts, e.capacity_factor)
         if e.shared_experts:
             y = y + self.shared(x)
         return constrain(y, ("batch", "length", "embed")), router_stats(logits, ids, kept, e.router, bias)

@@ -15,10 +15,11 @@ schedules up in by name.
     schedule.check(cfg, stages, repeats, microbatches)  # ConfigError where it cannot run
     schedule.bubble(stages, repeats, microbatches), schedule.formula(...), schedule.in_flight(...)
     schedule.layer_runner(...)  # the model's forward; and where schedule.computes_grads:
-    schedule.grad_fn(...)  # loss and gradients, in place of autodiff
+    schedule.grad_fn(graphdef, GradSpec(...))  # loss and gradients, in place of autodiff
 """
 
 from pipeline import gpipe, interleaved, one_f_one_b, zero_bubble  # noqa: F401 (each registers its schedule)
 from pipeline.registry import Schedule, bubble_formula, bubble_fraction, get, names
+from pipeline.stages import GradSpec
 
-__all__ = ["Schedule", "bubble_formula", "bubble_fraction", "get", "names"]
+__all__ = ["GradSpec", "Schedule", "bubble_formula", "bubble_fraction", "get", "names"]

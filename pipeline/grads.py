@@ -8,8 +8,6 @@ a stage's slice of the layer stack, and the final norm, head and loss.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -17,8 +15,7 @@ from flax import nnx
 from model import TokenInputs, scan_layers
 from model.loss import GradFn, head_loss, model_inputs
 from pipeline.registry import Schedule
-from pipeline.stages import from_stages, to_microbatches, to_stages
-from sharding.rules import Rules
+from pipeline.stages import GradSpec, from_stages, to_microbatches, to_stages
 
 Array = jax.Array
 
@@ -30,22 +27,12 @@ def head_split(length: int, stages: int, length_shards: int, loss_chunk: int) ->
     return length % (stages * length_shards) == 0 and (not loss_chunk or piece % loss_chunk == 0)
 
 
-def make_scheduled_grad_fn(
-    schedule: Schedule,
-    graphdef: nnx.GraphDef,
-    stages: int,
-    repeats: int,
-    microbatches: int,
-    remat_policy: str,
-    stage_rules: Rules,
-    loss_chunk: int = 0,
-    cast: Callable[[dict], dict] | None = None,
-    length_shards: int = 1,
-) -> GradFn:
+def make_scheduled_grad_fn(schedule: Schedule, graphdef: nnx.GraphDef, spec: GradSpec) -> GradFn:
     """grad_fn(params, batch) -> ((loss sum, target count), gradients), as
     `jax.value_and_grad(loss_fn, has_aux=True)` gives them, computed by `schedule`'s step (a
-    1F1B-family schedule: its `step` class). `length_shards`: how many shards the activations'
-    `length` dim has (mesh.context), for the head's split over the stages."""
+    1F1B-family schedule: its `step` class) on the pipeline shape and settings of `spec`."""
+    stages, repeats, microbatches = spec.stages, spec.repeats, spec.microbatches
+    remat_policy, loss_chunk, cast = spec.remat_policy, spec.loss_chunk, spec.cast
 
     def grad_fn(params: dict, batch: dict[str, Array]) -> tuple[tuple[Array, Array], dict]:
         # Gradients with respect to the compute-dtype view are those of the float32 parameters
@@ -77,9 +64,9 @@ def make_scheduled_grad_fn(
                     jnp.sum(mb["weights"]))
 
         staged = jax.tree.map(lambda a: to_stages(a, stages, repeats), stack)  # [S, R, K, ...]
-        split = head_split(inputs["inputs"].shape[1], stages, length_shards, loss_chunk)
-        step = schedule.step(schedule, stages, repeats, embed_fn, stage_fn, head_fn, outer, staged, micro, stage_rules,
-                             split)
+        split = head_split(inputs["inputs"].shape[1], stages, spec.length_shards, loss_chunk)
+        step = schedule.step(schedule, stages, repeats, embed_fn, stage_fn, head_fn, outer, staged, micro,
+                             spec.stage_rules, split)
         (total, count), (g_outer, g_staged) = step.run()
         return (total, count), {**g_outer, "layers": jax.tree.map(from_stages, g_staged)}
 

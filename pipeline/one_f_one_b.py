@@ -59,7 +59,7 @@ from pipeline.gpipe import StageFn as RunnerStageFn
 from pipeline.gpipe import pipeline_runner
 from pipeline.grads import make_scheduled_grad_fn
 from pipeline.registry import Phase, Schedule, register
-from pipeline.stages import per_stage, pin_stages
+from pipeline.stages import GradSpec, per_stage, pin_stages
 from pipeline.ticks import backward_item, first_backward, forward_item, forward_of_backward, passes
 from sharding.rules import Rules
 
@@ -349,7 +349,5 @@ class OneFOneB(Schedule):
     def layer_runner(self, S: int, R: int, M: int, stage_fn: RunnerStageFn, stage_rules: Rules) -> LayerRunner:
         return pipeline_runner(S, R, M, stage_fn, stage_rules)  # forward only (evaluation): GPipe's
 
-    def grad_fn(self, graphdef: nnx.GraphDef, S: int, R: int, M: int, remat_policy: str, stage_rules: Rules,
-                loss_chunk: int, cast: Callable[[dict], dict] | None, length_shards: int) -> GradFn:
-        return make_scheduled_grad_fn(self, graphdef, S, R, M, remat_policy, stage_rules, loss_chunk, cast,
-                                      length_shards)
+    def grad_fn(self, graphdef: nnx.GraphDef, spec: GradSpec) -> GradFn:
+        return make_scheduled_grad_fn(self, graphdef, spec)

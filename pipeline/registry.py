@@ -14,13 +14,14 @@ from here); tests/test_plan.py checks the two agree.
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from flax import nnx
 
 from configs import Config, ConfigError
 from model import LayerRunner
 from model.loss import GradFn
+from pipeline.stages import GradSpec
 from pipeline.ticks import Phase, Row, masked_share
 from sharding.rules import Rules
 
@@ -71,9 +72,9 @@ class Schedule:
         """The runner the model's forward takes on a pipelined layout (model.LayerRunner)."""
         raise NotImplementedError
 
-    def grad_fn(self, graphdef: nnx.GraphDef, S: int, R: int, M: int, remat_policy: str, stage_rules: Rules,
-                loss_chunk: int, cast: Callable[[dict], dict] | None, length_shards: int) -> GradFn | None:
-        """The loss and gradients computed by the schedule (None: autodiff through the runner)."""
+    def grad_fn(self, graphdef: nnx.GraphDef, spec: GradSpec) -> GradFn | None:
+        """The loss and gradients computed by the schedule on the pipeline shape and settings of
+        `spec` (None: autodiff through the runner)."""
         return None
 
 

@@ -6,14 +6,37 @@ the jitted step, a schedule views it as [stages, repeats, layers_per_group, ...]
 the layer groups s, S + s, 2S + s, ... (group g = layers [g*K, (g+1)*K)). With one repeat this
 view is free (each device already holds its contiguous block); with several repeats XLA moves
 the groups to their stages once per step, like an FSDP gather of the layer weights.
+
+`GradSpec` is the pipeline shape and the step's settings a schedule that computes its own
+gradients needs (`Schedule.grad_fn`), handed over as one value.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 import jax
 from jax.sharding import PartitionSpec
 
+from sharding.rules import Rules
+
 Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class GradSpec:
+    """What a 1F1B-family schedule's gradient function is built from, beside the model's graph:
+    one value, so a new setting is a field here and changes no schedule's signature."""
+
+    stages: int  # S: pipeline stages (mesh.pipeline)
+    repeats: int  # R: layer groups per stage
+    microbatches: int  # M: microbatches per step
+    remat_policy: str  # model.remat, for each stage's layer scan
+    stage_rules: Rules  # the activation rules inside a stage
+    loss_chunk: int = 0  # model.loss_chunk: the head and loss this many positions at a time (0: all)
+    cast: Callable[[dict], dict] | None = None  # float32 parameters -> their compute-dtype view
+    length_shards: int = 1  # shards of the activations' `length` dim (mesh.context), for the head's split
 
 
 def pin_stages(a: Array) -> Array:

@@ -24,7 +24,7 @@ import dataclasses
 import math
 import re
 from collections import defaultdict
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from planner.hlo import COLLECTIVES, HEADER, multiplicities, shape_bytes
 
@@ -104,9 +104,20 @@ def _dot_flops(ins: Instr, types: dict[str, str]) -> float:
     return 2.0 * math.prod(_dims(ins.type)) * k
 
 
-def _taps(out: int, size: int, pad_lo: int, stride: int, lhs_dilate: int, rhs_dilate: int, extent: int) -> int:
-    """How many (output position, kernel position) pairs of one spatial dimension land on real
-    input, not on padding or dilation holes: the multiply-adds that dimension contributes."""
+class _Window(NamedTuple):
+    """One spatial dimension of a convolution's window, as the HLO's `window={...}` gives it."""
+
+    pad_lo: int = 0  # padding before the input
+    stride: int = 1
+    lhs_dilate: int = 1  # holes between input elements
+    rhs_dilate: int = 1  # holes between kernel elements
+
+
+def _taps(out: int, size: int, extent: int, window: _Window) -> int:
+    """How many (output position, kernel position) pairs of one spatial dimension (`out` outputs,
+    a kernel of `size`, an input of `extent`) land on real input, not on padding or dilation
+    holes: the multiply-adds that dimension contributes."""
+    pad_lo, stride, lhs_dilate, rhs_dilate = window
     span = (extent - 1) * lhs_dilate + 1
     if lhs_dilate > 1:  # holes in the input: count pair by pair (rare: transposed strided convolutions)
         return sum(1 for o in range(out) for k in range(size)
@@ -144,8 +155,9 @@ def _conv_flops(ins: Instr, types: dict[str, str]) -> float:
     taps = 1
     for j, d in enumerate(spatial):
         pad_lo = int(pads[j].split("_")[0]) if pads else 0
-        taps *= _taps(out[out_l.index(d)], rhs[rhs_l.index(d)], pad_lo, int(strides[j]) if strides else 1,
-                      int(lhs_dil[j]) if lhs_dil else 1, int(rhs_dil[j]) if rhs_dil else 1, lhs[lhs_l.index(d)])
+        window = _Window(pad_lo, int(strides[j]) if strides else 1, int(lhs_dil[j]) if lhs_dil else 1,
+                         int(rhs_dil[j]) if rhs_dil else 1)
+        taps *= _taps(out[out_l.index(d)], rhs[rhs_l.index(d)], lhs[lhs_l.index(d)], window)
     return 2.0 * out[out_l.index("b")] * out[out_l.index("f")] * rhs[rhs_l.index("i")] * taps
 
 

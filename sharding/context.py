@@ -22,6 +22,8 @@ Strategies (`context.strategy`):
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import jax
@@ -45,14 +47,24 @@ def balanced_order(length: int, shards: int) -> np.ndarray:
     return np.concatenate(pairs).astype(np.int32)
 
 
-def ring_attention(q: Array, k: Array, v: Array, positions: Array, segment_ids: Array | None, *,
-                   axis: str, shards: int, mask_fn: MaskFn, piece: int = 512) -> Array:
-    """Attention of the local queries over every device's keys on the `axis` ring; runs inside
+@dataclasses.dataclass(frozen=True)
+class Ring:
+    """The static settings of `ring_attention`: the ring and how each key block is scored."""
+
+    axis: str  # the mesh axis of the ring ("" with one shard: no ring)
+    shards: int  # devices on it
+    mask_fn: MaskFn  # the kernel's mask (model/attention.py `block_mask` for xla)
+    piece: int = 512  # keys scored at a time within a block
+
+
+def ring_attention(q: Array, k: Array, v: Array, positions: Array, segment_ids: Array | None, ring: Ring) -> Array:
+    """Attention of the local queries over every device's keys on the `ring.axis` ring; runs inside
     shard_map with q, k [b, t, h or kv, d], v [b, t, kv, dv], positions and segment_ids [b, t] local.
 
-    Each key/value block is taken `piece` keys at a time under remat, so a device holds scores
+    Each key/value block is taken `ring.piece` keys at a time under remat, so a device holds scores
     of [heads, t, piece], never [heads, t, t], and the backward pass keeps only the running
     max, sum and output per piece (at 131,072 tokens over 16 devices t is 8,192)."""
+    axis, shards, mask_fn, piece = ring.axis, ring.shards, ring.mask_fn, ring.piece
     b, t, h, d = q.shape
     kvh, dv = k.shape[2], v.shape[-1]
     qg = q.reshape(b, t, kvh, h // kvh, d)
@@ -110,7 +122,7 @@ def sharded_ring(rules: Rules, shards: int, mask_fn: MaskFn) -> AttentionFn:
     axis = mesh_axes("length", rules)[0] if shards > 1 else ""  # one shard: no ring, blockwise attention
 
     def attention(q: Array, k: Array, v: Array, positions: Array, segment_ids: Array | None) -> Array:
-        fn = lambda q, k, v, p, s: ring_attention(q, k, v, p, s, axis=axis, shards=shards, mask_fn=mask_fn)  # noqa: E731
+        fn = functools.partial(ring_attention, ring=Ring(axis, shards, mask_fn))
         seg_spec = None if segment_ids is None else row_spec
         # check_vma off: under the pipeline's vmap (spmd_axis_name) the stage axis joins some
         # operands' varying axes and not others'; every input and the output are split the same

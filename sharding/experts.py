@@ -22,27 +22,41 @@ group compute the same rows (no tensor parallelism inside an expert yet).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from model.kernels import DispatchFn
+from model.kernels import DispatchFn, Experts
 from model.moe import GroupedMatmul, capacity, capacity_keep, combine, expert_rows
 from sharding.rules import Rules, logical_to_spec, mesh_axes
 
 Array = jax.Array
 
 
-def _dispatch_local(x: Array, ids: Array, weights: Array, gate: Array, up: Array, down: Array, *,
-                    axis: str, shards: int, capacity_factor: float, matmul: GroupedMatmul) -> tuple[Array, Array]:
+@dataclasses.dataclass(frozen=True)
+class _Shards:
+    """The static half of one device's dispatch: the `expert` mesh axis, how many devices it
+    has, the capacity factor and the dropless experts' grouped matmul."""
+
+    axis: str
+    shards: int
+    capacity_factor: float
+    matmul: GroupedMatmul
+
+
+def _dispatch_local(x: Array, ids: Array, weights: Array, experts: Experts, on: _Shards) -> tuple[Array, Array]:
     """One device's part (inside shard_map): x [b, l, d], ids and weights [b, l, k] local,
-    gate/up [E/P, d, f], down [E/P, f, d] this device's experts."""
+    experts this device's (gate/up [E/P, d, f], down [E/P, f, d])."""
+    axis, shards = on.axis, on.shards
     b, l, d = x.shape
-    k, local = ids.shape[-1], gate.shape[0]
+    k, local = ids.shape[-1], experts.gate.shape[0]
     num_experts = local * shards
     flat = ids.reshape(-1)
     n = flat.shape[0]
-    cap = capacity(b * l, num_experts, k, capacity_factor)
+    cap = capacity(b * l, num_experts, k, on.capacity_factor)
     kept = capacity_keep(flat, num_experts, cap)
     dest = jnp.where(kept, flat // local, shards)  # `shards`: dropped, written nowhere
     order = jnp.argsort(jnp.where(kept, flat, num_experts), stable=True)
@@ -57,7 +71,7 @@ def _dispatch_local(x: Array, ids: Array, weights: Array, gate: Array, up: Array
     recv = jax.lax.all_to_all(send, axis, 0, 0)  # [source device, rows, d]
     recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0)
     # No expert receives more than `cap` rows from each of the `shards` devices.
-    y = expert_rows(recv.reshape(shards * rows, d), recv_ids.reshape(-1), gate, up, down, shards * cap, matmul)
+    y = expert_rows(recv.reshape(shards * rows, d), recv_ids.reshape(-1), experts, shards * cap, on.matmul)
     back = jax.lax.all_to_all(y.reshape(shards, rows, d), axis, 0, 0)  # [destination device, rows, d]
     y = back[jnp.minimum(dest, shards - 1), slot].reshape(b, l, k, d)
     kept = kept.reshape(ids.shape)
@@ -74,15 +88,11 @@ def expert_parallel(rules: Rules, shards: int, matmul: GroupedMatmul = jax.lax.r
     route_spec = logical_to_spec(("batch", "length", None), rules)
     w_spec = PartitionSpec(axis[0])
 
-    def dispatch(x: Array, ids: Array, weights: Array, gate: Array, up: Array, down: Array,
-                 capacity_factor: float) -> tuple[Array, Array]:
-        def fn(x: Array, ids: Array, weights: Array, gate: Array, up: Array, down: Array) -> tuple[Array, Array]:
-            return _dispatch_local(x, ids, weights, gate, up, down, axis=axis[0], shards=shards,
-                                   capacity_factor=capacity_factor, matmul=matmul)
-
+    def dispatch(x: Array, ids: Array, weights: Array, experts: Experts, capacity_factor: float) -> tuple[Array, Array]:
+        fn = functools.partial(_dispatch_local, on=_Shards(axis[0], shards, capacity_factor, matmul))
         # check_vma off, as for the sequence split's kernels (sharding/context.py): under the
         # pipeline's vmap the stage axis joins some operands' varying axes and not others'.
-        return jax.shard_map(fn, in_specs=(x_spec, route_spec, route_spec, w_spec, w_spec, w_spec),
-                             out_specs=(x_spec, route_spec), check_vma=False)(x, ids, weights, gate, up, down)
+        return jax.shard_map(fn, in_specs=(x_spec, route_spec, route_spec, Experts(w_spec, w_spec, w_spec)),
+                             out_specs=(x_spec, route_spec), check_vma=False)(x, ids, weights, experts)
 
     return dispatch

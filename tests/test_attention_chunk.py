@@ -19,7 +19,9 @@ import pytest
 
 from conftest import ROOT, real_target_env
 from configs import ConfigError
+from model import TokenInputs
 from model.attention import attend
+from model.attn_kernels.registry import Options
 from sharding.hardware import HARDWARE
 from planner.targets import has_compiler
 from sharding import activation_rules
@@ -67,7 +69,7 @@ def _largest_f32(stablehlo: str) -> int:
 
 def _attention(chunk: int):
     def f(q, k, v, w, pos, seg):
-        out = attend(q, k, v, pos, seg, impl="xla", chunk=chunk)
+        out = attend(q, k, v, TokenInputs(pos, seg), impl="xla", opts=Options(chunk=chunk))
         return jnp.sum(out * w), out
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))
 

@@ -18,6 +18,7 @@ from bench.procs import TINY
 from configs import ConfigError, load_config
 from configs.schema import ATTENTION_KERNELS
 from model import attn_kernels
+from model import TokenInputs
 from model.attention import attend, xla_attention
 from trainer.checks import check_devices
 from trainer.kernels import attention_kernel
@@ -120,5 +121,5 @@ def test_the_layers_call_runs_the_named_kernel(name: str) -> None:
     pos = jax.numpy.broadcast_to(jax.numpy.arange(t), (b, t))
     for dv in (d, d // 2):
         v = jax.random.normal(kv, (b, t, kvh, dv))
-        ours = jax.jit(lambda q, k, v: attend(q, k, v, pos, None, impl=name))(q, k, v)
+        ours = jax.jit(lambda q, k, v: attend(q, k, v, TokenInputs(pos), impl=name))(q, k, v)
         np.testing.assert_allclose(np.asarray(ours), np.asarray(xla_attention(q, k, v, None, pos)), rtol=2e-5, atol=2e-5)

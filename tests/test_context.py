@@ -186,7 +186,7 @@ def test_ring_attention_in_pieces_matches_the_reference():
     from jax.sharding import Mesh, PartitionSpec as P
 
     from model.attention import block_mask
-    from sharding.context import ring_attention
+    from sharding.context import Ring, ring_attention
 
     kq, kk, kv = jax.random.split(jax.random.key(1), 3)
     b, t, h, g, d = 2, 128, 4, 2, 8
@@ -199,7 +199,7 @@ def test_ring_attention_in_pieces_matches_the_reference():
     args = [jnp.asarray(a[:, order]) for a in (q, k, v, pos, seg)]
     mesh = Mesh(np.array(jax.devices()[:4]), ("context",))
     row, qkv = P(None, "context"), P(None, "context", None, None)
-    ring = lambda *a: ring_attention(*a, axis="context", shards=4, mask_fn=block_mask, piece=8)  # noqa: E731
+    ring = lambda *a: ring_attention(*a, Ring("context", 4, block_mask, piece=8))  # noqa: E731
     ours = jax.jit(jax.shard_map(ring, mesh=mesh, in_specs=(qkv, qkv, qkv, row, row), out_specs=qkv,
                                  check_vma=False))(*args)  # as sharded_ring calls it
     ref = xla_attention(q, k, v, jnp.asarray(seg), jnp.asarray(pos))

@@ -23,7 +23,7 @@ import trainer
 from configs.schema import ModelConfig, MoEConfig
 from data.tokenizer import ByteTokenizer
 from model import Transformer
-from model.decode import _generate, forward, generate, init_cache
+from model.decode import Sampling, _generate, forward, generate, init_cache
 from generate import main
 
 # A large init scale spreads the logits, so argmax is far from ties that rounding could flip.
@@ -108,14 +108,14 @@ def test_left_padded_rows_decode_as_each_row_alone(model):
 
 def test_sampling_is_seeded_and_top_k_1_is_greedy(model):
     programs = _generate.jitted_fn._cache_size()
-    a = np.asarray(generate(model, PROMPT, 8, temperature=2.0, seed=1))
-    b = np.asarray(generate(model, PROMPT, 8, temperature=2.0, seed=1))
-    c = np.asarray(generate(model, PROMPT, 8, temperature=2.0, seed=2))
+    a = np.asarray(generate(model, PROMPT, 8, sampling=Sampling(2.0), seed=1))
+    b = np.asarray(generate(model, PROMPT, 8, sampling=Sampling(2.0), seed=1))
+    c = np.asarray(generate(model, PROMPT, 8, sampling=Sampling(2.0), seed=2))
     np.testing.assert_array_equal(a, b)
     assert (a != c).any()
     assert _generate.jitted_fn._cache_size() == programs + 1, "three calls that differ in the seed: one program"
     greedy = np.asarray(generate(model, PROMPT, 8))
-    np.testing.assert_array_equal(np.asarray(generate(model, PROMPT, 8, temperature=1.0, top_k=1, seed=3)), greedy)
+    np.testing.assert_array_equal(np.asarray(generate(model, PROMPT, 8, sampling=Sampling(1.0, top_k=1), seed=3)), greedy)
     assert (a != greedy).any()
 
 
@@ -182,7 +182,7 @@ def test_cli_samples_from_a_sharded_checkpoint(tiny, tmp_path, capsys):
     sampling = ["--temperature", "1.5", "--top-k", "50", "--seed", "4"]
     assert main([*greedy, *sampling]) == 0
     sampled = capsys.readouterr().out
-    assert sampled == _text(prompt_text, np.asarray(generate(newest, prompt, n, temperature=1.5, top_k=50, seed=4))[0])
+    assert sampled == _text(prompt_text, np.asarray(generate(newest, prompt, n, sampling=Sampling(1.5, top_k=50), seed=4))[0])
     assert sampled != expected, "sampling at temperature 1.5 must leave the greedy path"
     assert main(["--run-dir", cfg.run.dir, "--prompt", "x", "--step", "9"]) == 2
     assert "--step: no checkpoint for step 9" in capsys.readouterr().err

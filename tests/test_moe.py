@@ -25,6 +25,7 @@ from configs import load_config
 from conftest import ROOT, stopped_at
 from test_context import initial_params
 from configs import ConfigError
+from model.kernels import Experts
 from model.moe import MoE, expert_rows, local_dispatch, megablox_matmul
 from model.router import STATS, router_stats
 from sharding import activation_rules, make_mesh, resolve_mesh_shape, to_rules
@@ -193,7 +194,7 @@ def test_megablox_equals_ragged_dot_forward_and_gradients():
     probe = jax.random.normal(jax.random.key(1), (256, 128))
 
     def loss(matmul, *args: jax.Array) -> tuple[jax.Array, jax.Array]:
-        y = expert_rows(*args[:1], ids, *args[1:], matmul=matmul)
+        y = expert_rows(args[0], ids, Experts(*args[1:]), matmul=matmul)
         return jnp.sum(jnp.sin(y) * probe), y
 
     grads = {name: jax.jit(jax.value_and_grad(functools.partial(loss, mm), argnums=(0, 1, 2, 3), has_aux=True))(
@@ -220,10 +221,10 @@ def test_megablox_in_the_expert_parallel_dispatch_equals_one_device():
     weights, ids = jax.lax.top_k(jax.nn.softmax(logits), 2)
     rows = NamedSharding(mesh, PartitionSpec("expert"))
     with activation_rules(mesh, rules):
-        y, _ = jax.jit(expert_parallel(rules, 2, MEGABLOX), static_argnums=6)(
-            *(jax.device_put(a, rows) for a in (x, ids, weights, gate, up, down)), 0.0)
+        y, _ = jax.jit(expert_parallel(rules, 2, MEGABLOX), static_argnums=4)(
+            *(jax.device_put(a, rows) for a in (x, ids, weights, Experts(gate, up, down))), 0.0)
     # Jitted: one compile, not one per primitive (op by op, dispatch would be most of the test's time).
-    y_ref, _ = jax.jit(local_dispatch, static_argnums=6)(x, ids, weights, gate, up, down, 0.0)
+    y_ref, _ = jax.jit(local_dispatch, static_argnums=4)(x, ids, weights, Experts(gate, up, down), 0.0)
     assert np.abs(y_ref).min() > 0
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
 
@@ -268,13 +269,13 @@ def test_capacity_drops_exactly_the_over_capacity_tokens():
     x = jax.random.normal(jax.random.key(0), (1, 6, 4))
     ids = jnp.array([0, 0, 0, 0, 1, 0]).reshape(1, 6, 1)
     weights = jnp.ones((1, 6, 1))
-    dispatch = jax.jit(local_dispatch, static_argnums=6)  # one compile, not one per primitive
-    y, kept = dispatch(x, ids, weights, gate, up, down, 1.0)
+    dispatch = jax.jit(local_dispatch, static_argnums=4)  # one compile, not one per primitive
+    y, kept = dispatch(x, ids, weights, Experts(gate, up, down), 1.0)
     np.testing.assert_array_equal(kept.reshape(-1), [True, True, True, False, True, False])
     for t in range(6):
         want = _one_expert(x[0, t], int(ids[0, t, 0]), gate, up, down) if kept[0, t, 0] else np.zeros(4)
         np.testing.assert_allclose(y[0, t], want, rtol=1e-5, atol=1e-6)
-    y_free, kept_free = dispatch(x, ids, weights, gate, up, down, 0.0)  # dropless keeps all
+    y_free, kept_free = dispatch(x, ids, weights, Experts(gate, up, down), 0.0)  # dropless keeps all
     assert kept_free.all() and np.abs(y_free[0, 3]).sum() > 0
 
 
@@ -292,8 +293,8 @@ def test_capacity_under_expert_parallelism_counts_each_device_s_tokens():
     dispatch = expert_parallel(rules, 2)
     rows = NamedSharding(mesh, PartitionSpec("expert"))
     with activation_rules(mesh, rules):
-        y, kept = jax.jit(dispatch, static_argnums=6)(*(jax.device_put(a, rows) for a in (x, ids, weights, gate, up, down)),
-                                                      1.0)
+        y, kept = jax.jit(dispatch, static_argnums=4)(
+            *(jax.device_put(a, rows) for a in (x, ids, weights, Experts(gate, up, down))), 1.0)
     np.testing.assert_array_equal(np.asarray(kept).reshape(2, 3), [[True, True, False], [True, True, True]])
     for b in range(2):
         for t in range(3):

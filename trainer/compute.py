@@ -87,7 +87,6 @@ def scheduled_grads(layout: Layout, graphdef: nnx.GraphDef, remat_policy: str, l
     schedule = pipeline.get(layout.schedule)
     if not layout.pipelined or not schedule.computes_grads:
         return None
-    return schedule.grad_fn(
-        graphdef, layout.stages, layout.repeats, layout.microbatches, remat_policy, layout.stage_rules, loss_chunk, cast,
-        axes_size(mesh_axes("length", layout.stage_rules), layout.sizes),
-    )
+    return schedule.grad_fn(graphdef, pipeline.GradSpec(
+        layout.stages, layout.repeats, layout.microbatches, remat_policy, layout.stage_rules, loss_chunk, cast,
+        axes_size(mesh_axes("length", layout.stage_rules), layout.sizes)))
