@@ -54,34 +54,23 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Any
 
 import jax
 from jax.sharding import AbstractMesh
 
-import pipeline
 from configs import Config, ConfigError, load_config
 from configs.schema import MESH_AXES, REMAT_POLICIES
 from model import attn_kernels
-from sharding.hardware import HARDWARE, Hardware, check_quant, kernel_seconds
-from planner.hlo import collectives
-from planner.minimum import minimum
-from planner.rank import EXPERT_STORAGE, storage_gather_bytes
-from planner.report import evaluate, print_plan, print_search
-from planner.roofline import compute_seconds, kernels
-from planner.targets import child_env, compiler_name, has_compiler, node_of, target_devices, tpu_slice_shape
-from sharding import resolve_mesh_shape
-from trainer.kernels import attention_notes
-from planner.compiled import compiled_stats
-from trainer.program import abstract_program, fill_microbatches, sharded_optimizer
-from trainer.spec import prepare
-from trainer.state import abstract_state
 from ops.xla_env import set_cpu_collective_env, set_default_flags
+from planner import (Heartbeat, candidates, child_env, collectives, compiled_stats, compiler_name, compute_seconds,
+                     evaluate, has_compiler, kernels, minimum, node_of, print_plan, print_search, storage_gather_bytes,
+                     target_devices, tpu_slice_shape, wait_with_progress)
+from sharding import resolve_mesh_shape
+from sharding.hardware import HARDWARE, Hardware, check_quant, kernel_seconds
+from trainer import abstract_program, abstract_state, attention_notes, fill_microbatches, prepare, sharded_optimizer
 
 DEFAULT_REMATS = ("none", "save_dots", "full")  # in order of growing recompute
-# A compile for a large mesh can take minutes: the waiting parent says it is still at work this often.
-HEARTBEAT_S = 15.0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -99,62 +88,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: the compiling process
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     return parser.parse_args(argv)
-
-
-def _pinned(overrides: list[str]) -> dict[str, str]:
-    return dict(o.split("=", 1) for o in overrides if "=" in o)
-
-
-def _factorizations(n: int, axes: list[str]) -> list[dict[str, int]]:
-    if len(axes) == 1:
-        return [{axes[0]: n}]
-    return [{axes[0]: d, **rest} for d in range(1, n + 1) if n % d == 0 for rest in _factorizations(n // d, axes[1:])]
-
-
-def candidates(overrides: list[str], n: int, search: bool, remats: list[str], experts: int = 1) -> list[list[str]]:
-    """Override lists to plan: the command line as given, or (search) one per mesh, storage and
-    policy. A mixture of `experts` > 1 also searches `mesh.expert` over the sizes that divide it."""
-    if not search:
-        return [overrides]
-    pinned = _pinned(overrides)
-    fixed = {a: int(pinned[f"mesh.{a}"]) for a in MESH_AXES if pinned.get(f"mesh.{a}", "-1") != "-1"}
-    fixed.setdefault("context", 1)  # the sequence split is the long-context choice: searched only as given
-    if experts <= 1:
-        fixed.setdefault("expert", 1)
-    free = [a for a in MESH_AXES if a not in fixed]
-    rest = math.prod(fixed.values())
-    if rest <= 0 or n % rest or not free and rest != n:
-        raise ConfigError(f"--devices={n}: the pinned mesh axes {fixed} do not divide it")
-    meshes = _factorizations(n // rest, free) if free else [{}]
-    meshes = [m for m in meshes if experts % m.get("expert", 1) == 0]
-    policies = [pinned["model.remat"]] if "model.remat" in pinned else remats
-    searched = {f"mesh.{a}" for a in MESH_AXES} | {"model.remat", "pipeline.schedule"}
-    base = [o for o in overrides if o.split("=", 1)[0] not in searched]  # mesh.nodes and mesh.across stay
-
-    repeats = int(pinned.get("pipeline.repeats", "1") or 1)
-
-    def schedules(mesh: dict[str, int]) -> list[list[str]]:
-        """A pipelined mesh runs under each schedule that takes the repeats given (or the one
-        schedule given); others under none."""
-        if mesh["pipeline"] == 1:
-            return [[]]
-        runs = [s for s in pipeline.names() if pipeline.get(s).takes_repeats(repeats)]
-        return [[f"pipeline.schedule={s}"] for s in ([pinned["pipeline.schedule"]] if "pipeline.schedule" in pinned
-                                                     else runs)]
-
-    def storages(mesh: dict[str, int]) -> list[list[str]]:
-        """The default storage, and on an expert-parallel mesh without tensor parallelism the one
-        that splits the weights outside the experts over fsdp x expert too (unless the rules of
-        stored parameters are given): it trades gathers over `expert` for their state's memory."""
-        if mesh["expert"] == 1 or mesh["tensor"] > 1 or any(o.startswith("sharding.params") for o in base):
-            return [[]]
-        return [[], list(EXPERT_STORAGE)]
-
-    meshes = [{**fixed, **m} for m in meshes]
-    return [
-        base + [f"mesh.{a}={m[a]}" for a in MESH_AXES] + st + s + [f"model.remat={r}"]
-        for m in meshes for st in storages(m) for s in schedules(m) for r in policies
-    ]
 
 
 def check(config: str | None, overrides: list[str], n: int) -> Config:
@@ -281,52 +214,6 @@ def run_child(child_spec: Child, jobs: list[list[str]]) -> list[dict]:
                 raise RuntimeError(f"the compiling process failed ({code}):\n{err.read()[-4000:]}")
         with open(spec + ".out") as f:
             return json.load(f)
-
-
-def wait_with_progress(child: subprocess.Popen, progress: str, every: float = HEARTBEAT_S) -> int:
-    """Waits for the compiling child; its exit status. On stderr (stdout is the plan): each
-    compile as the child starts it (it writes what it compiles to `progress`) and, while one runs,
-    the elapsed time every `every` seconds."""
-    label, started = "starting the compiling process", time.monotonic()
-    beat = started
-    while True:
-        try:
-            return child.wait(timeout=min(1.0, every))
-        except subprocess.TimeoutExpired:
-            pass
-        now, current = time.monotonic(), _read_progress(progress)
-        if current and current != label:
-            label, started, beat = current, now, now
-            print(label, file=sys.stderr, flush=True)
-        elif now - beat >= every:
-            beat = now
-            print(f"{label} ... {now - started:.0f} s", file=sys.stderr, flush=True)
-
-
-class Heartbeat:
-    """`what (i of n) ... 16 s` on stderr every HEARTBEAT_S seconds of a long loop of `total`
-    items (a search's hundreds of layouts), and nothing for a loop that ends sooner: a bad input
-    stays one line. `tick()` once per item, before it."""
-
-    def __init__(self, what: str, total: int, every: float = HEARTBEAT_S):
-        self.what, self.total, self.every, self.done = what, total, every, 0
-        self.start = self.beat = time.monotonic()
-
-    def tick(self) -> None:
-        now = time.monotonic()
-        if now - self.beat >= self.every:
-            self.beat = now
-            print(f"{self.what} ({self.done} of {self.total}) ... {now - self.start:.0f} s", file=sys.stderr,
-                  flush=True)
-        self.done += 1
-
-
-def _read_progress(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except FileNotFoundError:
-        return ""
 
 
 def compiling_label(config: str | None, cfg: Config, hw: Hardware, target: Hardware | None, n: int,

@@ -18,7 +18,9 @@ import pytest
 
 from configs import load_config
 import plan
-from plan import candidates, main, state_bytes
+from plan import main, state_bytes
+from planner import candidates
+from planner.progress import Heartbeat, wait_with_progress
 import pipeline
 from configs.schema import PIPELINE_SCHEDULES
 from pipeline import bubble_formula, bubble_fraction
@@ -376,7 +378,7 @@ def test_the_wait_for_a_compile_names_it_and_counts_the_seconds(tmp_path, capsys
     script = (f"import os, time\nfor label in ('compiling a', 'compiling b'):\n"
               f"    open({tmp!r}, 'w').write(label)\n    os.replace({tmp!r}, {progress!r})\n    time.sleep(1.5)\n")
     child = subprocess.Popen([sys.executable, "-c", script])
-    assert plan.wait_with_progress(child, progress, every=0.4) == 0
+    assert wait_with_progress(child, progress, every=0.4) == 0
     lines = capsys.readouterr().err.splitlines()
     assert lines.index("compiling a") < lines.index("compiling b"), lines
     assert any(re.fullmatch(r"compiling a \.\.\. \d+ s", line) for line in lines), lines
@@ -398,7 +400,7 @@ def test_a_compile_is_named_by_preset_target_and_layout():
 
 def test_a_long_loop_says_how_far_it_got_and_a_short_one_nothing(capsys):
     """A search's checks of hundreds of layouts report on stderr while they run, past the heartbeat."""
-    quiet, loud = plan.Heartbeat("checking the layouts", 3, every=60.0), plan.Heartbeat("checking the layouts", 588)
+    quiet, loud = Heartbeat("checking the layouts", 3, every=60.0), Heartbeat("checking the layouts", 588)
     quiet.tick()
     assert capsys.readouterr().err == ""
     loud.tick(), loud.tick()  # the first two items within the heartbeat

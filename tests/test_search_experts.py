@@ -14,7 +14,8 @@ import pytest
 
 from conftest import ROOT, real_target_env
 from configs import load_config
-from plan import candidates, check, state_bytes
+from plan import check, state_bytes
+from planner import candidates
 from sharding.hardware import HARDWARE
 from planner.rank import EXPERT_STORAGE, expert_bytes
 from planner.targets import has_compiler

@@ -34,7 +34,8 @@ def _sources() -> dict[str, str]:
 
 def test_no_objective_name_is_compared_outside_the_registries() -> None:
     """`x == "dpo"`-style comparisons belong to trainer/objectives/ and data/corpus_format/ only."""
-    pattern = re.compile(r"""(==|!=)\s*["'](%s)["']|["'](%s)["']\s*(==|!=)""" % ("|".join(OBJECTIVES),) * 2)
+    names = "|".join(OBJECTIVES)
+    pattern = re.compile(rf"""(==|!=)\s*["']({names})["']|["']({names})["']\s*(==|!=)""")
     sources = _sources()
     wrong = []
     for module, path in sources.items():

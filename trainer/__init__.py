@@ -5,10 +5,12 @@ XLA flags, ops/xla_env.py) before JAX starts its backend.
 """
 
 from ops.faults import Preempted, RunStopped, TooManyBadSteps
-from trainer.loop import run
-from trainer.program import abstract_program
-from trainer.spec import prepare
 from ops.xla_env import set_default_flags
+from trainer.kernels import attention_notes
+from trainer.loop import run
+from trainer.program import abstract_program, fill_microbatches, sharded_optimizer
+from trainer.spec import prepare
+from trainer.state import abstract_state
 
-__all__ = ["Preempted", "RunStopped", "TooManyBadSteps", "abstract_program", "prepare", "run",
-           "set_default_flags"]
+__all__ = ["Preempted", "RunStopped", "TooManyBadSteps", "abstract_program", "abstract_state", "attention_notes",
+           "fill_microbatches", "prepare", "run", "set_default_flags", "sharded_optimizer"]
