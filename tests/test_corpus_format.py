@@ -20,6 +20,7 @@ from conftest import ROOT
 from data import batch_fields, batch_shape, corpus_format, describe, eval_batches, open_source, process_dataset
 from data.examples import dpo_rows, sft_rows, write
 from data.prepare import Options, main, prepare
+from trainer import objectives
 
 SMALL = ["model.seq_len=32", "train.global_batch=4"]
 PACKED = ("tokens", "segment_ids", "positions")
@@ -45,7 +46,9 @@ def _cli_objectives(capsys: pytest.CaptureFixture) -> list[str]:
 def test_every_objective_the_cli_and_config_accept_is_a_format_with_fields_and_shape(capsys):
     cli = _cli_objectives(capsys)
     config = list(choices(TrainConfig, "objective"))
-    assert cli == ["lm", "sft", "dpo"] and set(config) <= set(cli)
+    # Every train.objective is a registered objective whose batches come in one of these formats.
+    assert set(objectives.names()) == set(config)
+    assert cli == ["lm", "sft", "dpo"] and {objectives.get(name).data_format for name in config} <= set(cli)
     assert list(corpus_format.names()) == cli
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), SMALL)
     for name in cli:
