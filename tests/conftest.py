@@ -167,7 +167,7 @@ FILE_SECONDS = {
     "test_accumulation": 19, "test_lock": 17, "test_observe": 16, "test_hf_moe": 15, "test_hf": 15,
     "test_harness": 15, "test_hf_deepseek": 15, "test_loss": 12, "test_lora_mla": 11, "test_trackers": 10,
     "test_prepare": 10, "test_stragglers": 9, "test_model": 9, "test_sharding": 8, "test_lookup": 7,
-    "test_readme": 6, "test_extras": 6, "test_sweep": 6, "test_imports": 6,
+    "test_distill": 11, "test_readme": 6, "test_extras": 6, "test_sweep": 6, "test_imports": 6,
 }
 
 
