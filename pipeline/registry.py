@@ -14,11 +14,12 @@ from here); tests/test_plan.py checks the two agree.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 from flax import nnx
 
-from configs import Config, ConfigError
+from configs import Config
+from configs.registry import Registry, api
 from model import LayerRunner
 from model.loss import GradFn
 from pipeline.stages import GradSpec
@@ -78,25 +79,8 @@ class Schedule:
         return None
 
 
-_SCHEDULES: dict[str, Schedule] = {}
-S_ = TypeVar("S_", bound=type[Schedule])
-
-
-def register(cls: S_) -> S_:
-    """Class decorator: the schedule under its `name`, in the order registered."""
-    _SCHEDULES[cls.name] = cls()
-    return cls
-
-
-def get(name: str) -> Schedule:
-    """The schedule called `name` (`pipeline.schedule`)."""
-    if name not in _SCHEDULES:
-        raise ConfigError(f"pipeline.schedule: {name!r} is not one of {', '.join(_SCHEDULES)}")
-    return _SCHEDULES[name]
-
-
-def names() -> tuple[str, ...]:
-    return tuple(_SCHEDULES)
+_SCHEDULES: Registry[Schedule] = Registry("pipeline.schedule")
+register, get, names = api(_SCHEDULES)  # a Schedule subclass decorated with `register`: its `name` selects it
 
 
 def bubble_fraction(stages: int, repeats: int, microbatches: int, schedule: str = "gpipe") -> float:

@@ -10,11 +10,12 @@ becomes a record). The names are `train.objective`'s and `data.prepare --objecti
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, ClassVar, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Sequence
 
 import numpy as np
 
-from configs.schema import Config, ConfigError
+from configs.schema import Config
+from configs.registry import Registry, api
 from data.chat import ChatTemplate
 from data.tokenizer import Tokenizer
 
@@ -66,24 +67,6 @@ class CorpusFormat:
         raise NotImplementedError(f"corpus format {self.name} is prepared from documents, not examples")
 
 
-_FORMATS: dict[str, CorpusFormat] = {}
-F_ = TypeVar("F_", bound=type[CorpusFormat])
-
-
-def register(cls: F_) -> F_:
-    """Class decorator: makes the format available under `cls.name`."""
-    assert cls.name not in _FORMATS, f"corpus format {cls.name} registered twice"
-    _FORMATS[cls.name] = cls()
-    return cls
-
-
-def get(name: str) -> CorpusFormat:
-    """The format called `name`. Raises ConfigError for an unknown one."""
-    if name not in _FORMATS:
-        raise ConfigError(f"train.objective: no corpus format {name!r}; expected one of {', '.join(_FORMATS)}")
-    return _FORMATS[name]
-
-
-def names() -> tuple[str, ...]:
-    """Every registered format, in registration order (data/corpus_format/__init__.py's)."""
-    return tuple(_FORMATS)
+_FORMATS: Registry[CorpusFormat] = Registry(
+    "train.objective", unknown="{key}: no corpus format {name!r}; expected one of {names}")
+register, get, names = api(_FORMATS)  # a CorpusFormat subclass decorated with `register`, in registration order

@@ -27,12 +27,13 @@ same facts, and that test checks they agree with it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, ClassVar, TypeVar
+from typing import Callable, ClassVar
 
 import jax
 import jax.numpy as jnp
 
 from configs import Config, ConfigError
+from configs.registry import Registry, api
 from model.kernels import AttentionFn
 
 Array = jax.Array
@@ -127,22 +128,5 @@ class Kernel:
         return None
 
 
-_KERNELS: dict[str, Kernel] = {}
-K_ = TypeVar("K_", bound=type[Kernel])
-
-
-def register(cls: K_) -> K_:
-    """Class decorator: the kernel under its `name`, in the order registered."""
-    _KERNELS[cls.name] = cls()
-    return cls
-
-
-def get(name: str) -> Kernel:
-    """The kernel called `name` (`model.attention`)."""
-    if name not in _KERNELS:
-        raise ConfigError(f"model.attention: {name!r} is not one of {', '.join(_KERNELS)}")
-    return _KERNELS[name]
-
-
-def names() -> tuple[str, ...]:
-    return tuple(_KERNELS)
+_KERNELS: Registry[Kernel] = Registry("model.attention")
+register, get, names = api(_KERNELS)  # a Kernel subclass decorated with `register`: its `name` selects it

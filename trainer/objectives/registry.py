@@ -12,13 +12,14 @@ step, the program, the hooks and the metrics logger ask it; none of them compare
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, ClassVar, TypeVar
+from typing import Any, Callable, ClassVar
 
 import jax
 import numpy as np
 from flax import nnx
 
 from configs import Config, ConfigError
+from configs.registry import Registry, api
 from configs.schema import ModelConfig
 from model.loss import LossFn
 from trainer.compute import Compute
@@ -121,24 +122,8 @@ def check_prepared(cfg: Config) -> None:
     require(not d.mixture, "train.objective", f"{name} reads one prepared corpus (data.path), not data.mixture")
 
 
-O = TypeVar("O", bound=type[Objective])
-_OBJECTIVES: dict[str, type[Objective]] = {}
-
-
-def register(cls: O) -> O:
-    """Class decorator: makes `train.objective=cls.name` select `cls`."""
-    _OBJECTIVES[cls.name] = cls
-    return cls
-
-
-def get(name: str) -> type[Objective]:
-    if name not in _OBJECTIVES:
-        raise ConfigError(f"train.objective: {name!r} is not one of {', '.join(_OBJECTIVES)}")
-    return _OBJECTIVES[name]
-
-
-def names() -> tuple[str, ...]:
-    return tuple(_OBJECTIVES)
+_OBJECTIVES: Registry[type[Objective]] = Registry("train.objective", instances=False)
+register, get, names = api(_OBJECTIVES)  # an Objective subclass decorated with `register`: its `name` selects it
 
 
 def build(cfg: Config) -> Objective:
