@@ -36,6 +36,7 @@ TEACHER = ["model.num_layers=3", "model.d_model=32", "model.d_ff=64", "model.num
 DISTILL = ["train.objective=distill", "distill.temperature=2.0", "distill.lm_weight=0.25", "optim.lr=1e-2",
            "data.eval_fraction=0.3"]  # a held-out split of the few standard-library files
 LAYOUT = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+GPIPE = ["mesh.pipeline=2", "mesh.data=4", "pipeline.schedule=gpipe", "pipeline.microbatches=2"]
 KEYS = ("loss", "kl", "lm_loss")
 
 
@@ -136,6 +137,17 @@ def test_8_devices_give_the_one_device_losses(runs, teacher, tmp_path):
                                    err_msg=key)
 
 
+def test_a_gpipe_layout_gives_the_one_device_losses(runs, teacher, tmp_path):
+    """The student pipelined over 2 stages (GPipe) while its 3-layer teacher, whole on every stage,
+    runs outside the pipeline: one device's losses."""
+    piped = student(tmp_path / "piped", teacher, *GPIPE)
+    spec = prepare(piped, 8, with_data=False)
+    assert spec.layout.pipelined and spec.frozen.shapes["layers"]["attn"]["q"].shape[0] % 2  # depth odd: unsplit
+    history = trainer.run(piped)
+    for key in KEYS:
+        np.testing.assert_allclose(column(history, key), column(runs["one"], key), rtol=2e-5, atol=1e-6, err_msg=key)
+
+
 def test_resume_restores_the_teacher_and_is_bitwise_exact(runs, teacher, tmp_path, capsys):
     common = [f"optim.decay_steps={STEPS}", "checkpoint.every=3", *LAYOUT]
     first = trainer.run(student(tmp_path / "run", teacher, *common, "train.steps=3"))
@@ -167,7 +179,9 @@ def bad_cases(teacher: str, tmp: str) -> dict[str, tuple[list[str], str]]:
         "temperature": ([f"distill.teacher={teacher}", "distill.temperature=0"], "distill.temperature: must be > 0"),
         "lm_weight": ([f"distill.teacher={teacher}", "distill.lm_weight=1.5"], "distill.lm_weight: must be"),
         "loss chunk": ([f"distill.teacher={teacher}", "model.loss_chunk=8"], "model.loss_chunk: train.objective=distill"),
-        "pipeline": ([f"distill.teacher={teacher}", "mesh.pipeline=2"], "mesh.pipeline: 2 with train.objective=distill"),
+        "1f1b": ([f"distill.teacher={teacher}", "mesh.pipeline=2", "mesh.data=4", "pipeline.schedule=1f1b",
+                  "pipeline.microbatches=2"], "pipeline.schedule=1f1b computes the language-model loss itself; "
+                 "train.objective=distill pipelines with pipeline.schedule=gpipe"),
         "teacher shards": ([f"distill.teacher={teacher}", "mesh.data=1", "mesh.tensor=8"],
                            "distill.teacher: its model.num_kv_heads=4 is not divisible by 8"),
     }

@@ -32,7 +32,7 @@ from sharding.cast import cast_for_compute
 from model.lora import trainable
 from trainer.compute import Compute, build_compute
 from trainer.optimizer import make_optimizer
-from trainer.spec import RunSpec, prepare
+from trainer.spec import RunSpec, frozen_rules, prepare
 from trainer.state import TrainState, abstract_state, state_shardings
 from trainer.step import make_train_step
 
@@ -44,7 +44,9 @@ def sharded_optimizer(spec: RunSpec, mesh: Mesh | AbstractMesh) -> tuple[optax.G
     tx, schedule = make_optimizer(spec.cfg.optim, spec.cfg.train.steps, trainable(spec.model.axes),
                                   spec.cfg.model.moe.router_bias_update_rate)
     params = shardings(spec.model.axes, spec.layout.param_rules, mesh)
-    ref = None if spec.frozen is None else shardings(spec.frozen.axes, spec.layout.param_rules, mesh)
+    # A copy of the starting weights shards as the parameters; a network of its own by frozen_rules.
+    rules = spec.layout.param_rules if spec.frozen is spec.model else frozen_rules(spec.layout)
+    ref = None if spec.frozen is None else shardings(spec.frozen.axes, rules, mesh)
     return tx, schedule, state_shardings(tx, spec.model.shapes, params, mesh, ref)
 
 

@@ -14,6 +14,7 @@ import jax
 import pipeline
 from configs import Config, ConfigError
 from data import open_source
+from sharding import Rules
 from trainer import objectives
 from trainer.checkpoint import RunDir, read_run_dir
 from trainer.checks import check_divisible
@@ -39,6 +40,13 @@ class RunSpec:
     rundir: RunDir | None = None  # run.dir as the checks read it (trainer.checkpoint); None: checked without data
 
 
+def frozen_rules(layout: Layout) -> Rules:
+    """How a frozen network of its own (a teacher) is stored: by the parameters' rules, but with
+    its layer stack whole on every pipeline stage. It runs outside the pipeline, with the model's
+    own scan, and its depth need not divide the stages."""
+    return tuple((name, None if name == "layers" else axes) for name, axes in layout.param_rules)
+
+
 def frozen_model(objective: Objective, model: AbstractModel, layout: Layout) -> AbstractModel | None:
     """The abstract network of the objective's frozen weights: the model's own for a copy of the
     starting weights, else their own (a teacher), checked to shard by the run's rules."""
@@ -47,7 +55,7 @@ def frozen_model(objective: Objective, model: AbstractModel, layout: Layout) -> 
         return None if frozen is None else model
     ref = abstract_model(frozen.model)
     try:
-        check_divisible(ref.shapes, ref.axes, layout.param_rules, layout.sizes)
+        check_divisible(ref.shapes, ref.axes, frozen_rules(layout), layout.sizes)
     except ConfigError as e:
         raise ConfigError(f"{frozen.key}: its {e}") from None
     return ref
