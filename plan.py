@@ -63,9 +63,9 @@ from configs import Config, ConfigError, load_config
 from configs.schema import MESH_AXES, REMAT_POLICIES
 from model import attn_kernels
 from ops.xla_env import set_cpu_collective_env, set_default_flags
-from planner import (Heartbeat, candidates, child_env, collectives, compiled_stats, compiler_name, compute_seconds,
-                     evaluate, has_compiler, kernels, minimum, node_of, print_plan, print_search, storage_gather_bytes,
-                     target_devices, tpu_slice_shape, wait_with_progress)
+from planner import (Heartbeat, candidates, collectives, compiled_stats, compute_seconds, evaluate, kernels,
+                     minimum_traffic, print_plan, print_search, storage_gather_bytes, wait_with_progress)
+from planner.targets import child_env, compiler_name, has_compiler, node_of, target_devices, tpu_slice_shape
 from sharding import resolve_mesh_shape
 from sharding.hardware import HARDWARE, Hardware, check_quant, kernel_seconds
 from trainer import abstract_program, abstract_state, attention_notes, fill_microbatches, prepare, sharded_optimizer
@@ -112,7 +112,7 @@ def state_bytes(cfg: Config, n: int) -> dict[str, int]:
     return {
         "params": per_device(state.params) + per_device(state.ref_params),  # the frozen weights too (DPO, distill)
         "optimizer": per_device(state.opt_state) + per_device(state.step),
-        "minimum": minimum(cfg, spec.layout.sizes, spec.model.shapes, spec.model.axes),
+        "minimum": minimum_traffic(cfg, spec.layout.sizes, spec.model.shapes, spec.model.axes),
         "expert_gathers": storage_gather_bytes(cfg, spec.layout.sizes, spec.model.shapes, spec.model.axes),
         # the sequences a step trains, as its objective counts them (DPO: two a pair)
         "sequences": cfg.train.global_batch * spec.objective.rows_per_example,
