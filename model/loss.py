@@ -70,7 +70,8 @@ def chunked_cross_entropy_sum(model: nnx.Module, x: Array, targets: Array, weigh
 def model_inputs(batch: dict[str, Array]) -> dict[str, Array]:
     """A batch of token rows -> {"inputs", "targets", "weights"} (+ "positions", "segment_ids"
     for document packing: padding (segment 0) and targets across a document boundary weigh 0).
-    A "loss_mask" (supervised fine-tuning) also gives weight 0 to every target it does not mark."""
+    A "loss_mask" (supervised fine-tuning) also gives weight 0 to every target it does not mark.
+    A training step's "noise" (LoRA dropout, one per input token: model/lora.py) passes through."""
     tokens, segments = batch["tokens"], batch.get("segment_ids")
     out = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     if segments is None:
@@ -80,6 +81,8 @@ def model_inputs(batch: dict[str, Array]) -> dict[str, Array]:
         out.update(positions=batch["positions"][:, :-1], segment_ids=segments[:, :-1])
     if "loss_mask" in batch:
         out["weights"] = out["weights"] * (batch["loss_mask"][:, 1:] != 0)
+    if "noise" in batch:
+        out["noise"] = batch["noise"]
     return out
 
 

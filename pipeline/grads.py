@@ -45,7 +45,7 @@ def make_scheduled_grad_fn(schedule: Schedule, graphdef: nnx.GraphDef, spec: Gra
         b = model_inputs(batch)
         # The layers' per-token inputs travel with the microbatches as one pytree (model/inputs.py),
         # the step's LoRA dropout noise among them when it has one.
-        token_inputs = TokenInputs.of(b["inputs"], b.get("positions"), b.get("segment_ids"), batch.get("noise"))
+        token_inputs = TokenInputs.of(b["inputs"], b.get("positions"), b.get("segment_ids"), b.get("noise"))
         inputs = {"inputs": b["inputs"], "targets": b["targets"], "weights": b["weights"], "token_inputs": token_inputs}
         micro = jax.tree.map(lambda a: to_microbatches(a, microbatches), inputs)
 

@@ -92,10 +92,7 @@ def make_distill_loss_fn(graphdef: nnx.GraphDef, compute: Compute, distill: Dist
     t, w = distill.temperature, distill.lm_weight
 
     def loss_fn(params: dict, batch: dict[str, Array]) -> tuple[Array, tuple[Array, Array]]:
-        rows = model_inputs(batch)
-        if "noise" in batch:  # the student's LoRA dropout
-            rows["noise"] = batch["noise"]
-        out = forward(graphdef, compute, params, rows, model_terms)
+        out = forward(graphdef, compute, params, model_inputs(batch), model_terms)  # with the student's dropout
         logits = out.model.logits(out.x)
         kl = kl_sum(logits, batch["teacher_logps"], out.weights, t)
         ce, count = cross_entropy_sum(logits, out.targets, out.weights), jnp.sum(out.weights)

@@ -46,10 +46,7 @@ def make_loss_fn(graphdef: nnx.GraphDef, compute: Compute = Compute(), *, model_
     them and aux becomes (count, [the sums of "lm_loss" and the terms' metrics])."""
 
     def loss_fn(params: dict, batch: dict[str, Array]) -> tuple[Array, Any]:
-        rows = model_inputs(batch)
-        if "noise" in batch:
-            rows["noise"] = batch["noise"]
-        out = forward(graphdef, compute, params, rows, model_terms)
+        out = forward(graphdef, compute, params, model_inputs(batch), model_terms)
         ce, count = head_loss(out.model, out.x, out.targets, out.weights, compute.loss_chunk), jnp.sum(out.weights)
         if not out.terms:
             return ce, count
