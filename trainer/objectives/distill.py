@@ -108,11 +108,11 @@ class Distill(Objective):
     data_format = "lm"  # the LM corpora; an SFT corpus's loss mask would need data_format "sft"
     token_loss = False  # the 1F1B family's own gradient code has the LM loss only
 
-    @classmethod
-    def check(cls, cfg: Config) -> None:
+    def check(self) -> None:
+        cfg = self.cfg
         require(cfg.model.loss_chunk == 0, "model.loss_chunk", "train.objective=distill holds the teacher's "
                 "log-probs over the whole vocabulary for every position; set 0")
-        teacher = teacher_model(cfg)
+        teacher = self.frozen.model  # the teacher's directory read once, here
         require(teacher.vocab_size == cfg.model.vocab_size, KEY, f"the teacher at {cfg.distill.teacher} has "
                 f"vocab_size {teacher.vocab_size}, the student (model.vocab_size) {cfg.model.vocab_size}: they must match")
 

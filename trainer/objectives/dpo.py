@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from configs import Config
 from configs.post import DPOConfig
 from model.lora import switched_off
 from model.loss import LossFn
@@ -96,8 +95,8 @@ class DPO(Objective):
     rows_per_example = 2  # chosen and rejected
     token_loss = False
 
-    @classmethod
-    def check(cls, cfg: Config) -> None:
+    def check(self) -> None:
+        cfg = self.cfg
         check_prepared(cfg)
         require(cfg.data.packing == "concat", "data.packing", "train.objective=dpo pads each sequence of a pair to "
                 "model.seq_len + 1 and packs nothing; leave data.packing=concat")

@@ -54,8 +54,7 @@ class Objective:
     def __init__(self, cfg: Config):
         self.cfg = cfg
 
-    @classmethod
-    def check(cls, cfg: Config) -> None:
+    def check(self) -> None:
         """Rules between `train.objective` and other keys (no devices needed). Raises ConfigError."""
 
     def check_schedule(self, computes_grads: bool) -> None:
@@ -128,6 +127,6 @@ register, get, names = api(_OBJECTIVES)  # an Objective subclass decorated with 
 
 def build(cfg: Config) -> Objective:
     """The objective `cfg` trains, its config checks passed."""
-    cls = get(cfg.train.objective)
-    cls.check(cfg)
-    return cls(cfg)
+    objective = get(cfg.train.objective)(cfg)
+    objective.check()
+    return objective

@@ -10,7 +10,6 @@ from typing import Any
 
 import jax
 
-from configs import Config
 from trainer.objectives.lm import LM, terms_console
 from trainer.objectives.registry import check_prepared, register, require
 
@@ -22,8 +21,8 @@ class SFT(LM):
     name = "sft"
     data_format = "sft"
 
-    @classmethod
-    def check(cls, cfg: Config) -> None:
+    def check(self) -> None:
+        cfg = self.cfg
         check_prepared(cfg)
         require(cfg.data.packing == "document", "data.packing", "train.objective=sft needs document packing, which "
                 "keeps conversations apart")
