@@ -45,7 +45,8 @@ def sharded_optimizer(spec: RunSpec, mesh: Mesh | AbstractMesh) -> tuple[optax.G
                                   spec.cfg.model.moe.router_bias_update_rate)
     params = shardings(spec.model.axes, spec.layout.param_rules, mesh)
     # A copy of the starting weights shards as the parameters; a network of its own by frozen_rules.
-    rules = spec.layout.param_rules if spec.frozen is spec.model else frozen_rules(spec.layout)
+    own = spec.frozen is not None and spec.objective.frozen.load is not None
+    rules = frozen_rules(spec.layout) if own else spec.layout.param_rules
     ref = None if spec.frozen is None else shardings(spec.frozen.axes, rules, mesh)
     return tx, schedule, state_shardings(tx, spec.model.shapes, params, mesh, ref)
 

@@ -34,7 +34,8 @@ BatchFn = Callable[[dict, Any, dict], dict]
 @dataclasses.dataclass(frozen=True)
 class Frozen:
     """Frozen weights the train state holds beside the parameters (`TrainState.ref_params`):
-    sharded by the run's parameter rules, out of the optimizer, saved and restored with the state."""
+    sharded by the run's parameter rules (a network of its own with its layer stack whole on every
+    pipeline stage: trainer.spec.frozen_rules), out of the optimizer, saved and restored with the state."""
 
     model: ModelConfig  # their network: its shapes and logical axes
     # Their shardings -> the weights, placed; None: a copy of the starting weights (same shapes).
