@@ -9,12 +9,15 @@
 #   bash bench/gpu_session.sh peer    # the PyTorch peer at batch 4 and 8, same machine
 #   bash bench/gpu_session.sh ablate  # b8 with one change undone: attention, remat, XLA flag
 #   bash bench/gpu_session.sh more    # tiny and 3B points, bf16-vs-float32 on real text
+#   bash bench/gpu_session.sh lease   # one short lease: ours and the peer at b8 first, then b4 and
+#                                     # the memory-saving rows while DEADLINE_S (default 480) lasts
 #
 # Each run writes $OUT/<name>.log (and .json for bench.step); a run that fails (an OOM, say) is
 # noted and the next goes on. The last lines are a table of what this part measured.
 # DRY=1 swaps every config for the tiny preset on CPU, to check the script itself.
 set -uo pipefail
-part=${1:?usage: bench/gpu_session.sh ours|peer|ablate|more}
+part=${1:?usage: bench/gpu_session.sh ours|peer|ablate|more|lease}
+start=$SECONDS
 OUT=${OUT:-/tmp/gpu-session}
 mkdir -p "$OUT"
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
@@ -24,14 +27,26 @@ fi
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 
+left() { echo $(( ${DEADLINE_S:-100000} - (SECONDS - start) )); }
+cap() { local l; l=$(left); echo $(( l - 5 < $1 ? l - 5 : $1 )); }  # a run's timeout: its own, or what is left
+
 step() {  # step NAME CONFIG [key=value ...]: one bench.step row
   local name=$1 config=$2; shift 2
+  if [ "$(left)" -lt 90 ]; then echo "== $name: skipped, $(left) s left"; return; fi
   if [ -n "${DRY:-}" ]; then config=tiny; set -- mesh.data=1; fi
   echo "== $name: bench.step --config $config $*"
-  if ! timeout 300 $PY -m bench.step --config "$config" --steps 10 --json "$OUT/$name.json" "$@" >"$OUT/$name.log" 2>&1; then
+  if ! timeout "$(cap 300)" $PY -m bench.step --config "$config" --steps 10 --json "$OUT/$name.json" "$@" >"$OUT/$name.log" 2>&1; then
     echo "   failed; the end of $OUT/$name.log:"
     tail -n 2 "$OUT/$name.log"
   fi
+}
+
+peer() {  # peer BATCH: the PyTorch peer on the same machine
+  if [ -n "${DRY:-}" ]; then echo "DRY: no peer on CPU"; return; fi
+  if [ "$(left)" -lt 120 ]; then echo "== peer b$1: skipped, $(left) s left"; return; fi
+  echo "== peer b$1"
+  timeout "$(cap 280)" $PY .peer/torch_llama_peer.py --batch "$1" >"$OUT/peer-b$1.log" 2>&1 || echo "   failed (exit $?)"
+  grep "torch peer" "$OUT/peer-b$1.log"
 }
 
 case $part in
@@ -51,13 +66,20 @@ case $part in
       step b8-no-lhs $B train.global_batch=8
     ;;
   peer)
-    if [ -n "${DRY:-}" ]; then echo "DRY: no peer on CPU"; exit 0; fi
-    for b in 4 8; do
-      echo "== peer b$b"
-      timeout 280 $PY .peer/torch_llama_peer.py --batch $b >"$OUT/peer-b$b.log" 2>&1 || echo "   failed (exit $?)"
-      grep "torch peer" "$OUT/peer-b$b.log"
-    done
+    for b in 4 8; do peer $b; done
     exit 0
+    ;;
+  lease)  # what one 15-minute lease can hold, most telling first
+    : "${DEADLINE_S:=480}"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+    $PY -c "import jax; print('jax', jax.__version__, jax.devices())"
+    B=configs/llama3-1b.yaml
+    step b8 $B train.global_batch=8
+    peer 8
+    step b4 $B train.global_batch=4
+    step b8-chunk512 $B train.global_batch=8 model.loss_chunk=512
+    peer 4
+    step b16-full $B train.global_batch=16 model.remat=full model.loss_chunk=512
     ;;
   more)
     step tiny tiny
@@ -71,7 +93,7 @@ case $part in
     timeout 300 $PY -m bench.precision --config "${precision[@]}" >"$OUT/precision.log" 2>&1 || echo "   exit $?"
     grep -A12 "^| step" "$OUT/precision.log"
     ;;
-  *) echo "unknown part $part (ours|peer|ablate|more)"; exit 2 ;;
+  *) echo "unknown part $part (ours|peer|ablate|more|lease)"; exit 2 ;;
 esac
 
 $PY - "$OUT" <<'EOF'
