@@ -184,6 +184,35 @@ def test_without_any_local_copy_the_run_resumes_from_the_persistent_tier(tmp_pat
     assert list(tiers) == ["persistent"] and tiers["persistent"]["recomputed_steps"] == 5, tiers
 
 
+def test_a_run_held_by_the_local_tier_alone_is_a_resume(tmp_path, ran_9, capsys):
+    """Every persistent checkpoint gone (a pod's first minutes, before the first persistent save):
+    the local tier's steps 3 and 6 alone make the run a resume. A changed key that fixes the state
+    is refused with one line naming the key and the tier, nothing written; init.from_hf, which a
+    resume does not read, is neither checked nor imported; the unchanged config resumes from step 6
+    and computes steps 7 to 9 bit for bit."""
+    run_dir, local_dir, reference = ran_9
+    copy_run, copy_local = tmp_path / "run", tmp_path / "local"
+    shutil.copytree(run_dir, copy_run)
+    shutil.rmtree(copy_run / "checkpoints")
+    cfg = load_config(TINY, args(copy_run, copy_local, "train.steps=9")[2:])
+    shutil.copytree(local_root(load_config(TINY, args(run_dir, local_dir)[2:])), local_root(cfg))
+    step_dir = process_dir(cfg, layout_tag({"data": 8}, 1), 0)
+    config_text = (copy_run / "config.yaml").read_text()
+    changed = load_config(TINY, args(copy_run, copy_local, "train.steps=9", "model.d_ff=512")[2:])
+    with pytest.raises(ConfigError) as refused:
+        trainer.run(changed)
+    assert str(refused.value) == (f"model.d_ff=512 differs from {cfg.model.d_ff} in the checkpoints of run.dir={copy_run} "
+                                  "(the local tier's step(s) 3, 6, checkpoint.local_dir); resume with the same value "
+                                  "or use a new run.dir"), refused.value
+    assert (copy_run / "config.yaml").read_text() == config_text and sorted(os.listdir(step_dir)) == ["3", "6"]
+    capsys.readouterr()
+    history = trainer.run(load_config(TINY, args(copy_run, copy_local, "train.steps=9",
+                                                 f"init.from_hf={tmp_path / 'gone'}")[2:]))
+    out = capsys.readouterr().out
+    assert "resumed from step 6" in out and "init.from_hf" not in out, out
+    assert {r["step"]: r["loss"] for r in history} == {s: reference[s] for s in (7, 8, 9)}
+
+
 @pytest.mark.parametrize("damage", ["arrays", "state"])
 def test_an_unreadable_local_step_is_computed_and_saved_again(tmp_path, ran_9, capsys, caplog, damage):
     """The local step 6 is newer than the persistent step 4 left but cannot be read: its arrays gone

@@ -33,7 +33,7 @@ from model import lora
 from model.transformer import param_shapes
 from trainer.state import TrainState, frozen_base
 from ops.library_log import LibraryLog, library_log_path
-from trainer.tiers import LocalTier
+from trainer.tiers import LocalTier, local_steps, this_process_dir
 
 def _get(cfg: Config, key: str) -> object:
     for name in key.split("."):
@@ -62,21 +62,40 @@ class RunDir:
     because a run alive at the first read may have saved since."""
 
     path: str
-    checkpoints: bool  # checkpoints/ holds anything: the run resumes rather than starts
+    checkpoints: bool  # checkpoints/ holds anything: the persistent tier has something to resume
     config_text: str | None  # config.yaml as found; None: there is none
-    saved: Config | None  # the config of the checkpoints (config.yaml); None without checkpoints
+    saved: Config | None  # the config of the checkpoints of either tier (config.yaml); None without any
+    local_steps: tuple[int, ...] = ()  # this process's steps in the local tier, for this layout
+    local: bool = False  # some process's local tier holds a step of this layout
+
+    @property
+    def resumes(self) -> bool:
+        """Whether the run finds checkpoints in either tier: it resumes rather than starts (unless
+        none of them can be read)."""
+        return self.checkpoints or self.local
 
 
-def read_run_dir(run_dir: str) -> RunDir:
-    """run_dir as it is now. config.yaml is parsed only beside checkpoints: it is then the config
-    of the run they resume."""
+def read_run_dir(run_dir: str, local_dir: str | None = None) -> RunDir:
+    """run_dir as it is now, and the local tier's steps in `local_dir` (this process's folder of
+    the run's local tier for its layout, trainer.tiers.this_process_dir; None: no tier). config.yaml
+    is parsed only beside checkpoints of either tier: it is then the config of the run they resume.
+    With a local tier every process must call this: whether any holds a step is agreed on by all,
+    so that they take the same decisions (a replaced host's empty disk resumes as its peers do)."""
     path = os.path.join(run_dir, "config.yaml")
     checkpoints, text = has_checkpoints(run_dir), None
     if os.path.exists(path):
         with open(path) as f:
             text = f.read()
-    saved = load_config(path) if checkpoints and text is not None else None
-    return RunDir(run_dir, checkpoints, text, saved)
+    steps = local_steps(local_dir)
+    local = local_dir is not None and not _everywhere(not steps)
+    saved = load_config(path) if (checkpoints or local) and text is not None else None
+    return RunDir(run_dir, checkpoints, text, saved, steps, local)
+
+
+def read_run(cfg: Config, sizes: dict[str, int]) -> RunDir:
+    """run.dir and this process's local tier for a mesh of `sizes` (Layout.sizes), as a run of
+    `cfg` finds them (read_run_dir)."""
+    return read_run_dir(cfg.run.dir, this_process_dir(cfg, sizes))
 
 
 def find_checkpoint(run_dir: str, step: int | None = None) -> tuple[Config, int]:
@@ -133,7 +152,8 @@ def check_resumable(cfg: Config, found: RunDir | None = None) -> None:
     """If run.dir holds checkpoints, the new config must fit them. Raises ConfigError naming
     the first key that differs, before anything in run.dir is touched. `found`: run.dir as the
     caller read it (read now when not given)."""
-    old = (read_run_dir(cfg.run.dir) if found is None else found).saved
+    found = read_run_dir(cfg.run.dir) if found is None else found
+    old = found.saved
     if old is None:
         return
     # The keys marked Resume in the schema fix the shapes of the state, or which example comes at
@@ -141,8 +161,8 @@ def check_resumable(cfg: Config, found: RunDir | None = None) -> None:
     for key, read in resume_keys().items():
         if _get(old, read) != _get(cfg, read):
             raise ConfigError(
-                f"{key}={_get(cfg, read)!r} differs from {_get(old, read)!r} in the checkpoints of run.dir={cfg.run.dir}; "
-                "resume with the same value or use a new run.dir"
+                f"{key}={_get(cfg, read)!r} differs from {_get(old, read)!r} in the checkpoints of run.dir={cfg.run.dir}"
+                f"{_tier_note(found)}; resume with the same value or use a new run.dir"
             )
     if old.model.lora.enabled and old.init.from_hf != cfg.init.from_hf:
         raise ConfigError(
@@ -159,6 +179,14 @@ def check_resumable(cfg: Config, found: RunDir | None = None) -> None:
             f"optim.clip={cfg.optim.clip} turns clipping {'on' if cfg.optim.clip else 'off'}, which changes the "
             f"optimizer state saved in run.dir={cfg.run.dir}; use a new run.dir"
         )
+
+
+def _tier_note(found: RunDir) -> str:
+    """Where the checkpoints are when only the local tier holds any (a user sees run.dir/checkpoints empty)."""
+    if found.checkpoints or not found.local:
+        return ""
+    held = f"step(s) {', '.join(map(str, found.local_steps))}" if found.local_steps else "steps on other processes"
+    return f" (the local tier's {held}, checkpoint.local_dir)"
 
 
 def _everywhere(ok: bool) -> bool:

@@ -20,8 +20,9 @@ def check_files(cfg: Config, found: RunDir) -> None:
     check_resumable(cfg, found)
     check_local_dir(cfg)
     check_trackers(cfg)
-    # Once the run has checkpoints it resumes from them; a LoRA run's hold no base, read from init.from_hf again.
-    if cfg.init.from_hf and (not found.checkpoints or cfg.model.lora.enabled):
+    # Once the run has checkpoints (of either tier) it resumes from them; a LoRA run's hold no
+    # base, read from init.from_hf again.
+    if cfg.init.from_hf and (not found.resumes or cfg.model.lora.enabled):
         hf.check_compatible(cfg.model, cfg.init.from_hf)
 
 

@@ -53,7 +53,9 @@ def initial_state(program: Program, ckpt: Checkpointer, iterator: Any, found: Ru
             state = state.replace(params=join(state.params, base))
         log(f"resumed from step {step}")
         return Start(state, step, ckpt.restored_tier)
-    if cfg.init.from_hf and not found.checkpoints:  # checked by `prepare`
+    if cfg.init.from_hf and not found.checkpoints:
+        if found.local:  # `prepare` left it unchecked: the local tier's steps were to resume the run
+            hf.check_compatible(cfg.model, cfg.init.from_hf)
         params = hf.load_params(cfg.init.from_hf, cfg.model, sh.params)
         if cfg.model.mtp_depth:  # no Hugging Face checkpoint holds them: they start from the random init
             params["mtp"] = random_params(cfg.model, cfg.run.seed, sh.params, "mtp")

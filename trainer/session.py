@@ -21,7 +21,7 @@ from configs import Config, dump_config
 from data import describe, eval_batches, make_iterator
 from model import stack_layers
 from ops.metrics import log
-from trainer.checkpoint import Checkpointer, RunDir, check_resumable, read_run_dir
+from trainer.checkpoint import Checkpointer, RunDir, check_resumable, read_run
 from trainer.program import Program, make_program
 from trainer.restore import checkpointer, initial_state
 from trainer.spec import RunSpec
@@ -74,7 +74,7 @@ def reread(spec: RunSpec) -> tuple[RunSpec, str]:
     """`spec` with run.dir read again (call it holding run.dir's lock) and its config's schedule
     resolved from the checkpoints it resumes; and the schedule's resume note (resolve_schedule).
     Raises ConfigError if the config no longer fits the checkpoints found."""
-    found = read_run_dir(spec.cfg.run.dir)
+    found = read_run(spec.cfg, spec.layout.sizes)
     check_resumable(spec.cfg, found)
     cfg, note = resolve_schedule(spec.cfg, found)
     return dataclasses.replace(spec, cfg=cfg, rundir=found), note

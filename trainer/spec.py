@@ -16,7 +16,7 @@ from configs import Config, ConfigError
 from data import open_source
 from sharding import Rules
 from trainer import objectives
-from trainer.checkpoint import RunDir, read_run_dir
+from trainer.checkpoint import RunDir, read_run
 from trainer.checks import check_divisible
 from trainer.files import check_files, check_tasks
 from trainer.layout import Layout, plan_layout
@@ -73,7 +73,7 @@ def prepare(cfg: Config, num_devices: int, with_data: bool = True, found: RunDir
     frozen = frozen_model(objective, model, layout)
     if not with_data:
         return RunSpec(cfg, layout, model, objective, frozen=frozen)
-    found = read_run_dir(cfg.run.dir) if found is None else found
+    found = read_run(cfg, layout.sizes) if found is None else found
     check_files(cfg, found)
     return RunSpec(cfg, layout, model, objective, open_source(cfg, objective.data_format), check_tasks(cfg), frozen,
                    found)

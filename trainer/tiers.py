@@ -73,6 +73,22 @@ def process_dir(cfg: Config, layout: str, index: int) -> str:
     return os.path.join(local_root(cfg), layout, f"process{index}")
 
 
+def this_process_dir(cfg: Config, sizes: dict[str, int]) -> str | None:
+    """This process's folder of the run's local tier for a mesh of `sizes` (Layout.sizes, the
+    mesh's shape); None when the run has no local tier."""
+    if not cfg.checkpoint.local_dir:
+        return None
+    return process_dir(cfg, layout_tag(sizes, jax.process_count()), jax.process_index())
+
+
+def local_steps(directory: str | None) -> tuple[int, ...]:
+    """The steps in a process's local folder (this_process_dir), ascending; () before its first
+    or without a tier."""
+    if directory is None or not os.path.isdir(directory):
+        return ()
+    return tuple(sorted(int(d) for d in os.listdir(directory) if d.isdigit()))
+
+
 def check_local_dir(cfg: Config) -> None:
     """checkpoint.local_dir must be a directory this process can write, or creatable (its nearest
     existing ancestor writable). Raises ConfigError; writes nothing."""
@@ -118,7 +134,7 @@ class LocalTier:
 
     def __init__(self, cfg: Config, mesh: Mesh, abstract: TrainState):
         self.every = cfg.checkpoint.local_every
-        self.directory = process_dir(cfg, layout_tag(dict(mesh.shape), jax.process_count()), jax.process_index())
+        self.directory = this_process_dir(cfg, dict(mesh.shape))
         _drop_unusable(self.directory)
         os.makedirs(self.directory, exist_ok=True)
         options = p2p_options.CheckpointManagerOptions(
@@ -182,7 +198,7 @@ class LocalTier:
         """Removes this process's local steps after `step`, the one the run resumes from when the
         local tier could not serve it: the run computes those steps again, and a save of one must
         not find it taken. One warning line where some are removed."""
-        newer = [s for s in _local_steps(self.directory) if s > step]
+        newer = [s for s in local_steps(self.directory) if s > step]
         for s in newer:
             shutil.rmtree(os.path.join(self.directory, str(s)))
         if newer:
@@ -235,11 +251,6 @@ def _peers_hold_copies(mesh: Mesh) -> bool:
     return all(len(procs) > 1 for procs in owners.values())
 
 
-def _local_steps(directory: str) -> list[int]:
-    """The steps of a process's local folder (named by their step), ascending; [] before its first."""
-    return sorted(int(d) for d in os.listdir(directory) if d.isdigit()) if os.path.isdir(directory) else []
-
-
 def _drop_unusable(directory: str) -> None:
     """A save cut short leaves Orbax's temporary folder, never a step; a step whose state holds no
     process's data (Orbax's own test of whose it is) would stop the P2P manager's start on this
@@ -248,7 +259,7 @@ def _drop_unusable(directory: str) -> None:
     for path in sorted(glob.glob(os.path.join(directory, "*.orbax-checkpoint-tmp*"))):
         print(f"warning: skipped a half-written local checkpoint {path} (removed)", flush=True)
         shutil.rmtree(path, ignore_errors=True)
-    for step in _local_steps(directory):
+    for step in local_steps(directory):
         if p2p_utils.detect_process_index(pathlib.Path(directory), step) is None:
             path = os.path.join(directory, str(step))
             print(f"warning: skipped an unreadable local checkpoint {path} (no process's state in it; removed)",
