@@ -282,6 +282,8 @@ def collectives(
         name, type_text, kind, start = op.groups()
         size = buffer_bytes(kind, bool(start), type_text, line)
         groups = [[local[i] for i in g] for g in device_groups(line, len(local))]
+        if not groups:  # a permute with no source-target pairs (a shift by zero blocks) sends nothing
+            continue
         n = max(len(g) for g in groups) if kind != "collective-permute" else 2
         if kind == "reduce-scatter" and not start:
             size *= n  # a synchronous op's type is its result: one shard of the reduced buffer

@@ -338,3 +338,22 @@ def test_moe_experts_run_as_the_megablox_kernel_on_tpu(tmp_path_factory: pytest.
     kernels = re.findall(r'custom_call_target="tpu_custom_call".*?op_name="[^"]*jit\((t?gmm)\)/pallas_call"', text)
     assert status == 0 and set(kernels) == {"gmm", "tgmm"}, out
     assert "ragged-dot" not in text and not re.search(r"bf16\[2,4096,(128|256)\]", text)
+
+
+@pytest.mark.parametrize("hardware", ["h100", "tpu-v5p"])
+def test_the_all_gather_sequence_split_on_xla_attention_compiles_and_is_charged(
+        tmp_path_factory: pytest.TempPathFactory, hardware: str) -> None:
+    """The default context strategy (all-gather) with XLA attention, the one GPUs run under a
+    sequence split (cuDNN refuses one), on 8 devices as data=2 x context=4: both compilers build
+    it and the planner reads its program. XLA's GPU compiler leaves a collective-permute with no
+    source-target pairs in it (a shift by zero blocks), which sends nothing; reading it stopped
+    the plan ("only int indices permitted")."""
+    _need(hardware)
+    result, out, status = plan(tmp_path_factory, "--config", os.path.join(ROOT, "configs", "llama3-1b.yaml"),
+                               "--devices", "8", "--hardware", hardware, "mesh.data=2", "mesh.context=4",
+                               "model.attention=xla", "train.global_batch=2", "model.seq_len=1024",
+                               "model.num_layers=2")
+    p = result["plans"][0]
+    assert status == 0 and p["status"] != "failed", out
+    gathered = [c for c in p["collectives"] if c["kind"] == "all-gather" and c["axes"] == ["context"]]
+    assert gathered and all(c["bytes"] > 0 for c in gathered), p["collectives"]
