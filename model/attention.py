@@ -69,13 +69,16 @@ def masked_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
     g = h // kv
     # Query heads grouped by the kv head they share (no repeated k and v), the group merged with
     # the queries: each product then has one free dim per operand, the layout a matmul takes
-    # without copying the [t, s] scores or probabilities into another order.
-    q = q.reshape(b, t, kv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, d)
+    # without copying the [t, s] scores or probabilities into another order. The queries are the
+    # major part of the merged dim, so a split of `t` over devices (the sequence split) is a split
+    # of the merged dim into contiguous blocks, which XLA keeps; with the group major it could not
+    # and gathered every query to every device, each then scoring the whole [t, s].
+    q = q.reshape(b, t, kv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kv, t * g, d)
     scores = jnp.einsum("bkqd,bskd->bkqs", q, k, preferred_element_type=jnp.float32) * d**-0.5
-    scores = jnp.where(mask[:, :, None], scores.reshape(b, kv, g, t, -1), jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv, g * t, -1)
+    scores = jnp.where(mask[:, :, :, None], scores.reshape(b, kv, t, g, -1), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv, t * g, -1)
     out = jnp.einsum("bkqs,bskd->bkqd", probs, v)
-    return out.reshape(b, kv, g, t, dv).transpose(0, 3, 1, 2, 4).reshape(b, t, h, dv)
+    return out.reshape(b, kv, t, g, dv).transpose(0, 2, 1, 3, 4).reshape(b, t, h, dv)
 
 
 def chunked_attention(q: Array, k: Array, v: Array, q_in: TokenInputs, k_in: TokenInputs, chunk: int) -> Array:

@@ -249,3 +249,30 @@ def test_cudnn_with_packed_documents_says_when_it_builds_a_dense_mask():
     assert "dense [batch, 1, T, T] mask" in attention_notes(load_config(TINY, packed))[0]
     assert attention_notes(load_config(TINY, [*packed, "model.max_documents=8"])) == []
     assert attention_notes(load_config(TINY, ["model.attention=cudnn"])) == []
+
+
+def _step_temps(overrides: list[str]) -> int:
+    """Per-device temporary bytes of the train step's loss and gradients (memory_analysis) on 8
+    devices, for 16 rows of 512 tokens packed with documents."""
+    cfg = load_config(TINY, ["data.source=synthetic", "model.seq_len=512", *overrides])
+    program = abstract_program(cfg, jax.devices())
+    loss_fn = make_loss_fn(program.spec.model.graphdef, program.compute)
+    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                          program.abstract_state().params, program.state_sh.params)
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=program.batch_sh)
+             for k, v in packed_batch(512, True).items()}
+    with activation_rules(program.mesh, program.spec.layout.act_rules):
+        compiled = jax.jit(lambda p, b: accumulate(loss_fn, p, b, 1)).lower(params, batch).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_the_sequence_split_scores_only_its_own_queries():
+    """context=8 holds 16 rows x 64 of the 512 positions per device, data=8 2 rows x 512: the same
+    tokens, so the same [rows, heads, queries, keys] scores per device (2 x 16 x 512 x 512 floats,
+    34 MB a layer). The split's temporaries stay within a quarter of data=8's, and below 8 layers'
+    worth of the whole [16, 16, 512, 512] scores that a device scoring every query would hold
+    (every query was gathered to every device when the query heads' group was the major part of
+    the merged query dim)."""
+    split, rows = _step_temps(["mesh.data=1", "mesh.context=8"]), _step_temps(["mesh.data=8"])
+    whole_scores = 16 * 16 * 512 * 512 * 4
+    assert split <= 1.25 * rows and split < 8 * whole_scores, (split, rows)
