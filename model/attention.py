@@ -87,10 +87,16 @@ def chunked_attention(q: Array, k: Array, v: Array, q_in: TokenInputs, k_in: Tok
     one block's [batch, heads, chunk, length]. Each block is rematerialized, so its backward keeps
     only its inputs and recomputes its scores (one more q.k product). q [b, t, h, d] with t a
     multiple of `chunk`; the queries' positions and segment ids (`q_in`) [b, t], the keys'
-    (`k_in`) [b, s]."""
+    (`k_in`) [b, s].
+
+    Block j holds queries j, j + n, j + 2n, ... (n = t / chunk blocks): strided, not contiguous,
+    so that under a sequence split into C contiguous parts (chunk a multiple of C) every device
+    holds chunk / C queries of every block and all devices score their share of a block at once.
+    The mask reads positions, not array order, so which queries share a block changes no sum."""
     q_pos, q_seg, k_pos, k_seg = q_in.positions, q_in.segment_ids, k_in.positions, k_in.segment_ids
     b, t = q.shape[:2]
-    blocks = lambda a: a.reshape(b, t // chunk, chunk, *a.shape[2:]).swapaxes(0, 1)  # noqa: E731  [n, b, chunk, ...]
+    n = t // chunk
+    blocks = lambda a: jnp.moveaxis(a.reshape(b, chunk, n, *a.shape[2:]), 2, 0)  # noqa: E731  [n, b, chunk, ...]
 
     @jax.checkpoint
     def block(qs: tuple[Array, Array, Array | None]) -> Array:
@@ -98,7 +104,7 @@ def chunked_attention(q: Array, k: Array, v: Array, q_in: TokenInputs, k_in: Tok
         return masked_attention(qb, k, v, block_mask(pos, k_pos, seg, k_seg))
 
     out = jax.lax.map(block, (blocks(q), blocks(q_pos), None if q_seg is None else blocks(q_seg)))
-    return out.swapaxes(0, 1).reshape(b, t, *out.shape[3:])
+    return jnp.moveaxis(out, 0, 2).reshape(b, t, *out.shape[3:])
 
 
 def fused_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, implementation: str | None,

@@ -104,15 +104,18 @@ def _loss_and_grads(cfg, batch: dict) -> tuple[float, dict]:
     return float(loss), jax.tree.map(np.asarray, grads)
 
 
-def test_a_chunked_model_gives_the_whole_attention_loss_and_gradients(tiny) -> None:
-    """The tiny model on data=2 x tensor=4 (heads split), packed documents, remat full: the loss
-    and every gradient with 8-query blocks as with the whole sequence."""
+@pytest.mark.parametrize("layout", [["mesh.data=2", "mesh.tensor=4"], ["mesh.data=2", "mesh.context=4"]],
+                         ids=["data=2 x tensor=4", "data=2 x context=4"])
+def test_a_chunked_model_gives_the_whole_attention_loss_and_gradients(tiny, layout) -> None:
+    """The tiny model on data=2 x tensor=4 (heads split) and on data=2 x context=4 (the sequence
+    split: each 8-query block spread over the 4 devices, 2 queries each), packed documents, remat
+    full: the loss and every gradient with 8-query blocks as with the whole sequence."""
     rng = np.random.default_rng(1)
     cut = rng.integers(1, 32, 16)[:, None]
     batch = {"tokens": rng.integers(0, 257, (16, 33)).astype(np.int32),
              "segment_ids": np.where(np.arange(33) < cut, 1, 2).astype(np.int32),
              "positions": np.where(np.arange(33) < cut, np.arange(33), np.arange(33) - cut).astype(np.int32)}
-    base = ["mesh.data=2", "mesh.tensor=4", "model.remat=full"]
+    base = [*layout, "model.remat=full"]
     whole, whole_grads = _loss_and_grads(tiny(*base), batch)
     chunked, chunked_grads = _loss_and_grads(tiny(*base, "model.attention_chunk=8"), batch)
     np.testing.assert_allclose(chunked, whole, rtol=1e-6)
@@ -127,9 +130,14 @@ def test_the_chunk_must_divide_the_sequence_and_be_xla_attention(tiny) -> None:
         tiny("model.attention_chunk=8", "model.attention=dot_product")
 
 
-def test_the_chunk_refuses_a_sequence_split(tiny) -> None:
-    with pytest.raises(ConfigError, match="model.attention_chunk=8: the query blocks would cut across"):
-        prepare(tiny("model.attention_chunk=8", "mesh.data=4", "mesh.context=2"), 8, with_data=False)
+def test_the_chunk_under_a_sequence_split_is_a_multiple_of_it_and_not_the_rings(tiny) -> None:
+    with pytest.raises(ConfigError, match="model.attention_chunk=4: each query block is spread over the sequence "
+                                          "split, so it must be a multiple of mesh.context=8"):
+        prepare(tiny("model.attention_chunk=4", "mesh.data=1", "mesh.context=8"), 8, with_data=False)
+    with pytest.raises(ConfigError, match="model.attention_chunk=8: the ring .context.strategy=ring. scores its own"):
+        prepare(tiny("model.attention_chunk=8", "mesh.data=4", "mesh.context=2", "context.strategy=ring"), 8,
+                with_data=False)
+    prepare(tiny("model.attention_chunk=8", "mesh.data=1", "mesh.context=8"), 8, with_data=False)
 
 
 @pytest.mark.real_target

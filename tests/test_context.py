@@ -276,3 +276,12 @@ def test_the_sequence_split_scores_only_its_own_queries():
     split, rows = _step_temps(["mesh.data=1", "mesh.context=8"]), _step_temps(["mesh.data=8"])
     whole_scores = 16 * 16 * 512 * 512 * 4
     assert split <= 1.25 * rows and split < 8 * whole_scores, (split, rows)
+
+
+def test_query_blocks_under_the_sequence_split_stay_on_their_devices():
+    """`model.attention_chunk=64` at context=8: each block's 64 queries are spread 8 per device, so
+    the split's temporaries stay within twice data=8's with the same blocks (1.4x here: the
+    gathered keys). Contiguous blocks put a whole block on one device and held 4.4x."""
+    split = _step_temps(["mesh.data=1", "mesh.context=8", "model.attention_chunk=64"])
+    rows = _step_temps(["mesh.data=8", "model.attention_chunk=64"])
+    assert split <= 2 * rows and split < _step_temps(["mesh.data=1", "mesh.context=8"]) / 4, (split, rows)

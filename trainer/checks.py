@@ -86,9 +86,12 @@ def check_context(cfg: Config, sizes: dict[str, int], act_rules: Rules) -> None:
     if mesh_axes("length", act_rules) != ("context",):
         raise ConfigError(f"sharding.activations.length: must be 'context' when mesh.context={c} > 1 "
                           f"(got {mesh_axes('length', act_rules) or None})")
-    if m.attention_chunk:
-        raise ConfigError(f"model.attention_chunk={m.attention_chunk}: the query blocks would cut across the "
-                          f"sequence split (mesh.context={c}); set 0")
+    if m.attention_chunk and cfg.context.strategy == "ring":
+        raise ConfigError(f"model.attention_chunk={m.attention_chunk}: the ring (context.strategy=ring) scores "
+                          "its own key blocks; set 0")
+    if m.attention_chunk % c:
+        raise ConfigError(f"model.attention_chunk={m.attention_chunk}: each query block is spread over the sequence "
+                          f"split, so it must be a multiple of mesh.context={c}")
     kernel.check_split(cfg, c)
     parts = 2 * c if cfg.context.load_balance else c
     if m.seq_len % parts:
