@@ -17,6 +17,13 @@ float32; A: one layer's activations [local batch, length, embed] in the compute 
               gradient:                                 (4 L [+ L] + 2) x 2 x (n-1)/n x A
     pipeline  each microbatch's activations across each stage boundary and its gradient back,
               once per repeat:                          2 x R x M x A_microbatch
+    context   the parameters are sharded over it as over fsdp (trainer/layout.py), so it costs
+              what fsdp costs, over the group fsdp x context (`fsdp+context` where both split);
+              and per layer each device receives the other devices' keys and values forward and
+              sends their gradients back (all-gather and reduce-scatter, or the ring's C - 1
+              permutes):                                2 L x (n-1)/n x KV
+              (KV: one layer's whole-sequence keys and values of the local rows, kv heads split
+              by tensor; multi-head latent attention's are not counted)
 
 The loss's scalar reductions are left out (bytes, not megabytes).
 
@@ -42,7 +49,7 @@ def gathered_bytes(shapes: dict, axes: dict, cfg: Config, sizes: dict[str, int])
     """Bytes of the parameters one device holds once its FSDP group has gathered them."""
     compute = np.dtype(cfg.model.dtype).itemsize
     rules = to_rules(cfg.sharding.params)
-    kept = {**sizes, "fsdp": 1}  # the FSDP group gathers its shards; every other split stays
+    kept = {**sizes, "fsdp": 1, "context": 1}  # the FSDP group (and context: trainer/layout.py) gathers its shards
     total = 0.0
     for shape, names in zip(jax.tree.leaves(shapes), jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))):
         split = math.prod(axes_size(entry, kept) for entry in logical_to_spec(names, rules))
@@ -61,16 +68,21 @@ def minimum(cfg: Config, sizes: dict[str, int], shapes: dict, axes: dict) -> dic
     batch_shards = axes_size(mesh_axes("batch", to_rules(cfg.sharding.activations)), sizes)
     act = cfg.train.global_batch / batch_shards * m.seq_len * m.d_model * np.dtype(m.dtype).itemsize
     out: dict[str, float] = {}
-    if sizes["fsdp"] > 1:
+    gather = sizes["fsdp"] * sizes["context"]  # the group that gathers the parameters
+    if gather > 1:
         # The untied table is gathered, or its looked-up rows traded (the cheaper), once forward
         # and, when it trains, once more for its gradient; the other weights twice (forward,
         # backward) and their gradients reduced once.
         trains_table = not adapters
         table_cost = (2 if trains_table else 1) * min(table, act)
         reduced = g - table if trains_table else grads
-        out["fsdp"] = ring(sizes["fsdp"]) * (2 * (g - table) + reduced + table_cost)
+        group = "+".join(a for a in ("fsdp", "context") if sizes[a] > 1)
+        out[group] = ring(gather) * (2 * (g - table) + reduced + table_cost)
     if sizes["data"] > 1:
-        out["data"] = 2 * ring(sizes["data"]) * grads / sizes["fsdp"]
+        out["data"] = 2 * ring(sizes["data"]) * grads / gather
+    if sizes["context"] > 1 and m.attention_type == "gqa":
+        kv = act / m.d_model * 2 * m.num_kv_heads * m.resolved_head_dim / sizes["tensor"]
+        out["context"] = out.get("context", 0.0) + 2 * m.num_layers * ring(sizes["context"]) * kv
     if sizes["tensor"] > 1:
         per_layer = 4 + (1 if m.remat == "full" else 0)
         out["tensor"] = (per_layer * m.num_layers + 2) * 2 * ring(sizes["tensor"]) * act
