@@ -21,7 +21,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from configs import ConfigError
+from configs import ConfigError, check_writable
 
 if TYPE_CHECKING:  # the real imports wait until the arguments are checked: importing JAX takes a while
     import jax
@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.checkpoint import find_checkpoint  # after the arguments: importing JAX takes a while
 
         cfg, step = find_checkpoint(args.run_dir, args.step)
+        check_writable(args.output or "", "--output", file=True)
         import jax
         from data.tokenizer import load_tokenizer
         from trainer.checks import check_devices

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import jax
 
-from configs import dump_config, load_config
+from configs import check_writable, dump_config, load_config
 from configs.schema import ConfigError, MeshConfig, PipelineConfig
 from model import lora
 from model.hf import check_compatible, peft_config, read_hf_config, to_hf_tensors, to_peft_tensors
@@ -58,6 +58,7 @@ def export(run_dir: str, out: str, step: int | None = None, dtype: str = "float3
         raise ConfigError(f"--out: {out} is not empty; give --overwrite to replace what export writes there")
     if os.path.exists(out) and not os.path.isdir(out):
         raise ConfigError(f"--out: {out} is a file, not a directory")
+    check_writable(out, "--out")
 
     try:
         device = jax.devices("cpu")[0]

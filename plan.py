@@ -61,6 +61,7 @@ from jax.sharding import AbstractMesh
 
 from configs import Config, ConfigError, load_config
 from configs.schema import MESH_AXES, REMAT_POLICIES
+from configs.writable import check_writable
 from model import attn_kernels
 from ops.xla_env import set_cpu_collective_env, set_default_flags
 from planner import (Heartbeat, candidates, collectives, compiled_stats, compute_seconds, evaluate, kernels,
@@ -266,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.devices is None or args.devices <= 0:
             raise ConfigError(f"--devices: a positive device count is required, got {args.devices}")
+        check_writable(args.out or "", "--out", file=True)
+        check_writable(args.dump_hlo, "--dump-hlo")
         remats = [r.strip() for r in args.remat.split(",") if r.strip()]
         for r in remats:
             if r not in REMAT_POLICIES:

@@ -17,6 +17,9 @@ import sys
 
 import numpy as np
 
+from configs.schema import ConfigError
+from configs.writable import check_writable
+
 WORDS = (
     "the quick brown fox jumps over lazy dog while seven wise owls sing about rivers and stone bridges under "
     "pale winter skies where hungry wolves wander past quiet villages making yellow candles glow"
@@ -77,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sft-rows", type=int, default=4000)
     p.add_argument("--dpo-rows", type=int, default=512)
     args = p.parse_args(argv)
+    try:
+        check_writable(args.output, "--output")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     os.makedirs(args.output, exist_ok=True)
     write(os.path.join(args.output, "sft.jsonl"), sft_rows(args.sft_rows))
     write(os.path.join(args.output, "dpo.jsonl"), dpo_rows(args.dpo_rows))

@@ -30,6 +30,7 @@ import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 
 from configs.schema import ConfigError
+from configs.writable import check_writable
 from data import corpus_format
 from data.chat import ChatTemplate, Skip, template_file
 from data.formats import (FORMATS, Documents, FileStats, Matched, Task, detect_format, expand_inputs, json_rows,
@@ -205,6 +206,7 @@ class Progress:
 def check_output(output: str, files: list[str], overwrite: bool) -> None:
     """Refuses a non-empty output directory unless it is a previous output of the same inputs or
     --overwrite is given. Never replaces files that prepare did not write, even with --overwrite."""
+    check_writable(output, "--output")
     if not os.path.exists(output):
         return
     if not os.path.isdir(output):

@@ -23,6 +23,7 @@ import sys
 
 from configs import Config
 from configs.schema import MESH_AXES
+from configs.writable import check_writable
 from sharding.distributed import process_layout
 
 FORCE_COUNT = "--xla_force_host_platform_device_count"
@@ -157,9 +158,12 @@ def device_count_hint(cfg: Config, platform: str, available: int, why_not: str) 
 def use_compile_cache(path: str) -> None:
     """Points XLA's persistent compilation cache at `path` ("": leave JAX's own setting, which
     the JAX_COMPILATION_CACHE_DIR variable also controls). Must run before the first compile of
-    the process: JAX opens the cache once."""
+    the process: JAX opens the cache once. Raises ConfigError, creating nothing, for a path that
+    cannot be written."""
     if path:
         import jax  # here, not at the top: set_default_flags must be able to run before JAX loads
+
+        check_writable(path, "run.compile_cache")
 
         os.makedirs(path, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", os.path.abspath(path))

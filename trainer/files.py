@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from configs import Config, ConfigError
+from configs.writable import check_writable
 from model import hf
 from ops.trackers import check_trackers
 from trainer.checkpoint import RunDir, check_resumable
@@ -18,6 +19,7 @@ from trainer.tiers import check_local_dir
 def check_files(cfg: Config, found: RunDir) -> None:
     """What `cfg` names on disk, `found` being run.dir as read once (trainer.checkpoint)."""
     check_resumable(cfg, found)
+    check_writable(cfg.run.dir, "run.dir")
     check_local_dir(cfg)
     check_trackers(cfg)
     # Once the run has checkpoints (of either tier) it resumes from them; a LoRA run's hold no

@@ -43,7 +43,8 @@ from orbax.checkpoint.experimental.emergency.p2p import checkpoint_manager as p2
 from orbax.checkpoint.experimental.emergency.p2p import options as p2p_options
 from orbax.checkpoint.experimental.emergency.p2p import utils as p2p_utils
 
-from configs import Config, ConfigError
+from configs import Config
+from configs.writable import check_writable
 from configs.schema import MESH_AXES
 from trainer.state import TrainState
 
@@ -92,13 +93,7 @@ def local_steps(directory: str | None) -> tuple[int, ...]:
 def check_local_dir(cfg: Config) -> None:
     """checkpoint.local_dir must be a directory this process can write, or creatable (its nearest
     existing ancestor writable). Raises ConfigError; writes nothing."""
-    if not cfg.checkpoint.local_dir:
-        return
-    path = os.path.abspath(cfg.checkpoint.local_dir)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"checkpoint.local_dir={cfg.checkpoint.local_dir}: {path} is not a writable directory")
+    check_writable(cfg.checkpoint.local_dir, "checkpoint.local_dir")
 
 
 def _everywhere(ok: bool) -> bool:
