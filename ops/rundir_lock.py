@@ -99,22 +99,27 @@ def _describe(record: dict[str, Any] | None) -> str:
     return f"host {record.get('host')}, pid {record.get('pid')}, since {record.get('since')}"
 
 
+def new_record(timeout_s: float) -> dict[str, Any]:
+    """A new holder's lease record (this process; the object lock writes the same one)."""
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host_key": _host_key(),
+        "pid_start": _pid_start(os.getpid()),
+        "token": uuid.uuid4().hex,
+        "timeout_s": timeout_s,
+        "beat": 0,
+    }
+
+
 class Lease:
     """The held lock: its file descriptor (heartbeats go to this inode, so a holder whose lease
     was moved aside writes nowhere that matters) and the thread that refreshes it."""
 
     def __init__(self, path: str, fd: int, timeout_s: float):
         self.path, self.fd = path, fd
-        self.record = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "host_key": _host_key(),
-            "pid_start": _pid_start(os.getpid()),
-            "token": uuid.uuid4().hex,
-            "timeout_s": timeout_s,
-            "beat": 0,
-        }
+        self.record = new_record(timeout_s)
         self._write()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, args=(timeout_s / BEATS_PER_TIMEOUT,), daemon=True,
@@ -214,14 +219,16 @@ def acquire(run_dir: str, timeout_s: float, log: Callable[[str], None]) -> Lease
 
 
 @contextlib.contextmanager
-def hold(run_dir: str, timeout_s: float, wait_s: float, log: Callable[[str], None]) -> Iterator[None]:
+def hold(run_dir: str, timeout_s: float, wait_s: float, log: Callable[[str], None],
+         take: Callable[[str, float, Callable[[str], None]], Any] = acquire) -> Iterator[None]:
     """Holds run.dir's lock for the block, released however it ends. Process 0 takes it once
     for the whole job; every process raises the same ConfigError if it refused, before any of
-    them writes. `wait_s`: how long the others wait for process 0's answer."""
+    them writes. `wait_s`: how long the others wait for process 0's answer. `take`: how the lease
+    is taken (`acquire`, a file; ops.object_lock.acquire on an object store)."""
     lease, refusal = None, ""
     if jax.process_index() == 0:
         try:
-            lease = acquire(run_dir, timeout_s, log)
+            lease = take(run_dir, timeout_s, log)
         except ConfigError as e:
             refusal = str(e)
     try:

@@ -4,7 +4,8 @@
 from storage.paths import (StorageError, absolute, basename, bucket_and_key, check_bucket, exists, filesystem,
                            is_remote, isdir, join, kvstore_spec, listdir, makedirs, parent, read_bytes, read_text,
                            remove, rename, s3_endpoint, scheme, write_bytes, write_text)
+from storage.appendlog import REMOTE_FLUSH_S, AppendLog
 
-__all__ = ["StorageError", "absolute", "basename", "bucket_and_key", "check_bucket", "exists", "filesystem",
+__all__ = ["REMOTE_FLUSH_S", "AppendLog", "StorageError", "absolute", "basename", "bucket_and_key", "check_bucket", "exists", "filesystem",
            "is_remote", "isdir", "join", "kvstore_spec", "listdir", "makedirs", "parent", "read_bytes", "read_text",
            "remove", "rename", "s3_endpoint", "scheme", "write_bytes", "write_text"]

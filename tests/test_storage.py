@@ -1,5 +1,5 @@
 """Run directories and checkpoints on object stores (docs/storage.md), against real servers
-started once per session (tests/storage_servers.py): moto's S3 server and gcp-storage-emulator.
+started once per session (tests/storage_servers.py): moto's S3 server and fake-gcs-server.
 The path layer on a local directory and on both buckets; a tiny run on each bucket, resumed,
 equal bit for bit to the same run uninterrupted on local disk; a missing bucket and an
 unreachable endpoint refused with one line before anything compiles."""
@@ -49,3 +49,49 @@ def test_the_path_layer_reads_writes_lists_and_removes(root):
     with pytest.raises(FileNotFoundError):
         storage.read_text(storage.join(d, "a.txt"))
     assert storage.parent(storage.join(d, "b.json")) == d and storage.basename(d) == "run"
+
+
+def args(run_dir: str, *extra: str) -> list[str]:
+    # tests/test_faults.py's horizon: runs of any length share one compiled step (the session's cache).
+    return [f"run.dir={run_dir}", f"data.path={stdlib_glob('json')}", "train.log_every=1", "optim.decay_steps=12",
+            "checkpoint.every=2", *extra]
+
+
+def train_here(run_dir: str, *extra: str) -> list[dict]:
+    return trainer.run(load_config(TINY, args(run_dir, *extra)), jax.devices())
+
+
+def losses(run_dir: str) -> dict[int, float]:
+    """Step -> loss from metrics.jsonl, the last line for a step winning (as after a resume)."""
+    out = {}
+    for line in storage.read_text(storage.join(run_dir, "metrics.jsonl")).splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            out[record["step"]] = record["loss"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> tuple[dict[int, float], dict]:
+    """The reference: 4 steps on local disk, without a stop; its losses and final parameters."""
+    run_dir = str(tmp_path_factory.mktemp("local") / "run")
+    train_here(run_dir, "train.steps=4")
+    return losses(run_dir), trainer.checkpoint.restore_params(run_dir)[2]
+
+
+@pytest.mark.parametrize("bucket", ["s3_bucket", "gcs_bucket"])
+def test_a_run_on_a_bucket_resumes_bit_for_bit(request, capfd, bucket, uninterrupted):
+    run_dir = f"{request.getfixturevalue(bucket)}/{uuid.uuid4().hex[:8]}/run"
+    train_here(run_dir, "train.steps=2")
+    assert storage.listdir(storage.join(run_dir, "checkpoints")) == ["2"]
+    assert not storage.exists(storage.join(run_dir, "lock.json")), "the lock is released"
+    capfd.readouterr()
+    train_here(run_dir, "train.steps=4")
+    assert "resumed from step 2" in capfd.readouterr().out
+    ref_losses, ref_params = uninterrupted
+    assert losses(run_dir) == ref_losses and sorted(ref_losses) == [1, 2, 3, 4]
+    cfg, step, params = trainer.checkpoint.restore_params(run_dir)
+    assert step == 4 and jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), params, ref_params))
+    for name in ("config.yaml", "summary.json"):
+        assert storage.exists(storage.join(run_dir, name)), name
+    assert json.loads(storage.read_text(storage.join(run_dir, "summary.json")))["final_step"] == 4

@@ -11,12 +11,12 @@ place that decides where it comes from; then writes the resolved config into run
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Callable
 
 import jax
 import numpy as np
 
+import storage
 from configs import Config, dump_config
 from data import describe, eval_batches, make_iterator
 from model import stack_layers
@@ -85,12 +85,11 @@ def _write_config(cfg: Config, found: RunDir, resume_step: int) -> None:
     (the config that produced the checkpoints up to step N)."""
     if jax.process_index() != 0:
         return
-    os.makedirs(cfg.run.dir, exist_ok=True)
-    path, text = os.path.join(cfg.run.dir, "config.yaml"), dump_config(cfg)
+    storage.makedirs(cfg.run.dir)
+    path, text = storage.join(cfg.run.dir, "config.yaml"), dump_config(cfg)
     if found.config_text is not None and found.config_text != text:
-        os.replace(path, os.path.join(cfg.run.dir, f"config.step{resume_step}.yaml"))
-    with open(path, "w") as f:
-        f.write(text)
+        storage.rename(path, storage.join(cfg.run.dir, f"config.step{resume_step}.yaml"))
+    storage.write_text(path, text)
 
 
 def _eval_rows(cfg: Config, source: Any, held_out: Callable) -> list[dict[str, np.ndarray]]:
