@@ -221,23 +221,58 @@ def kvstore_spec(url: str) -> dict[str, Any]:
 
 def check_bucket(url: str) -> None:
     """Raises StorageError, one line naming `url`, when its bucket is missing, denied or its
-    endpoint unreachable: before a run compiles anything. Nothing is written."""
-    bucket, _ = bucket_and_key(url)
-    where = f"{scheme(url)}://{bucket}"
-    endpoint = s3_endpoint() if scheme(url) == "s3" else os.environ.get("STORAGE_EMULATOR_HOST")
+    endpoint unreachable: before a run compiles anything. Nothing is written. One listing request
+    of at most one key under the prefix (what a run needs the right to do anyway), without the
+    clients' retries: a refused connection is reported at once, not after a minute of backoff."""
+    bucket, key = bucket_and_key(url)
+    kind = scheme(url)
+    endpoint = s3_endpoint() if kind == "s3" else os.environ.get("STORAGE_EMULATOR_HOST")
     at = f" at {endpoint}" if endpoint else ""
     try:
-        fs = filesystem(url)
-        fs.invalidate_cache(where)
-        found = fs.exists(where)
-    except StorageError:
-        raise
-    except PermissionError as e:
-        raise StorageError(f"{url}: access to bucket {bucket}{at} is denied ({_first_line(e)})") from None
-    except Exception as e:  # connection refused, DNS, timeouts: the clients raise many kinds
+        status = _list_one_s3(bucket, key, endpoint) if kind == "s3" else _list_one_gcs(bucket, key, endpoint)
+    except ImportError as e:
+        raise StorageError(f"{url}: {kind}:// paths need the storage extra ({e}): pip install 'meshlm[storage]'") from None
+    except Exception as e:  # connection refused, DNS, timeouts, no credentials: the clients raise many kinds
         raise StorageError(f"{url}: cannot reach bucket {bucket}{at} ({type(e).__name__}: {_first_line(e)})") from None
-    if not found:
+    if status == 404:
         raise StorageError(f"{url}: bucket {bucket} does not exist{at}")
+    if status in (401, 403):
+        raise StorageError(f"{url}: access to bucket {bucket}{at} is denied (HTTP {status})")
+    if status >= 400:
+        raise StorageError(f"{url}: bucket {bucket}{at} answered HTTP {status}")
+
+
+def _list_one_s3(bucket: str, key: str, endpoint: str | None) -> int:
+    """The HTTP status of listing one key of `bucket` under `key`, through botocore (s3fs's own
+    client library), one attempt."""
+    import botocore.config
+    import botocore.exceptions
+    import botocore.session
+
+    config = botocore.config.Config(connect_timeout=5, read_timeout=20, retries={"max_attempts": 1})
+    client = botocore.session.get_session().create_client("s3", endpoint_url=endpoint, config=config)
+    try:
+        client.list_objects_v2(Bucket=bucket, Prefix=key, MaxKeys=1)
+    except botocore.exceptions.ClientError as e:
+        return int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 400))
+    return 200
+
+
+def _list_one_gcs(bucket: str, key: str, endpoint: str | None) -> int:
+    """The HTTP status of listing one object of `bucket` under `key` with GCS's JSON API: at an
+    emulator (STORAGE_EMULATOR_HOST) without credentials, else with the application default
+    credentials, as gcsfs and TensorStore use them."""
+    import requests
+
+    params = {"maxResults": "1", "prefix": key}
+    if endpoint:
+        return requests.get(f"{endpoint.rstrip('/')}/storage/v1/b/{bucket}/o", params=params, timeout=(5, 20)).status_code
+    import google.auth
+    import google.auth.transport.requests
+
+    credentials, _ = google.auth.default(scopes=["https://www.googleapis.com/auth/devstorage.read_only"])
+    session = google.auth.transport.requests.AuthorizedSession(credentials)
+    return session.get(f"https://storage.googleapis.com/storage/v1/b/{bucket}/o", params=params, timeout=(5, 20)).status_code
 
 
 def _first_line(error: BaseException) -> str:

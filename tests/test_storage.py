@@ -95,3 +95,27 @@ def test_a_run_on_a_bucket_resumes_bit_for_bit(request, capfd, bucket, uninterru
     for name in ("config.yaml", "summary.json"):
         assert storage.exists(storage.join(run_dir, name)), name
     assert json.loads(storage.read_text(storage.join(run_dir, "summary.json")))["final_step"] == 4
+
+
+def main_here(capfd, *argv: str) -> tuple[int, str]:
+    capfd.readouterr()
+    code = train.main(list(argv))
+    captured = capfd.readouterr()
+    return code, captured.out + captured.err
+
+
+@pytest.mark.parametrize("bucket", ["s3_bucket", "gcs_bucket"])
+def test_a_missing_bucket_or_an_unreachable_endpoint_is_one_line_before_compiling(request, capfd, monkeypatch, bucket):
+    kind = request.getfixturevalue(bucket).split("://")[0]
+    missing = f"{kind}://no-such-bucket-{uuid.uuid4().hex[:6]}/run"
+    code, out = main_here(capfd, "--config", TINY, *args(missing))
+    assert code == 2 and out.strip() == f"error: run.dir={missing}: bucket {missing.split('/')[2]} does not exist at " \
+        f"{os.environ['AWS_ENDPOINT_URL' if kind == 's3' else 'STORAGE_EMULATOR_HOST']}", out
+    # Nothing listens on this port: connection refused, reported without waiting out retries.
+    dead = f"http://127.0.0.1:{free_port()}"
+    for name in ("AWS_ENDPOINT_URL", "STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL"):
+        monkeypatch.setenv(name, dead)
+    run_dir = f"{request.getfixturevalue(bucket)}/run"
+    code, out = main_here(capfd, "--config", TINY, *args(run_dir))
+    assert code == 2 and len(out.strip().splitlines()) == 1, out
+    assert out.startswith(f"error: run.dir={run_dir}: cannot reach bucket ") and f"at {dead}" in out, out
