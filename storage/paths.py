@@ -83,10 +83,13 @@ def _filesystem(kind: str, endpoint: str | None) -> Any:
     # Imported here: a local run never needs gcsfs or s3fs (the optional `storage` extra).
     import fsspec
 
+    # No listings cache: another process (a run, Orbax's saver) writes the same prefixes, and a
+    # cached listing would answer for objects since created or deleted.
     if kind == "s3":
         # Passed explicitly, not left to botocore: older botocore releases ignore AWS_ENDPOINT_URL.
-        return fsspec.filesystem("s3", endpoint_url=endpoint) if endpoint else fsspec.filesystem("s3")
-    return fsspec.filesystem("gcs")
+        where = {"endpoint_url": endpoint} if endpoint else {}
+        return fsspec.filesystem("s3", use_listings_cache=False, **where)
+    return fsspec.filesystem("gcs", use_listings_cache=False)
 
 
 def filesystem(url: str) -> Any:
@@ -109,9 +112,7 @@ def isdir(path: str | os.PathLike) -> bool:
     path = os.fspath(path)
     if not is_remote(path):
         return os.path.isdir(path)
-    fs = filesystem(path)
-    fs.invalidate_cache(path)  # another process (a run, a saver thread) may have written since
-    return fs.isdir(path)
+    return filesystem(path).isdir(path)
 
 
 def listdir(path: str | os.PathLike) -> list[str]:
@@ -120,7 +121,6 @@ def listdir(path: str | os.PathLike) -> list[str]:
     if not is_remote(path):
         return sorted(os.listdir(path)) if os.path.isdir(path) else []
     fs = filesystem(path)
-    fs.invalidate_cache(path)
     try:
         return sorted({basename(p) for p in fs.ls(path, detail=False) if p.rstrip("/") != path.split("://", 1)[1].rstrip("/")})
     except FileNotFoundError:
@@ -193,7 +193,6 @@ def rename(src: str | os.PathLike, dst: str | os.PathLike) -> None:
         os.replace(src, dst)
         return
     fs = filesystem(src)
-    fs.invalidate_cache(src)
     # Object by object: fsspec's recursive `mv` of a prefix differs between gcsfs and s3fs.
     keys = [src] if fs.isfile(src) else fs.find(src)
     if not keys:
@@ -216,6 +215,10 @@ def kvstore_spec(url: str) -> dict[str, Any]:
             spec["endpoint"] = endpoint
         if region := os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"):
             spec["aws_region"] = region
+        if os.environ.get("AWS_ACCESS_KEY_ID"):
+            # Keys in the environment: taken from there alone. The default chain would first parse
+            # ~/.aws/config, and the AWS C library logs each missing file on stderr.
+            spec["aws_credentials"] = {"type": "environment"}
     return spec
 
 

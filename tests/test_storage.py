@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import uuid
 
 import jax
@@ -16,9 +18,10 @@ import pytest
 import storage
 import train
 import trainer
-from configs import load_config
+from configs import ConfigError, load_config
 from conftest import stdlib_glob
 from bench.procs import TINY
+from ops.rundir_lock import new_record as _lock_record
 from storage_servers import free_port, gcs_bucket, s3_bucket  # noqa: F401  (fixtures)
 
 
@@ -119,3 +122,57 @@ def test_a_missing_bucket_or_an_unreachable_endpoint_is_one_line_before_compilin
     code, out = main_here(capfd, "--config", TINY, *args(run_dir))
     assert code == 2 and len(out.strip().splitlines()) == 1, out
     assert out.startswith(f"error: run.dir={run_dir}: cannot reach bucket ") and f"at {dead}" in out, out
+
+
+def _lock(run_dir: str) -> dict:
+    return json.loads(storage.read_text(storage.join(run_dir, "lock.json")))
+
+
+@pytest.mark.parametrize("bucket", ["s3_bucket", "gcs_bucket"])
+def test_a_second_writer_is_refused_and_a_dead_holders_lock_taken_over(request, capfd, bucket):
+    from ops import object_lock
+
+    run_dir = f"{request.getfixturevalue(bucket)}/{uuid.uuid4().hex[:8]}/run"
+    lease = object_lock.acquire(run_dir, 30.0, print)  # the holder: this live process
+    try:
+        assert _lock(run_dir)["pid"] == os.getpid()
+        code, out = main_here(capfd, "--config", TINY, *args(run_dir))
+        assert code == 2 and out.strip() == (
+            f"error: run.dir={run_dir} is in use by a live run: {object_lock._describe(_lock(run_dir))} "
+            f"(its lock: {run_dir}/lock.json); stop it or use another run.dir"), out
+        assert storage.listdir(run_dir) == ["lock.json"], "the refused run wrote nothing"
+    finally:
+        lease.release()
+    assert not storage.exists(storage.join(run_dir, "lock.json"))
+    # A holder on this host whose pid is gone: taken over at once.
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = dict(_lock_record(30.0), pid=int(gone.stdout), pid_start=None)
+    storage.write_text(storage.join(run_dir, "lock.json"), json.dumps(dead))
+    lines: list[str] = []
+    lease = object_lock.acquire(run_dir, 30.0, lines.append)
+    try:
+        assert _lock(run_dir)["token"] == lease.record["token"] and lease.record["pid"] == os.getpid()
+        assert lines == [f"took over the run.dir lock {run_dir}/lock.json: pid {dead['pid']} is gone from this host"]
+    finally:
+        lease.release()
+
+
+def test_of_two_runs_creating_the_lock_at_once_one_wins(s3_bucket, monkeypatch):
+    """S3 only: moto applies `If-None-Match: *`; fake-gcs-server ignores GCS's generation
+    preconditions on the uploads TensorStore sends, so the race cannot be staged there."""
+    from ops import object_lock
+
+    run_dir = f"{s3_bucket}/{uuid.uuid4().hex[:8]}/run"
+    rival = dict(_lock_record(30.0), token="rival")
+    real = object_lock.new_record
+
+    def record_after_the_rival(timeout_s: float) -> dict:
+        # The rival's create lands between this run's read (no lock) and its conditional create.
+        if not storage.exists(storage.join(run_dir, "lock.json")):
+            storage.write_text(storage.join(run_dir, "lock.json"), json.dumps(rival))
+        return real(timeout_s)
+
+    monkeypatch.setattr(object_lock, "new_record", record_after_the_rival)
+    with pytest.raises(ConfigError, match="is in use by a live run"):
+        object_lock.acquire(run_dir, 30.0, print)
+    assert _lock(run_dir)["token"] == "rival", "the rival's lock stands"
