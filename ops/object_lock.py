@@ -25,8 +25,8 @@ from typing import Any, Callable
 
 import storage
 from configs import ConfigError
-from ops.rundir_lock import (BEATS_PER_TIMEOUT, EXIT_LOCK_LOST, LOCK_FILE, _describe, _host_key, _parse,
-                             _pid_alive, new_record)
+from ops.lease import (BEATS_PER_TIMEOUT, EXIT_LOCK_LOST, LOCK_FILE, _describe, _host_key, _parse, _pid_alive,
+                       new_record)
 
 
 def _open(run_dir: str) -> Any:

@@ -21,7 +21,7 @@ import trainer
 from configs import ConfigError, load_config
 from conftest import stdlib_glob
 from bench.procs import TINY
-from ops.rundir_lock import new_record as _lock_record
+from ops.lease import new_record as _lock_record
 from storage_servers import free_port, gcs_bucket, s3_bucket  # noqa: F401  (fixtures)
 
 

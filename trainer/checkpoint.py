@@ -28,7 +28,7 @@ from absl import flags
 from jax.experimental import multihost_utils
 
 import storage
-from configs import Config, ConfigError, load_config, resume_keys
+from configs import Config, ConfigError, dump_config, load_config, resume_keys
 from configs.schema import CheckpointConfig
 from model import lora
 from model.transformer import param_shapes
@@ -78,6 +78,18 @@ def read_run_dir(run_dir: str) -> RunDir:
         text = storage.read_text(path)
     saved = load_config(path) if checkpoints and text is not None else None
     return RunDir(run_dir, checkpoints, text, saved)
+
+
+def write_config(cfg: Config, found: RunDir, resume_step: int) -> None:
+    """Writes the resolved config; a different one found there is kept as config.step<N>.yaml
+    (the config that produced the checkpoints up to step N)."""
+    if jax.process_index() != 0:
+        return
+    storage.makedirs(cfg.run.dir)
+    path, text = storage.join(cfg.run.dir, "config.yaml"), dump_config(cfg)
+    if found.config_text is not None and found.config_text != text:
+        storage.rename(path, storage.join(cfg.run.dir, f"config.step{resume_step}.yaml"))
+    storage.write_text(path, text)
 
 
 def find_checkpoint(run_dir: str, step: int | None = None) -> tuple[Config, int]:

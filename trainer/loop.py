@@ -18,10 +18,9 @@ from typing import Any, Iterator
 
 import jax
 
-import storage
 from configs import Config
 from data import eval_batches, global_batches
-from ops import object_lock, rundir_lock
+from ops import rundir_lock
 from ops.faults import Preempted, poisoned
 from ops.goodput import Goodput
 from ops.metrics import MetricsLogger, log
@@ -40,8 +39,7 @@ def run(cfg: Config, devices: list | None = None) -> list[dict[str, Any]]:
     goodput = Goodput()
     spec, devices = bring_up(cfg, devices)
     # Bad input has been refused with run.dir untouched; from here on this run writes there, alone.
-    take = object_lock.acquire if storage.is_remote(cfg.run.dir) else rundir_lock.acquire
-    with rundir_lock.hold(cfg.run.dir, cfg.run.lock_timeout_s, cfg.dist.init_timeout_s, log, take):
+    with rundir_lock.hold(cfg.run.dir, cfg.run.lock_timeout_s, cfg.dist.init_timeout_s, log):
         # Read again under the lock: a holder alive at the first read may have saved since, and the
         # schedule's horizon comes from the checkpoints this run resumes.
         spec, schedule_note = reread(spec)
