@@ -16,6 +16,7 @@ only to move things aside, never to commit).
 from __future__ import annotations
 
 import functools
+import glob
 import os
 import urllib.parse
 from typing import Any
@@ -84,12 +85,14 @@ def _filesystem(kind: str, endpoint: str | None) -> Any:
     import fsspec
 
     # No listings cache: another process (a run, Orbax's saver) writes the same prefixes, and a
-    # cached listing would answer for objects since created or deleted.
+    # cached listing would answer for objects since created or deleted. A new instance per
+    # endpoint (this function's cache), not fsspec's, which is keyed by arguments alone: gcsfs
+    # reads STORAGE_EMULATOR_HOST when an instance is made.
     if kind == "s3":
         # Passed explicitly, not left to botocore: older botocore releases ignore AWS_ENDPOINT_URL.
         where = {"endpoint_url": endpoint} if endpoint else {}
-        return fsspec.filesystem("s3", use_listings_cache=False, **where)
-    return fsspec.filesystem("gcs", use_listings_cache=False)
+        return fsspec.filesystem("s3", use_listings_cache=False, skip_instance_cache=True, **where)
+    return fsspec.filesystem("gcs", use_listings_cache=False, skip_instance_cache=True)
 
 
 def filesystem(url: str) -> Any:
@@ -125,6 +128,17 @@ def listdir(path: str | os.PathLike) -> list[str]:
         return sorted({basename(p) for p in fs.ls(path, detail=False) if p.rstrip("/") != path.split("://", 1)[1].rstrip("/")})
     except FileNotFoundError:
         return []
+
+
+def glob_files(pattern: str) -> list[str]:
+    """The files matching `pattern` (`**` spans directories), sorted: Python's glob for a local
+    pattern (`~` expanded), the store's listing for a URL, each match a full URL."""
+    if not is_remote(pattern):
+        return sorted(f for f in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(f))
+    fs = filesystem(pattern)
+    prefix = scheme(pattern) + "://"
+    found = fs.glob(pattern, detail=True)
+    return sorted(prefix + key for key, info in found.items() if info.get("type") == "file")
 
 
 def read_bytes(path: str | os.PathLike) -> bytes:

@@ -6,6 +6,7 @@ unreachable endpoint refused with one line before anything compiles."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -54,14 +55,15 @@ def test_the_path_layer_reads_writes_lists_and_removes(root):
     assert storage.parent(storage.join(d, "b.json")) == d and storage.basename(d) == "run"
 
 
-def args(run_dir: str, *extra: str) -> list[str]:
+def args(run_dir: str, *extra: str, data: str = "") -> list[str]:
+    """The tiny run's overrides; `data`: data.path (default: the standard library's json package)."""
     # tests/test_faults.py's horizon: runs of any length share one compiled step (the session's cache).
-    return [f"run.dir={run_dir}", f"data.path={stdlib_glob('json')}", "train.log_every=1", "optim.decay_steps=12",
-            "checkpoint.every=2", *extra]
+    return [f"run.dir={run_dir}", f"data.path={data or stdlib_glob('json')}", "train.log_every=1",
+            "optim.decay_steps=12", "checkpoint.every=2", *extra]
 
 
-def train_here(run_dir: str, *extra: str) -> list[dict]:
-    return trainer.run(load_config(TINY, args(run_dir, *extra)), jax.devices())
+def train_here(run_dir: str, *extra: str, data: str = "") -> list[dict]:
+    return trainer.run(load_config(TINY, args(run_dir, *extra, data=data)), jax.devices())
 
 
 def losses(run_dir: str) -> dict[int, float]:
@@ -93,15 +95,29 @@ def cut_short(step_dir: str, to: str) -> None:
     assert storage.exists(storage.join(to, "state")) and not storage.exists(storage.join(to, "commit_success.txt"))
 
 
+def upload_corpus(root: str) -> str:
+    """The reference's corpus (the standard library's json package) copied under `root`; the
+    same glob there."""
+    local = stdlib_glob("json")
+    for path in glob.glob(local, recursive=True):
+        with open(path, "rb") as f:
+            storage.write_bytes(storage.join(root, "corpus", os.path.basename(path)), f.read())
+    return storage.join(root, "corpus", "**", "*.py")
+
+
 @pytest.mark.parametrize("bucket", ["s3_bucket", "gcs_bucket"])
 def test_a_run_on_a_bucket_resumes_bit_for_bit(request, capfd, bucket, uninterrupted):
-    run_dir = f"{request.getfixturevalue(bucket)}/{uuid.uuid4().hex[:8]}/run"
-    train_here(run_dir, "train.steps=2")
+    """run.dir and data.path both on the bucket: the same numbers as the local run on local files."""
+    root = f"{request.getfixturevalue(bucket)}/{uuid.uuid4().hex[:8]}"
+    run_dir, corpus = f"{root}/run", upload_corpus(root)
+    assert [storage.basename(f) for f in storage.glob_files(corpus)] == sorted(
+        os.path.basename(f) for f in glob.glob(stdlib_glob("json"), recursive=True))
+    train_here(run_dir, "train.steps=2", data=corpus)
     assert storage.listdir(storage.join(run_dir, "checkpoints")) == ["2"]
     assert not storage.exists(storage.join(run_dir, "lock.json")), "the lock is released"
     cut_short(storage.join(run_dir, "checkpoints", "2"), storage.join(run_dir, "checkpoints", "4"))
     capfd.readouterr()
-    train_here(run_dir, "train.steps=4")
+    train_here(run_dir, "train.steps=4", data=corpus)
     assert "resumed from step 2" in capfd.readouterr().out, "the step without its commit object is not restored"
     ref_losses, ref_params = uninterrupted
     assert losses(run_dir) == ref_losses and sorted(ref_losses) == [1, 2, 3, 4]
