@@ -46,7 +46,7 @@ def _won(stamp: Any) -> bool:
 class ObjectLease:
     """The held lease object, its last generation, and the thread that refreshes it."""
 
-    def __init__(self, kv: Any, path: str, record: dict[str, Any], generation: bytes, timeout_s: float):
+    def __init__(self, kv: Any, path: str, record: dict[str, Any], generation: bytes, timeout_s: float) -> None:
         self.kv, self.path, self.record, self.generation = kv, path, record, generation
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, args=(timeout_s / BEATS_PER_TIMEOUT,), daemon=True,

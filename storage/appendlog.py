@@ -20,7 +20,7 @@ class AppendLog:
     """Lines appended to `path`: locally with open(path, "a") per line, remotely as one object
     holding what the object held when this log opened plus every line since."""
 
-    def __init__(self, path: str, flush_s: float):
+    def __init__(self, path: str, flush_s: float) -> None:
         self.path, self.flush_s = path, flush_s
         self.remote = paths.is_remote(path)
         self._text = ""  # remote: the object's whole text, flushed or not

