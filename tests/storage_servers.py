@@ -26,6 +26,8 @@ import pytest
 from conftest import require
 
 BUCKET = "meshlm-test"
+# moto accepts any key; a distinctive one lets a test look for it in what a run wrote and printed.
+SECRET = "meshlm-test-secret-4b1d"
 
 
 def free_port() -> int:
@@ -95,7 +97,7 @@ def s3_bucket() -> Iterator[str]:
     port = free_port()
     server = Server([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], port)
     old = _set_env({"AWS_ENDPOINT_URL": server.url, "AWS_ACCESS_KEY_ID": "testing",
-                    "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"})
+                    "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1"})
     try:
         import storage
 

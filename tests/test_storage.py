@@ -25,7 +25,7 @@ from configs import ConfigError, load_config
 from conftest import stdlib_glob
 from bench.procs import TINY, Train
 from ops.lease import new_record as _lock_record
-from storage_servers import free_port, gcs_bucket, s3_bucket  # noqa: F401  (fixtures)
+from storage_servers import SECRET, free_port, gcs_bucket, s3_bucket  # noqa: F401  (fixtures)
 
 
 @pytest.fixture(params=["local", "s3", "gs"])
@@ -121,7 +121,12 @@ def test_a_run_on_a_bucket_resumes_bit_for_bit(request: pytest.FixtureRequest, c
     cut_short(storage.join(run_dir, "checkpoints", "2"), storage.join(run_dir, "checkpoints", "4"))
     capfd.readouterr()
     train_here(run_dir, "train.steps=4", data=corpus)
-    assert "resumed from step 2" in capfd.readouterr().out, "the step without its commit object is not restored"
+    out = capfd.readouterr()
+    assert "resumed from step 2" in out.out, "the step without its commit object is not restored"
+    fs = storage.filesystem(run_dir)
+    written = b"".join(fs.cat_file(key) for key in fs.find(run_dir))
+    assert len(written) > 100_000 and SECRET.encode() not in written and SECRET not in out.out + out.err, \
+        "no credential in the run directory or on the console"
     ref_losses, ref_params = uninterrupted
     assert losses(run_dir) == ref_losses and sorted(ref_losses) == [1, 2, 3, 4]
     cfg, step, params = trainer.checkpoint.restore_params(run_dir)
