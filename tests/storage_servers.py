@@ -55,9 +55,10 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 30.0) -> Non
 class Server:
     """A server subprocess on 127.0.0.1:`port`; `stop` ends it (this process started it)."""
 
-    def __init__(self, argv: list[str], port: int) -> None:
+    def __init__(self, argv: list[str], port: int, env: dict[str, str] | None = None) -> None:
         self.port, self.url = port, f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env=None if env is None else {**os.environ, **env})
         try:
             _wait_http(self.url + "/", self.proc)
         except RuntimeError:
@@ -89,13 +90,20 @@ def _restore_env(old: dict[str, str | None]) -> None:
             os.environ[k] = v
 
 
+def moto_server(enforce_auth: bool = False) -> Server:
+    """moto's S3 server on a free port; `enforce_auth`: it checks every request's credentials
+    against its own IAM (none exist there, so every request is denied)."""
+    port = free_port()
+    env = {"INITIAL_NO_AUTH_ACTION_COUNT": "0"} if enforce_auth else None
+    return Server([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], port, env)
+
+
 @pytest.fixture(scope="session")
 def s3_bucket() -> Iterator[str]:
     """`s3://meshlm-test` on a moto server started for the session."""
     require("moto.server", "dev")
     require("s3fs", "storage")
-    port = free_port()
-    server = Server([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], port)
+    server = moto_server()
     old = _set_env({"AWS_ENDPOINT_URL": server.url, "AWS_ACCESS_KEY_ID": "testing",
                     "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1"})
     try:

@@ -25,7 +25,7 @@ from configs import ConfigError, load_config
 from conftest import stdlib_glob
 from bench.procs import TINY, Train
 from ops.lease import new_record as _lock_record
-from storage_servers import SECRET, free_port, gcs_bucket, s3_bucket  # noqa: F401  (fixtures)
+from storage_servers import SECRET, free_port, gcs_bucket, moto_server, s3_bucket  # noqa: F401  (fixtures)
 
 
 @pytest.fixture(params=["local", "s3", "gs"])
@@ -266,3 +266,18 @@ def test_kill_9_during_a_save_to_a_bucket_resumes_from_the_last_committed_step(
     # bucket); every line there, and every step from the resume on, equals the reference.
     got = losses(run_dir)
     assert got == {k: big_reference[k] for k in got} and set(range(max(committed) + 1, 7)) <= set(got), got
+
+
+def test_a_denied_bucket_is_one_line_before_compiling(s3_bucket: str, capfd: pytest.CaptureFixture,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """S3 only: moto can check credentials (its IAM knows none, so it denies every request);
+    fake-gcs-server checks none."""
+    server = moto_server(enforce_auth=True)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", server.url)
+        run_dir = f"{s3_bucket}/run"
+        code, out = main_here(capfd, "--config", TINY, *args(run_dir))
+        assert code == 2 and out.strip() == (f"error: run.dir={run_dir}: access to bucket {s3_bucket[5:]} at {server.url} "
+                                             "is denied (HTTP 403)"), out
+    finally:
+        server.stop()
