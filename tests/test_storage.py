@@ -57,6 +57,20 @@ def test_the_path_layer_reads_writes_lists_and_removes(root: str) -> None:
     assert storage.parent(storage.join(d, "b.json")) == d and storage.basename(d) == "run"
 
 
+def test_an_append_log_on_a_bucket_is_rewritten_at_its_interval_and_at_flush(root: str) -> None:
+    path = storage.join(root, "metrics.jsonl")
+    storage.makedirs(root)
+    log = storage.AppendLog(path, flush_s=3600.0)
+    log.append("one")
+    # A local file has each line at once; an object only after the interval or a flush.
+    assert storage.exists(path) == (not storage.is_remote(root))
+    log.flush()
+    assert storage.read_text(path) == "one\n"
+    now = storage.AppendLog(path, flush_s=0.0)  # a resumed run's log keeps the lines before it
+    now.append("two")
+    assert storage.read_text(path) == "one\ntwo\n"
+
+
 def args(run_dir: str, *extra: str, data: str = "") -> list[str]:
     """The tiny run's overrides; `data`: data.path (default: the standard library's json package)."""
     # tests/test_faults.py's horizon: runs of any length share one compiled step (the session's cache).
@@ -133,6 +147,7 @@ def test_a_run_on_a_bucket_resumes_bit_for_bit(request: pytest.FixtureRequest, c
     assert step == 4 and jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), params, ref_params))
     for name in ("config.yaml", "summary.json"):
         assert storage.exists(storage.join(run_dir, name)), name
+    assert len(storage.listdir(storage.join(run_dir, "tb"))) == 2, "each invocation's TensorBoard events uploaded"
     assert json.loads(storage.read_text(storage.join(run_dir, "summary.json")))["final_step"] == 4
 
 
