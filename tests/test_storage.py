@@ -22,7 +22,7 @@ import storage
 import train
 import trainer
 from configs import ConfigError, load_config
-from conftest import stdlib_glob
+from conftest import require, stdlib_glob
 from bench.procs import TINY, Train
 from ops.lease import new_record as _lock_record
 from storage_servers import SECRET, free_port, gcs_bucket, moto_server, s3_bucket  # noqa: F401  (fixtures)
@@ -296,3 +296,17 @@ def test_a_denied_bucket_is_one_line_before_compiling(s3_bucket: str, capfd: pyt
                                              "is denied (HTTP 403)"), out
     finally:
         server.stop()
+
+
+def test_what_only_a_local_run_dir_can_hold_is_refused_before_compiling(s3_bucket: str, capfd: pytest.CaptureFixture,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    run_dir = f"{s3_bucket}/{uuid.uuid4().hex[:8]}/run"
+    code, out = main_here(capfd, "--config", TINY, *args(run_dir, "profile.steps=[1,2]"))
+    assert code == 2 and out.strip() == (f"error: profile.steps: jax.profiler writes its trace to a local directory, "
+                                         f"not run.dir={run_dir}; trace with a local run.dir"), out
+    require("wandb", "trackers", lazy=True)  # missing, its own "not installed" line would come first
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    code, out = main_here(capfd, "--config", TINY, *args(run_dir, "run.trackers=[wandb]"))
+    assert code == 2 and out.strip() == (f"error: run.trackers: wandb keeps its files in run.dir, which is on an object "
+                                         f"store (run.dir={run_dir}); set WANDB_DIR for it"), out
+    assert storage.listdir(run_dir) == [], "nothing written"
