@@ -250,7 +250,9 @@ def check_bucket(url: str) -> None:
     except ImportError as e:
         raise StorageError(f"{url}: {kind}:// paths need the storage extra ({e}): pip install 'meshlm[storage]'") from None
     except Exception as e:  # connection refused, DNS, timeouts, no credentials: the clients raise many kinds
-        raise StorageError(f"{url}: cannot reach bucket {bucket}{at} ({type(e).__name__}: {_first_line(e)})") from None
+        # google.auth's DefaultCredentialsError, botocore's NoCredentialsError: nothing to sign with.
+        what = "no credentials for" if "Credentials" in type(e).__name__ else "cannot reach"
+        raise StorageError(f"{url}: {what} bucket {bucket}{at} ({type(e).__name__}: {_first_line(e)})") from None
     if status == 404:
         raise StorageError(f"{url}: bucket {bucket} does not exist{at}")
     if status in (401, 403):
