@@ -26,8 +26,8 @@ $(STAMP): pyproject.toml
 	@$(STEP) "upgrading pip" $(BIN)/python -m pip install -q --upgrade pip
 	@$(if $(TORCH),$(STEP) "installing $(TORCH)$(if $(filter torch==%,$(TORCH)), (CPU build))" \
 	  $(BIN)/python -m pip install -q $(TORCH),true)
-	@$(STEP) "installing meshlm and its extras (dev hf data trackers eval)" \
-	  $(BIN)/python -m pip install -q -e '.[dev,hf,data,trackers,eval]'
+	@$(STEP) "installing meshlm and its extras (dev hf data trackers eval storage)" \
+	  $(BIN)/python -m pip install -q -e '.[dev,hf,data,trackers,eval,storage]'
 	@touch $(STAMP)
 
 # Pinned to the installed jax by `python -m planner.targets --requirements`.

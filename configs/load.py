@@ -23,6 +23,8 @@ from typing import Any
 import pydantic
 import yaml
 
+import storage
+
 from configs.fields import choices_of, keys, keys_fixed_on_resume, plain, range_of
 from configs.schema import Config, ConfigError, closest
 from configs.validate import validate_static
@@ -130,7 +132,7 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
 
 def resolve_preset(path: str) -> str:
     """A path as given, or the name of a preset in configs/ (`tiny` or `tiny.yaml`)."""
-    if os.path.isfile(path):
+    if storage.is_remote(path) or os.path.isfile(path):  # a URL is read as given (a run.dir's config.yaml)
         return path
     for candidate in (os.path.join(PRESET_DIR, path), os.path.join(PRESET_DIR, path + ".yaml")):
         if os.path.isfile(candidate):
@@ -153,8 +155,7 @@ def load_config(config_file: str | None = None, overrides: list[str] | tuple[str
     if config_file:
         path = resolve_preset(config_file)
         try:
-            with open(path) as f:
-                loaded = yaml.safe_load(f) or {}
+            loaded = yaml.safe_load(storage.read_text(path)) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
         if not isinstance(loaded, dict):

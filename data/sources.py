@@ -1,7 +1,8 @@
 """Where documents come from, before packing into rows.
 
 `text`: files matching a glob (default: the running Python's standard-library `*.py` files,
-which every machine has), sorted, one file per document, tokenized in memory.
+which every machine has), sorted, one file per document, tokenized in memory; the glob may be on
+a `gs://` or `s3://` bucket (storage.glob_files).
 `prepared`: ArrayRecord shards written by `python -m data.prepare` (see data.prepared).
 `synthetic`: uniformly random rows, a pure function of (seed, index), for benchmarks.
 
@@ -11,7 +12,6 @@ depend on file order or on which other files exist; `data.prepare` uses the same
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import os
 import sysconfig
@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+import storage
 from configs.schema import ConfigError
 from data.packing import StreamDocuments
 
@@ -34,7 +35,8 @@ def stdlib_files() -> list[str]:
 
 
 def text_files(pattern: str) -> list[str]:
-    files = sorted(f for f in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(f))
+    """The files of `pattern`, sorted: a local glob, or one on a `gs://` or `s3://` bucket."""
+    files = storage.glob_files(pattern)
     if not files:
         raise ConfigError(f"data.path: no file matches {pattern!r}")
     return files
@@ -54,8 +56,7 @@ def text_documents(
     """(train, eval) documents of the given files; eval is None when no file is held out."""
     splits: tuple[list, list] = ([], [])
     for path in files:
-        with open(path, "rb") as f:
-            content = f.read()
+        content = storage.read_bytes(path)
         if not content:
             continue
         data = content if tokenizer.kind == "byte" else content.decode("utf-8", errors="replace")

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import os
 import sys
 import time
 from collections import defaultdict
@@ -29,6 +28,7 @@ from typing import Any, Callable, Iterator
 
 import jax
 
+import storage
 from configs import Config
 from ops.faults import Preempted
 from ops.metrics import MetricsLogger, log
@@ -110,7 +110,7 @@ class Goodput:
             summary = _update(cfg, invocation)
             lines = describe(summary)
         except Exception as e:  # a full disk or a hand-edited summary.json must not hide the run's own end
-            log(f"warning: could not write {os.path.join(cfg.run.dir, SUMMARY)}: {type(e).__name__}: {e}")
+            log(f"warning: could not write {storage.join(cfg.run.dir, SUMMARY)}: {type(e).__name__}: {e}")
             return None
         for line in lines:
             log(line)
@@ -168,8 +168,7 @@ def _mfu(tokens_per_s: float | None, logger: MetricsLogger) -> float | None:
 def read_summary(run_dir: str) -> dict[str, Any] | None:
     """run.dir/summary.json, or None if missing or unreadable."""
     try:
-        with open(os.path.join(run_dir, SUMMARY)) as f:
-            summary = json.load(f)
+        summary = json.loads(storage.read_text(storage.join(run_dir, SUMMARY)))
     except (OSError, ValueError):
         return None
     return summary if isinstance(summary, dict) else None
@@ -207,10 +206,8 @@ def _update(cfg: Config, invocation: dict[str, Any]) -> dict[str, Any]:
         "restarts_by_tier": _restarts_by_tier(invocations),
         "invocations": invocations,
     }
-    path = os.path.join(cfg.run.dir, SUMMARY)
-    with open(path + ".tmp", "w") as f:
-        json.dump(summary, f, indent=1)
-    os.replace(path + ".tmp", path)  # a reader never sees half a file
+    # A reader never sees half a file: a local one is renamed over, an object replaced in one request.
+    storage.write_text(storage.join(cfg.run.dir, SUMMARY), json.dumps(summary, indent=1), atomic=True)
     return summary
 
 

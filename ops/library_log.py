@@ -9,6 +9,7 @@ import gc
 import logging
 import os
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -17,13 +18,21 @@ from typing import Any, TextIO
 
 import jax
 
+import storage
+
 LIBRARY_LOG = "library.log"
 
 
 def library_log_path(run_dir: str) -> str:
-    """run.dir/library.log (library.pN.log for process N > 0: each process has its own leftovers)."""
+    """run.dir/library.log (library.pN.log for process N > 0: each process has its own leftovers).
+    For a run.dir on an object store, the same name under this host's temporary directory
+    (meshlm-library-logs/<scheme>/<bucket>/<prefix>/): the log is appended line by line, and an
+    object store has no append."""
     index = jax.process_index()
-    return os.path.join(run_dir, LIBRARY_LOG if index == 0 else f"library.p{index}.log")
+    name = LIBRARY_LOG if index == 0 else f"library.p{index}.log"
+    if storage.is_remote(run_dir):
+        return os.path.join(tempfile.gettempdir(), "meshlm-library-logs", run_dir.replace("://", "/"), name)
+    return os.path.join(run_dir, name)
 
 
 class LibraryLog:
@@ -40,6 +49,7 @@ class LibraryLog:
 
     def write(self, text: str) -> None:
         if self._file is None:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)  # a remote run.dir's is on a local disk
             self._file = open(self.path, "a")
         self._file.write(text)
         self._file.flush()

@@ -1,4 +1,5 @@
-"""Metrics out of the loop: `metrics.jsonl` (appended, never truncated), the same scalars to the
+"""Metrics out of the loop: `metrics.jsonl` (appended, never truncated; on an object store
+rewritten whole every storage.REMOTE_FLUSH_S seconds and at the end, storage.AppendLog), the same scalars to the
 trackers of `run.trackers` (TensorBoard events in `run.dir/tb/` by default), a console line, MFU.
 
 Only process 0 writes. Throughput is measured between two logged steps (the loop fetches
@@ -13,13 +14,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from typing import Any, Callable
 
 import jax
 
+import storage
 from configs import Config
 from sharding.hardware import peak_flops_of_kind
 from ops.trackers import Trackers
@@ -52,7 +53,8 @@ class MetricsLogger:
     def __init__(self, cfg: Config, tokens_per_step: int, flops_per_token: float, devices: list,
                  console: Callable[[dict[str, Any]], list[str]] = lambda record: []):
         """`console`: the objective's parts of a step's console line (trainer/objectives/)."""
-        self.path = os.path.join(cfg.run.dir, "metrics.jsonl")
+        self.path = storage.join(cfg.run.dir, "metrics.jsonl")
+        self._file = storage.AppendLog(self.path, storage.REMOTE_FLUSH_S) if jax.process_index() == 0 else None
         total_steps = cfg.train.steps
         self.total_steps = total_steps
         self.tokens_per_step = tokens_per_step
@@ -113,9 +115,14 @@ class MetricsLogger:
         self.history.append(record)
         if self.is_main:
             strict = {k: _strict(v) for k, v in record.items()}
-            with open(self.path, "a") as f:
-                f.write(json.dumps(strict, allow_nan=False) + "\n")
+            self._file.append(json.dumps(strict, allow_nan=False))
             self.trackers.scalars(strict)  # the same values: a null is no scalar there either
+
+    def flush(self) -> None:
+        """Puts every line logged so far into metrics.jsonl (on an object store; locally each
+        line is there already)."""
+        if self._file is not None:
+            self._file.flush()
 
     def _print(self, r: dict[str, Any]) -> None:
         width = len(str(self.total_steps))

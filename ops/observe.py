@@ -17,10 +17,13 @@ import json
 import os
 import struct
 import sys
+import tempfile
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import jax
+
+import storage
 
 if TYPE_CHECKING:
     from tensorboardX.event_file_writer import EventsWriter
@@ -47,7 +50,9 @@ def _without_torch() -> Iterator[None]:
 
 
 class TensorBoard:
-    """One event file per invocation under `run_dir/tb/`, created at the first record."""
+    """One event file per invocation under `run_dir/tb/`, created at the first record. With
+    run.dir on an object store the file is written on this host's temporary directory (TensorBoard's
+    writer appends) and copied to run.dir/tb/ every storage.REMOTE_FLUSH_S seconds and at `upload`."""
 
     def __init__(self, run_dir: str):
         # Imported here, not at the top: a machine without tensorboardX (the GPU box has no
@@ -59,8 +64,10 @@ class TensorBoard:
             from tensorboardX.proto.summary_pb2 import Summary
 
         self._classes = EventsWriter, Event, Summary
-        self.dir = os.path.join(run_dir, TB_DIR)
+        self.remote = storage.join(run_dir, TB_DIR) if storage.is_remote(run_dir) else None
+        self.dir = tempfile.mkdtemp(prefix="meshlm-tb-") if self.remote else os.path.join(run_dir, TB_DIR)
         self._writer: EventsWriter | None = None
+        self._uploaded = time.monotonic()
 
     def write(self, record: dict[str, Any]) -> None:
         """Every number in `record` but `step` becomes a scalar of that name at that step."""
@@ -78,6 +85,16 @@ class TensorBoard:
             self._writer = EventsWriter(os.path.join(self.dir, "events"), filename_suffix=f".{os.getpid()}")
         self._writer.write_event(Event(wall_time=time.time(), step=int(record["step"]), summary=Summary(value=values)))
         self._writer.flush()
+        if self.remote and time.monotonic() - self._uploaded >= storage.REMOTE_FLUSH_S:
+            self.upload()
+
+    def upload(self) -> None:
+        """Copies the event files to run.dir/tb/ on its object store (nothing to do locally)."""
+        if self.remote:
+            for name in os.listdir(self.dir):
+                with open(os.path.join(self.dir, name), "rb") as f:
+                    storage.write_bytes(storage.join(self.remote, name), f.read())
+            self._uploaded = time.monotonic()
 
 
 def _records(path: str) -> list[bytes]:
@@ -114,18 +131,17 @@ def read_metrics(run_dir: str) -> list[dict[str, Any]]:
     """metrics.jsonl as one merged record per step, in step order. Records for the same step
     are merged with the later line winning each key: a resumed run's re-run steps replace the
     old values, and an eval record joins the train record of its step."""
-    path = os.path.join(run_dir, "metrics.jsonl")
+    path = storage.join(run_dir, "metrics.jsonl")
     by_step: dict[int, dict[str, Any]] = {}
-    if not os.path.exists(path):
+    if not storage.exists(path):
         return []
-    with open(path) as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:  # the last line of a killed run may be cut short
-                continue
-            if isinstance(record, dict) and "step" in record:
-                by_step.setdefault(int(record["step"]), {}).update(record)
+    for line in storage.read_text(path).splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # the last line of a killed run may be cut short
+            continue
+        if isinstance(record, dict) and "step" in record:
+            by_step.setdefault(int(record["step"]), {}).update(record)
     return [by_step[s] for s in sorted(by_step)]
 
 

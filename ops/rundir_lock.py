@@ -22,24 +22,23 @@ status 6 rather than write beside the new owner.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import os
-import socket
 import sys
 import threading
 import time
 import uuid
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import jax
 
+import storage
 from configs import ConfigError
+from ops import object_lock
+from ops.lease import (BEATS_PER_TIMEOUT, EXIT_LOCK_LOST, LOCK_FILE, _describe, _host_key, _parse, _pid_alive,
+                       new_record)
 from sharding import distributed
 
-LOCK_FILE = "lock.json"
-EXIT_LOCK_LOST = 6
-BEATS_PER_TIMEOUT = 4  # heartbeats per lock_timeout_s: a holder must miss several to lose the lease
 _SHARE_KEY = "meshlm/run_dir_lock"
 
 
@@ -51,70 +50,13 @@ def _read_text(path: str) -> str | None:
         return None
 
 
-def _parse(text: str | None) -> dict[str, Any] | None:
-    """The lease's record; None for a missing, empty or half-written file."""
-    try:
-        record = json.loads(text) if text else None
-    except json.JSONDecodeError:
-        return None
-    return record if isinstance(record, dict) else None
-
-
-def _host_key() -> str:
-    """Which pids this process can judge: the same hostname, kernel boot and pid namespace."""
-    parts = [socket.gethostname()]
-    with contextlib.suppress(OSError):
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            parts.append(f.read().strip())
-    with contextlib.suppress(OSError):
-        parts.append(os.readlink("/proc/self/ns/pid"))
-    return "/".join(parts)
-
-
-def _pid_start(pid: int) -> str | None:
-    """The pid's start time in clock ticks since boot (None where /proc cannot tell); 'Z' for
-    a zombie, which is dead however long its parent takes to reap it."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return "Z" if fields[0] == "Z" else fields[19]
-
-
-def _pid_alive(pid: int, start: str | None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        pass
-    now = _pid_start(pid)
-    return now != "Z" and (start is None or now is None or now == start)
-
-
-def _describe(record: dict[str, Any] | None) -> str:
-    if record is None:
-        return "an unreadable lock"
-    return f"host {record.get('host')}, pid {record.get('pid')}, since {record.get('since')}"
-
-
 class Lease:
     """The held lock: its file descriptor (heartbeats go to this inode, so a holder whose lease
     was moved aside writes nowhere that matters) and the thread that refreshes it."""
 
     def __init__(self, path: str, fd: int, timeout_s: float):
         self.path, self.fd = path, fd
-        self.record = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "host_key": _host_key(),
-            "pid_start": _pid_start(os.getpid()),
-            "token": uuid.uuid4().hex,
-            "timeout_s": timeout_s,
-            "beat": 0,
-        }
+        self.record = new_record(timeout_s)
         self._write()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, args=(timeout_s / BEATS_PER_TIMEOUT,), daemon=True,
@@ -217,11 +159,13 @@ def acquire(run_dir: str, timeout_s: float, log: Callable[[str], None]) -> Lease
 def hold(run_dir: str, timeout_s: float, wait_s: float, log: Callable[[str], None]) -> Iterator[None]:
     """Holds run.dir's lock for the block, released however it ends. Process 0 takes it once
     for the whole job; every process raises the same ConfigError if it refused, before any of
-    them writes. `wait_s`: how long the others wait for process 0's answer."""
+    them writes. `wait_s`: how long the others wait for process 0's answer. On an object store
+    the lease is an object (ops.object_lock), with the same record and semantics."""
     lease, refusal = None, ""
+    take = object_lock.acquire if storage.is_remote(run_dir) else acquire
     if jax.process_index() == 0:
         try:
-            lease = acquire(run_dir, timeout_s, log)
+            lease = take(run_dir, timeout_s, log)
         except ConfigError as e:
             refusal = str(e)
     try:

@@ -29,6 +29,7 @@ import urllib.parse
 import uuid
 from typing import Any, Protocol
 
+import storage
 from configs import Config, ConfigError, dump_config
 from configs.schema import TRACKERS
 from ops.observe import TensorBoard
@@ -50,6 +51,12 @@ def check_trackers(cfg: Config) -> None:
         module = EXTRA.get(name)
         if module and importlib.util.find_spec(module) is None:
             raise ConfigError(f"run.trackers: {name} is not installed (pip install 'meshlm[trackers]')")
+    if storage.is_remote(cfg.run.dir):
+        # Their own files go beside the run, through their own clients, which write local paths only.
+        for name, variable in (("wandb", "WANDB_DIR"), ("mlflow", "MLFLOW_TRACKING_URI")):
+            if name in cfg.run.trackers and not os.environ.get(variable):
+                raise ConfigError(f"run.trackers: {name} keeps its files in run.dir, which is on an object store "
+                                  f"(run.dir={cfg.run.dir}); set {variable} for it")
     if "mlflow" in cfg.run.trackers:
         _check_mlflow_store(cfg.run.dir)
 
@@ -110,7 +117,7 @@ class _TensorBoard:
         pass  # TensorBoard has scalars only; summary.json holds the summary
 
     def close(self, outcome: str) -> None:
-        pass
+        self.tb.upload()  # a remote run.dir's event file, whole
 
 
 class _Wandb:
@@ -186,15 +193,13 @@ class Trackers:
 
     def open(self, start: int) -> None:
         """Starts (or resumes) each tracker's run; this invocation starts at step `start`."""
-        path = os.path.join(self.cfg.run.dir, IDS_FILE)
-        ids = json.load(open(path)) if os.path.exists(path) else {}
+        path = storage.join(self.cfg.run.dir, IDS_FILE)
+        ids = json.loads(storage.read_text(path)) if storage.exists(path) else {}
         for name in self.names:
             if name != "tensorboard":
                 self.active.append(_KINDS[name](self.cfg, ids, start))
         if ids:
-            with open(path + ".tmp", "w") as f:
-                json.dump(ids, f)
-            os.replace(path + ".tmp", path)
+            storage.write_text(path, json.dumps(ids), atomic=True)
 
     def scalars(self, record: dict[str, Any]) -> None:
         for t in self.active:

@@ -12,16 +12,18 @@ from conftest import ROOT
 
 # What each package may import (besides the standard library and third-party packages).
 ALLOWED = {
-    "configs": {"configs"},
-    "model": {"configs", "model"},
-    "data": {"configs", "data"},
-    "sharding": {"configs", "model", "sharding"},
-    "pipeline": {"configs", "model", "sharding", "pipeline"},
-    "planner": {"configs", "model", "sharding", "pipeline", "planner"},
-    "ops": {"configs", "sharding", "ops"},
-    "evaluation": {"configs", "model", "data", "ops", "evaluation"},
-    "trainer": {"configs", "model", "data", "sharding", "pipeline", "ops", "evaluation", "trainer"},
-    "bench": {"configs", "model", "data", "sharding", "pipeline", "planner", "ops", "evaluation", "trainer", "bench"},
+    "storage": {"storage"},
+    "configs": {"storage", "configs"},
+    "model": {"storage", "configs", "model"},
+    "data": {"storage", "configs", "data"},
+    "sharding": {"storage", "configs", "model", "sharding"},
+    "pipeline": {"storage", "configs", "model", "sharding", "pipeline"},
+    "planner": {"storage", "configs", "model", "sharding", "pipeline", "planner"},
+    "ops": {"storage", "configs", "sharding", "ops"},
+    "evaluation": {"storage", "configs", "model", "data", "ops", "evaluation"},
+    "trainer": {"storage", "configs", "model", "data", "sharding", "pipeline", "ops", "evaluation", "trainer"},
+    "bench": {"storage", "configs", "model", "data", "sharding", "pipeline", "planner", "ops", "evaluation", "trainer",
+              "bench"},
 }
 ENTRY_POINTS = ("train.py", "plan.py", "hf.py", "generate.py", "eval.py", "sweep.py")
 
@@ -96,7 +98,7 @@ def test_no_import_cycle() -> None:
 ENV_PROBE = """
 import os, sys
 before = dict(os.environ)
-import configs, model, data, sharding, planner, trainer, bench.step  # noqa: F401, E401
+import storage, configs, model, data, sharding, planner, trainer, bench.step  # noqa: F401, E401
 changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))
 print(changed)
 """

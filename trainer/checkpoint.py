@@ -27,12 +27,14 @@ import orbax.checkpoint as ocp
 from absl import flags
 from jax.experimental import multihost_utils
 
-from configs import Config, ConfigError, load_config, resume_keys
+import storage
+from configs import Config, ConfigError, dump_config, load_config, resume_keys
 from configs.schema import CheckpointConfig
 from model import lora
 from model.transformer import param_shapes
 from trainer.state import TrainState, frozen_base
 from ops.library_log import LibraryLog, library_log_path
+from trainer.object_store import manager_options
 from trainer.tiers import LocalTier, local_steps, this_process_dir
 
 def _get(cfg: Config, key: str) -> object:
@@ -42,13 +44,13 @@ def _get(cfg: Config, key: str) -> object:
 
 
 def checkpoint_dir(run_dir: str) -> str:
-    return os.path.join(run_dir, "checkpoints")
+    return storage.join(run_dir, "checkpoints")
 
 
 def has_checkpoints(run_dir: str) -> bool:
     """Whether run_dir/checkpoints holds anything: a run that will resume rather than start."""
     ckpt_dir = checkpoint_dir(run_dir)
-    return os.path.isdir(ckpt_dir) and bool(os.listdir(ckpt_dir))
+    return storage.isdir(ckpt_dir) and bool(storage.listdir(ckpt_dir))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,11 +83,10 @@ def read_run_dir(run_dir: str, local_dir: str | None = None) -> RunDir:
     is parsed only beside checkpoints of either tier: it is then the config of the run they resume.
     With a local tier every process must call this: whether any holds a step is agreed on by all,
     so that they take the same decisions (a replaced host's empty disk resumes as its peers do)."""
-    path = os.path.join(run_dir, "config.yaml")
+    path = storage.join(run_dir, "config.yaml")
     checkpoints, text = has_checkpoints(run_dir), None
-    if os.path.exists(path):
-        with open(path) as f:
-            text = f.read()
+    if storage.exists(path):
+        text = storage.read_text(path)
     steps = local_steps(local_dir)
     local = local_dir is not None and not _everywhere(not steps)
     saved = load_config(path) if (checkpoints or local) and text is not None else None
@@ -98,15 +99,27 @@ def read_run(cfg: Config, sizes: dict[str, int]) -> RunDir:
     return read_run_dir(cfg.run.dir, this_process_dir(cfg, sizes))
 
 
+def write_config(cfg: Config, found: RunDir, resume_step: int) -> None:
+    """Writes the resolved config; a different one found there is kept as config.step<N>.yaml
+    (the config that produced the checkpoints up to step N)."""
+    if jax.process_index() != 0:
+        return
+    storage.makedirs(cfg.run.dir)
+    path, text = storage.join(cfg.run.dir, "config.yaml"), dump_config(cfg)
+    if found.config_text is not None and found.config_text != text:
+        storage.rename(path, storage.join(cfg.run.dir, f"config.step{resume_step}.yaml"))
+    storage.write_text(path, text)
+
+
 def find_checkpoint(run_dir: str, step: int | None = None) -> tuple[Config, int]:
     """(the run's config, the newest or the asked-for checkpoint step). Raises ConfigError naming
     --run-dir or --step; reads nothing but config.yaml and the checkpoint folder's names."""
-    cfg_path = os.path.join(run_dir, "config.yaml")
-    if not os.path.exists(cfg_path):
+    cfg_path = storage.join(run_dir, "config.yaml")
+    if not storage.exists(cfg_path):
         raise ConfigError(f"--run-dir: no config.yaml in {run_dir}")
     cfg = load_config(cfg_path)
-    ckpt_dir = os.path.abspath(checkpoint_dir(run_dir))
-    steps = sorted(int(s) for s in os.listdir(ckpt_dir) if s.isdigit()) if os.path.isdir(ckpt_dir) else []
+    ckpt_dir = storage.absolute(checkpoint_dir(run_dir))
+    steps = sorted(int(s) for s in storage.listdir(ckpt_dir) if s.isdigit())
     if not steps:
         raise ConfigError(f"--run-dir: no checkpoints in {ckpt_dir}")
     step = steps[-1] if step is None else step
@@ -122,7 +135,7 @@ def restore_params(run_dir: str, step: int | None = None, device: jax.Device | N
     shards): nothing but the parameters is read; the optimizer state and data position stay on disk.
     A LoRA run's frozen base comes from where it started (`saved`)."""
     cfg, step = find_checkpoint(run_dir, step)
-    ckpt_dir = os.path.abspath(checkpoint_dir(run_dir))
+    ckpt_dir = storage.absolute(checkpoint_dir(run_dir))
     shapes = param_shapes(cfg.model)
     if shardings is None:
         shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device or jax.devices()[0]), shapes)
@@ -131,7 +144,8 @@ def restore_params(run_dir: str, step: int | None = None, device: jax.Device | N
     restore_args = jax.tree.map(
         lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype), target
     )
-    with ocp.CheckpointManager(ckpt_dir, item_names=("state", "data")) as manager:
+    options = ocp.CheckpointManagerOptions(**manager_options(ckpt_dir))
+    with ocp.CheckpointManager(ckpt_dir, options=options, item_names=("state", "data")) as manager:
         state_args = ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
         restored = manager.restore(step, args=ocp.args.Composite(state=state_args))
     params = restored.state["params"]
@@ -255,14 +269,15 @@ class Checkpointer:
             save_replicas_whole()
         else:
             coordination_barriers()
-        self.directory = os.path.abspath(directory)
+        self.directory = storage.absolute(directory)
         self.every = cfg.every
         self.fresh_if_unreadable = cfg.fresh_if_unreadable
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, cleanup_tmp_directories=True
+            max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, cleanup_tmp_directories=True,
+            **manager_options(self.directory),
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
-        self.library_log = LibraryLog(library_log_path(os.path.dirname(self.directory)))
+        self.library_log = LibraryLog(library_log_path(storage.parent(self.directory)))
         self.local: LocalTier | None = None  # the local tier, when checkpoint.local_dir is set (attach_local)
         self.restored_tier = ""  # "local" or "persistent" once restore_latest has found a step
         self._closed = False
@@ -350,7 +365,7 @@ class Checkpointer:
         )
 
     def _path(self, step: int) -> str:
-        return os.path.join(self.directory, str(step))
+        return storage.join(self.directory, str(step))
 
     def _see_log(self) -> str:
         return f" (library messages: {self.library_log.path})" if os.path.exists(self.library_log.path) else ""
@@ -369,11 +384,11 @@ class Checkpointer:
             return {}
         aside = self.directory + ".damaged"
         stamp = int(time.time())
-        moved = {step: os.path.join(aside, f"{step}-{stamp}") for step in steps}
+        moved = {step: storage.join(aside, f"{step}-{stamp}") for step in steps}
         if jax.process_index() == 0:
-            os.makedirs(aside, exist_ok=True)
+            storage.makedirs(aside)
             for step, path in moved.items():
-                os.replace(self._path(step), path)
+                storage.rename(self._path(step), path)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("checkpoints moved aside")
         self.manager.reload()

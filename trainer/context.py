@@ -69,6 +69,7 @@ class RunContext:
         self.watchdog.close()
         self.stop.restore()
         self.session.ckpt.close()
+        self.logger.flush()  # metrics.jsonl whole before summary.json reads it (an object store's is buffered)
         summary = self.goodput.finish(self.cfg, self.logger)  # summary.json and its lines, also when stopped
         self.logger.trackers.finish(summary, invocation_outcome(sys.exc_info()[1]))
 

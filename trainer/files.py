@@ -1,5 +1,5 @@
 """The checks of a run against what is on disk, before anything is compiled or written: run.dir
-(a resume must keep the keys its checkpoints fix), the local checkpoint tier's directory, a
+(its bucket, when on an object store; a resume must keep the keys its checkpoints fix), the local checkpoint tier's directory, a
 Hugging Face checkpoint to start from, the trackers' packages and the eval tasks' files. Each
 failure is one `ConfigError` line naming the key.
 """
@@ -8,12 +8,27 @@ from __future__ import annotations
 
 from typing import Any
 
+import storage
 from configs import Config, ConfigError
 from configs.writable import check_writable
 from model import hf
 from ops.trackers import check_trackers
 from trainer.checkpoint import RunDir, check_resumable
 from trainer.tiers import check_local_dir
+
+
+def check_storage(cfg: Config) -> None:
+    """run.dir on an object store: its bucket exists and answers (one line naming run.dir and the
+    bucket otherwise), and nothing is asked of it that only a local directory can hold."""
+    if not storage.is_remote(cfg.run.dir):
+        return
+    try:
+        storage.check_bucket(cfg.run.dir)
+    except storage.StorageError as e:
+        raise ConfigError(f"run.dir={e}") from None
+    if cfg.profile.steps:
+        raise ConfigError(f"profile.steps: jax.profiler writes its trace to a local directory, not run.dir={cfg.run.dir}; "
+                          "trace with a local run.dir")
 
 
 def check_files(cfg: Config, found: RunDir) -> None:

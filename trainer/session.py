@@ -11,17 +11,16 @@ place that decides where it comes from; then writes the resolved config into run
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Callable
 
 import jax
 import numpy as np
 
-from configs import Config, dump_config
+from configs import Config
 from data import describe, eval_batches, make_iterator
 from model import stack_layers
 from ops.metrics import log
-from trainer.checkpoint import Checkpointer, RunDir, check_resumable, read_run
+from trainer.checkpoint import Checkpointer, RunDir, check_resumable, read_run, write_config
 from trainer.program import Program, make_program
 from trainer.restore import checkpointer, initial_state
 from trainer.spec import RunSpec
@@ -80,19 +79,6 @@ def reread(spec: RunSpec) -> tuple[RunSpec, str]:
     return dataclasses.replace(spec, cfg=cfg, rundir=found), note
 
 
-def _write_config(cfg: Config, found: RunDir, resume_step: int) -> None:
-    """Writes the resolved config; a different one found there is kept as config.step<N>.yaml
-    (the config that produced the checkpoints up to step N)."""
-    if jax.process_index() != 0:
-        return
-    os.makedirs(cfg.run.dir, exist_ok=True)
-    path, text = os.path.join(cfg.run.dir, "config.yaml"), dump_config(cfg)
-    if found.config_text is not None and found.config_text != text:
-        os.replace(path, os.path.join(cfg.run.dir, f"config.step{resume_step}.yaml"))
-    with open(path, "w") as f:
-        f.write(text)
-
-
 def _eval_rows(cfg: Config, source: Any, held_out: Callable) -> list[dict[str, np.ndarray]]:
     """This process's rows of the held-out batches, by `held_out` (data.eval_batches); [] = no eval."""
     if cfg.eval.every and source.eval is None:
@@ -122,7 +108,7 @@ def make_session(spec: RunSpec, devices: list, schedule_note: str = "", held_out
         if start.resumed and schedule_note and start.step < cfg.train.steps:
             log(schedule_note)
         if start.step < cfg.train.steps:  # a run with nothing to do leaves run.dir as it was
-            _write_config(cfg, found, start.step)
+            write_config(cfg, found, start.step)
         if layout.pipelined:
             log(
                 f"pipeline: {layout.stages} stages x {layout.repeats} repeat(s), {layout.microbatches} microbatches, "

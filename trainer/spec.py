@@ -18,7 +18,7 @@ from sharding import Rules
 from trainer import objectives
 from trainer.checkpoint import RunDir, read_run
 from trainer.checks import check_divisible
-from trainer.files import check_files, check_tasks
+from trainer.files import check_files, check_storage, check_tasks
 from trainer.layout import Layout, plan_layout
 from trainer.objectives import Objective
 from trainer.state import AbstractModel, abstract_model
@@ -73,7 +73,9 @@ def prepare(cfg: Config, num_devices: int, with_data: bool = True, found: RunDir
     frozen = frozen_model(objective, model, layout)
     if not with_data:
         return RunSpec(cfg, layout, model, objective, frozen=frozen)
-    found = read_run(cfg, layout.sizes) if found is None else found
+    if found is None:
+        check_storage(cfg)  # a missing bucket is one line, not a traceback from the first read
+        found = read_run(cfg, layout.sizes)
     check_files(cfg, found)
     return RunSpec(cfg, layout, model, objective, open_source(cfg, objective.data_format), check_tasks(cfg), frozen,
                    found)

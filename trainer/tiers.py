@@ -43,6 +43,7 @@ from orbax.checkpoint.experimental.emergency.p2p import checkpoint_manager as p2
 from orbax.checkpoint.experimental.emergency.p2p import options as p2p_options
 from orbax.checkpoint.experimental.emergency.p2p import utils as p2p_utils
 
+import storage
 from configs import Config
 from configs.writable import check_writable
 from configs.schema import MESH_AXES
@@ -55,10 +56,11 @@ POSITION_BYTES = 16384
 
 
 def local_root(cfg: Config) -> str:
-    """checkpoint.local_dir/<run.dir's name>-<a hash of its absolute path>: the run's local tier."""
-    run_dir = os.path.abspath(cfg.run.dir)
+    """checkpoint.local_dir/<run.dir's name>-<a hash of its absolute path, or of its URL on a bucket>:
+    the run's local tier (on this host's disk whatever run.dir is)."""
+    run_dir = storage.absolute(cfg.run.dir)
     digest = hashlib.sha256(run_dir.encode()).hexdigest()[:10]
-    return os.path.join(os.path.abspath(cfg.checkpoint.local_dir), f"{os.path.basename(run_dir)}-{digest}")
+    return os.path.join(os.path.abspath(cfg.checkpoint.local_dir), f"{storage.basename(run_dir)}-{digest}")
 
 
 def layout_tag(sizes: dict[str, int], processes: int) -> str:

@@ -1,0 +1,312 @@
+"""Run directories and checkpoints on object stores (docs/storage.md), against real servers
+started once per session (tests/storage_servers.py): moto's S3 server and fake-gcs-server.
+The path layer on a local directory and on both buckets; a tiny run on each bucket, resumed,
+equal bit for bit to the same run uninterrupted on local disk; a missing bucket and an
+unreachable endpoint refused with one line before anything compiles."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+import uuid
+
+import jax
+import pytest
+
+import storage
+import train
+import trainer
+from configs import ConfigError, load_config
+from conftest import require, stdlib_glob
+from bench.procs import TINY, Train
+from ops.lease import new_record as _lock_record
+from storage_servers import SECRET, free_port, gcs_bucket, moto_server, s3_bucket  # noqa: F401  (fixtures)
+
+
+@pytest.fixture(params=["local", "s3", "gs"])
+def root(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> str:
+    """A fresh directory: local, or a fresh prefix in each server's bucket."""
+    if request.param == "local":
+        return str(tmp_path)
+    bucket = request.getfixturevalue("s3_bucket" if request.param == "s3" else "gcs_bucket")
+    return f"{bucket}/{uuid.uuid4().hex[:8]}"
+
+
+def test_the_path_layer_reads_writes_lists_and_removes(root: str) -> None:
+    d = storage.join(root, "run")
+    assert not storage.exists(d) and not storage.isdir(d) and storage.listdir(d) == []
+    storage.makedirs(d)
+    storage.write_text(storage.join(d, "a.txt"), "one\n")
+    storage.write_text(storage.join(d, "b.json"), "{}", atomic=True)
+    storage.makedirs(storage.join(d, "sub"))
+    storage.write_bytes(storage.join(d, "sub", "c.bin"), b"\x00\x01")
+    assert storage.isdir(d) and storage.listdir(d) == ["a.txt", "b.json", "sub"]
+    assert storage.read_text(storage.join(d, "a.txt")) == "one\n"
+    assert storage.read_bytes(storage.join(d, "sub", "c.bin")) == b"\x00\x01"
+    storage.rename(storage.join(d, "sub"), storage.join(d, "moved"))
+    assert storage.listdir(d) == ["a.txt", "b.json", "moved"]
+    storage.remove(storage.join(d, "a.txt"))
+    assert not storage.exists(storage.join(d, "a.txt"))
+    with pytest.raises(FileNotFoundError):
+        storage.read_text(storage.join(d, "a.txt"))
+    assert storage.parent(storage.join(d, "b.json")) == d and storage.basename(d) == "run"
+
+
+def test_an_append_log_on_a_bucket_is_rewritten_at_its_interval_and_at_flush(root: str) -> None:
+    path = storage.join(root, "metrics.jsonl")
+    storage.makedirs(root)
+    log = storage.AppendLog(path, flush_s=3600.0)
+    log.append("one")
+    # A local file has each line at once; an object only after the interval or a flush.
+    assert storage.exists(path) == (not storage.is_remote(root))
+    log.flush()
+    assert storage.read_text(path) == "one\n"
+    now = storage.AppendLog(path, flush_s=0.0)  # a resumed run's log keeps the lines before it
+    now.append("two")
+    assert storage.read_text(path) == "one\ntwo\n"
+
+
+def args(run_dir: str, *extra: str, data: str = "") -> list[str]:
+    """The tiny run's overrides; `data`: data.path (default: the standard library's json package)."""
+    # tests/test_faults.py's horizon: runs of any length share one compiled step (the session's cache).
+    return [f"run.dir={run_dir}", f"data.path={data or stdlib_glob('json')}", "train.log_every=1",
+            "optim.decay_steps=12", "checkpoint.every=2", *extra]
+
+
+def train_here(run_dir: str, *extra: str, data: str = "") -> list[dict]:
+    return trainer.run(load_config(TINY, args(run_dir, *extra, data=data)), jax.devices())
+
+
+def losses(run_dir: str) -> dict[int, float]:
+    """Step -> loss from metrics.jsonl, the last line for a step winning (as after a resume)."""
+    out = {}
+    for line in storage.read_text(storage.join(run_dir, "metrics.jsonl")).splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            out[record["step"]] = record["loss"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, float], dict]:
+    """The reference: 4 steps on local disk, without a stop; its losses and final parameters."""
+    run_dir = str(tmp_path_factory.mktemp("local") / "run")
+    train_here(run_dir, "train.steps=4")
+    return losses(run_dir), trainer.checkpoint.restore_params(run_dir)[2]
+
+
+def cut_short(step_dir: str, to: str) -> None:
+    """A save of step `to` cut short: every object of the finished `step_dir` copied there but
+    the step's commit object, which Orbax writes last on an object store."""
+    fs = storage.filesystem(step_dir)
+    head = step_dir.split("://", 1)[1]
+    for key in fs.find(step_dir):
+        if key != f"{head}/commit_success.txt":
+            fs.copy(key, to + key[len(head):])
+    assert storage.exists(storage.join(to, "state")) and not storage.exists(storage.join(to, "commit_success.txt"))
+
+
+def upload_corpus(root: str) -> str:
+    """The reference's corpus (the standard library's json package) copied under `root`; the
+    same glob there."""
+    local = stdlib_glob("json")
+    for path in glob.glob(local, recursive=True):
+        with open(path, "rb") as f:
+            storage.write_bytes(storage.join(root, "corpus", os.path.basename(path)), f.read())
+    return storage.join(root, "corpus", "**", "*.py")
+
+
+@pytest.mark.parametrize("bucket", ["s3_bucket", "gcs_bucket"])
+def test_a_run_on_a_bucket_resumes_bit_for_bit(request: pytest.FixtureRequest, capfd: pytest.CaptureFixture,
+                                                bucket: str, uninterrupted: tuple[dict[int, float], dict]) -> None:
+    """run.dir and data.path both on the bucket: the same numbers as the local run on local files."""
+    root = f"{request.getfixturevalue(bucket)}/{uuid.uuid4().hex[:8]}"
+    run_dir, corpus = f"{root}/run", upload_corpus(root)
+    assert [storage.basename(f) for f in storage.glob_files(corpus)] == sorted(
+        os.path.basename(f) for f in glob.glob(stdlib_glob("json"), recursive=True))
+    train_here(run_dir, "train.steps=2", data=corpus)
+    assert storage.listdir(storage.join(run_dir, "checkpoints")) == ["2"]
+    assert not storage.exists(storage.join(run_dir, "lock.json")), "the lock is released"
+    cut_short(storage.join(run_dir, "checkpoints", "2"), storage.join(run_dir, "checkpoints", "4"))
+    capfd.readouterr()
+    train_here(run_dir, "train.steps=4", data=corpus)
+    out = capfd.readouterr()
+    assert "resumed from step 2" in out.out, "the step without its commit object is not restored"
+    fs = storage.filesystem(run_dir)
+    written = b"".join(fs.cat_file(key) for key in fs.find(run_dir))
+    assert len(written) > 100_000 and SECRET.encode() not in written and SECRET not in out.out + out.err, \
+        "no credential in the run directory or on the console"
+    ref_losses, ref_params = uninterrupted
+    assert losses(run_dir) == ref_losses and sorted(ref_losses) == [1, 2, 3, 4]
+    cfg, step, params = trainer.checkpoint.restore_params(run_dir)
+    assert step == 4 and jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), params, ref_params))
+    for name in ("config.yaml", "summary.json"):
+        assert storage.exists(storage.join(run_dir, name)), name
+    assert len(storage.listdir(storage.join(run_dir, "tb"))) == 2, "each invocation's TensorBoard events uploaded"
+    assert json.loads(storage.read_text(storage.join(run_dir, "summary.json")))["final_step"] == 4
+
+
+def main_here(capfd: pytest.CaptureFixture, *argv: str) -> tuple[int, str]:
+    """`python train.py ARGV`'s exit status and output, from its `main` in this process."""
+    capfd.readouterr()
+    code = train.main(list(argv))
+    captured = capfd.readouterr()
+    return code, captured.out + captured.err
+
+
+@pytest.mark.parametrize("bucket", ["s3_bucket", "gcs_bucket"])
+def test_a_missing_bucket_or_an_unreachable_endpoint_is_one_line_before_compiling(
+        request: pytest.FixtureRequest, capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, bucket: str) -> None:
+    kind = request.getfixturevalue(bucket).split("://")[0]
+    missing = f"{kind}://no-such-bucket-{uuid.uuid4().hex[:6]}/run"
+    code, out = main_here(capfd, "--config", TINY, *args(missing))
+    assert code == 2 and out.strip() == f"error: run.dir={missing}: bucket {missing.split('/')[2]} does not exist at " \
+        f"{os.environ['AWS_ENDPOINT_URL' if kind == 's3' else 'STORAGE_EMULATOR_HOST']}", out
+    # Nothing listens on this port: connection refused, reported without waiting out retries.
+    dead = f"http://127.0.0.1:{free_port()}"
+    for name in ("AWS_ENDPOINT_URL", "STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL"):
+        monkeypatch.setenv(name, dead)
+    run_dir = f"{request.getfixturevalue(bucket)}/run"
+    code, out = main_here(capfd, "--config", TINY, *args(run_dir))
+    assert code == 2 and len(out.strip().splitlines()) == 1, out
+    assert out.startswith(f"error: run.dir={run_dir}: cannot reach bucket ") and f"at {dead}" in out, out
+
+
+def _lock(run_dir: str) -> dict:
+    """run.dir/lock.json's record."""
+    return json.loads(storage.read_text(storage.join(run_dir, "lock.json")))
+
+
+@pytest.mark.parametrize("bucket", ["s3_bucket", "gcs_bucket"])
+def test_a_second_writer_is_refused_and_a_dead_holders_lock_taken_over(
+        request: pytest.FixtureRequest, capfd: pytest.CaptureFixture, bucket: str) -> None:
+    from ops import object_lock
+
+    run_dir = f"{request.getfixturevalue(bucket)}/{uuid.uuid4().hex[:8]}/run"
+    lease = object_lock.acquire(run_dir, 30.0, print)  # the holder: this live process
+    try:
+        assert _lock(run_dir)["pid"] == os.getpid()
+        code, out = main_here(capfd, "--config", TINY, *args(run_dir))
+        assert code == 2 and out.strip() == (
+            f"error: run.dir={run_dir} is in use by a live run: {object_lock._describe(_lock(run_dir))} "
+            f"(its lock: {run_dir}/lock.json); stop it or use another run.dir"), out
+        assert storage.listdir(run_dir) == ["lock.json"], "the refused run wrote nothing"
+    finally:
+        lease.release()
+    assert not storage.exists(storage.join(run_dir, "lock.json"))
+    # A holder on this host whose pid is gone: taken over at once.
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = dict(_lock_record(30.0), pid=int(gone.stdout), pid_start=None)
+    storage.write_text(storage.join(run_dir, "lock.json"), json.dumps(dead))
+    lines: list[str] = []
+    lease = object_lock.acquire(run_dir, 30.0, lines.append)
+    try:
+        assert _lock(run_dir)["token"] == lease.record["token"] and lease.record["pid"] == os.getpid()
+        assert lines == [f"took over the run.dir lock {run_dir}/lock.json: pid {dead['pid']} is gone from this host"]
+    finally:
+        lease.release()
+
+
+def test_of_two_runs_creating_the_lock_at_once_one_wins(s3_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """S3 only: moto applies `If-None-Match: *`; fake-gcs-server ignores GCS's generation
+    preconditions on the uploads TensorStore sends, so the race cannot be staged there."""
+    from ops import object_lock
+
+    run_dir = f"{s3_bucket}/{uuid.uuid4().hex[:8]}/run"
+    rival = dict(_lock_record(30.0), token="rival")
+    real = object_lock.new_record
+
+    def record_after_the_rival(timeout_s: float) -> dict:
+        # The rival's create lands between this run's read (no lock) and its conditional create.
+        if not storage.exists(storage.join(run_dir, "lock.json")):
+            storage.write_text(storage.join(run_dir, "lock.json"), json.dumps(rival))
+        return real(timeout_s)
+
+    monkeypatch.setattr(object_lock, "new_record", record_after_the_rival)
+    with pytest.raises(ConfigError, match="is in use by a live run"):
+        object_lock.acquire(run_dir, 30.0, print)
+    assert _lock(run_dir)["token"] == "rival", "the rival's lock stands"
+
+
+# tests/test_faults.py's state of ~27 MB saved every step, on one device: a save takes long enough
+# to be caught in flight.
+BIG_STATE = ["data.source=synthetic", "model.d_model=128", "model.head_dim=8", "model.vocab_size=16384",
+             "train.global_batch=8", "model.seq_len=8", "checkpoint.every=1", "checkpoint.keep=2", "train.steps=6",
+             "mesh.data=1"]
+
+
+def steps(run_dir: str) -> tuple[list[int], list[int]]:
+    """(committed steps, steps with objects but no commit object yet) under run_dir/checkpoints."""
+    ckpt = storage.join(run_dir, "checkpoints")
+    found = [int(s) for s in storage.listdir(ckpt) if s.isdigit()]
+    done = [s for s in found if storage.exists(storage.join(ckpt, str(s), "commit_success.txt"))]
+    return sorted(done), sorted(set(found) - set(done))
+
+
+@pytest.fixture(scope="module")
+def big_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """The losses of the big state's 6 steps on local disk, uninterrupted."""
+    run_dir = str(tmp_path_factory.mktemp("big") / "run")
+    trainer.run(load_config(TINY, args(run_dir, *BIG_STATE, "checkpoint.every=1000")), jax.devices()[:1])
+    return losses(run_dir)
+
+
+@pytest.mark.parametrize("bucket", ["s3_bucket", "gcs_bucket"])
+def test_kill_9_during_a_save_to_a_bucket_resumes_from_the_last_committed_step(
+        request: pytest.FixtureRequest, capfd: pytest.CaptureFixture, bucket: str, big_reference: dict[int, float]) -> None:
+    root = f"{request.getfixturevalue(bucket)}/{uuid.uuid4().hex[:8]}"
+    for attempt in range(3):
+        run_dir = f"{root}/attempt{attempt}"
+        victim = Train("--config", TINY, *args(run_dir, *BIG_STATE), devices=1)
+        victim.wait_for(r"^step +2/6")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(steps(run_dir)):  # one committed, one in flight
+            time.sleep(0.01)
+        victim.kill()
+        committed, in_flight = steps(run_dir)
+        if in_flight and committed:
+            break
+    else:
+        pytest.fail("three attempts never caught a save in flight")
+    capfd.readouterr()
+    trainer.run(load_config(TINY, args(run_dir, *BIG_STATE)), jax.devices()[:1])
+    out = capfd.readouterr().out
+    assert f"resumed from step {max(committed)}" in out, out
+    # The killed run's last lines may be lost (metrics.jsonl is rewritten every few seconds on a
+    # bucket); every line there, and every step from the resume on, equals the reference.
+    got = losses(run_dir)
+    assert got == {k: big_reference[k] for k in got} and set(range(max(committed) + 1, 7)) <= set(got), got
+
+
+def test_a_denied_bucket_is_one_line_before_compiling(s3_bucket: str, capfd: pytest.CaptureFixture,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """S3 only: moto can check credentials (its IAM knows none, so it denies every request);
+    fake-gcs-server checks none."""
+    server = moto_server(enforce_auth=True)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", server.url)
+        run_dir = f"{s3_bucket}/run"
+        code, out = main_here(capfd, "--config", TINY, *args(run_dir))
+        assert code == 2 and out.strip() == (f"error: run.dir={run_dir}: access to bucket {s3_bucket[5:]} at {server.url} "
+                                             "is denied (HTTP 403)"), out
+    finally:
+        server.stop()
+
+
+def test_what_only_a_local_run_dir_can_hold_is_refused_before_compiling(s3_bucket: str, capfd: pytest.CaptureFixture,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    run_dir = f"{s3_bucket}/{uuid.uuid4().hex[:8]}/run"
+    code, out = main_here(capfd, "--config", TINY, *args(run_dir, "profile.steps=[1,2]"))
+    assert code == 2 and out.strip() == (f"error: profile.steps: jax.profiler writes its trace to a local directory, "
+                                         f"not run.dir={run_dir}; trace with a local run.dir"), out
+    require("wandb", "trackers", lazy=True)  # missing, its own "not installed" line would come first
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    code, out = main_here(capfd, "--config", TINY, *args(run_dir, "run.trackers=[wandb]"))
+    assert code == 2 and out.strip() == (f"error: run.trackers: wandb keeps its files in run.dir, which is on an object "
+                                         f"store (run.dir={run_dir}); set WANDB_DIR for it"), out
+    assert storage.listdir(run_dir) == [], "nothing written"
