@@ -15,10 +15,11 @@ error lines would be rebuilt around them; pydantic only validates, over the sche
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import os
 import typing
-from typing import Any
+from typing import Any, Iterable
 
 import pydantic
 import yaml
@@ -94,6 +95,49 @@ def _cli_value(tp: Any, text: str) -> Any:
     return text
 
 
+# What other stacks (Hugging Face, MaxText, torchtitan, Megatron) call a key, by its last part.
+SYNONYMS = {
+    "learning_rate": "optim.lr", "lr": "optim.lr", "max_lr": "optim.lr",
+    "batch_size": "train.global_batch", "global_batch_size": "train.global_batch",
+    "train_batch_size": "train.global_batch", "per_device_batch_size": "train.global_batch",
+    "max_steps": "train.steps", "num_steps": "train.steps", "total_steps": "train.steps",
+    "train_steps": "train.steps", "steps": "train.steps",
+    "warmup": "optim.warmup_steps", "weight_decay": "optim.weight_decay",
+    "max_grad_norm": "optim.clip", "grad_clip": "optim.clip", "clip_grad": "optim.clip",
+    "gradient_clipping_threshold": "optim.clip",
+    "gradient_accumulation_steps": "train.grad_accum",
+    "seq_length": "model.seq_len", "max_seq_len": "model.seq_len", "sequence_length": "model.seq_len",
+    "max_target_length": "model.seq_len", "max_position_embeddings": "model.seq_len",
+    "hidden_size": "model.d_model", "emb_dim": "model.d_model", "dim": "model.d_model",
+    "intermediate_size": "model.d_ff", "mlp_dim": "model.d_ff", "ffn_hidden_size": "model.d_ff",
+    "num_hidden_layers": "model.num_layers", "n_layers": "model.num_layers", "num_decoder_layers": "model.num_layers",
+    "num_attention_heads": "model.num_heads", "n_heads": "model.num_heads", "base_num_query_heads": "model.num_heads",
+    "num_key_value_heads": "model.num_kv_heads", "n_kv_heads": "model.num_kv_heads", "num_query_groups": "model.num_kv_heads",
+    "output_dir": "run.dir", "base_output_directory": "run.dir", "run_dir": "run.dir", "dump_folder": "run.dir",
+    "seed": "run.seed", "save_steps": "checkpoint.every", "checkpoint_period": "checkpoint.every",
+    "save_interval": "checkpoint.every", "logging_steps": "train.log_every", "log_period": "train.log_every",
+    "eval_steps": "eval.every", "eval_interval": "eval.every",
+}
+
+
+def suggest_key(key: str, keys: Iterable[str]) -> str | None:
+    """The valid key a bad one most likely meant: another stack's name for it (SYNONYMS), else the
+    closest by the last part (the field, where typos and other names live; in the key's own
+    section first), else the closest whole key; None if nothing is close."""
+    keys = list(keys)
+    section, _, last = key.rpartition(".")
+    if SYNONYMS.get(last) in keys:
+        return SYNONYMS[last]
+    by_last: dict[str, list[str]] = {}
+    for k in keys:
+        by_last.setdefault(k.rpartition(".")[2], []).append(k)
+    for name in difflib.get_close_matches(last, list(by_last), n=5, cutoff=0.75):
+        mine = [k for k in by_last[name] if k.rpartition(".")[0] == section]
+        if mine or not section:
+            return (mine or by_last[name])[0]
+    return closest(key, keys)
+
+
 def _put(tree: dict[str, Any], key: str, value: Any) -> None:
     """Sets dotted `key` in the nested mapping; `table.entry` sets one entry of a rules table
     (starting from the file's table, or the default one)."""
@@ -107,7 +151,7 @@ def _put(tree: dict[str, Any], key: str, value: Any) -> None:
         node[field][key[len(table) + 1:]] = value
         return
     if key not in types:
-        guess = closest(key, types)
+        guess = suggest_key(key, types)
         raise ConfigError(f"unknown config key {key!r}" + (f" (did you mean {guess}?)" if guess else ""))
     if isinstance(value, bool) and types[key] in (int, float):  # pydantic would take yes as 1
         raise ConfigError(f"{key}: expected {_type_name(types[key])}, got {value!r}")

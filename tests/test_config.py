@@ -70,6 +70,13 @@ def test_resolved_config_round_trips(tmp_path):
     [
         (["train.step=3"], "unknown config key 'train.step' (did you mean train.steps?)"),
         (["modle.d_model=3"], "did you mean model.d_model?"),
+        # Another stack's name, or a typo of the field, is ranked by the key's last part.
+        (["optim.learning_rate=1e-3"], "unknown config key 'optim.learning_rate' (did you mean optim.lr?)"),
+        (["learning_rate=1e-3"], "unknown config key 'learning_rate' (did you mean optim.lr?)"),
+        (["train.batch_size=8"], "(did you mean train.global_batch?)"),
+        (["model.num_hidden_layers=2"], "(did you mean model.num_layers?)"),
+        (["data.seq_len=64"], "(did you mean model.seq_len?)"),
+        (["optim.weight_decy=0.1"], "(did you mean optim.weight_decay?)"),
         (["train.steps=abc"], "train.steps: expected int, got 'abc'"),
         (["model.tie_embeddings=maybe"], "model.tie_embeddings: expected bool"),
         (["train.steps=-1"], "train.steps: must be >= 0, got -1"),
