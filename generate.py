@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if prompt.shape[1] + args.max_new_tokens > cfg.model.seq_len:
+        # Positions past the trained length were never seen in training: the text goes on, its quality may not.
+        print(f"warning: the prompt ({prompt.shape[1]} tokens) and --max-new-tokens {args.max_new_tokens} reach "
+              f"past the length the model was trained on (model.seq_len={cfg.model.seq_len})", file=sys.stderr)
     model = transformer_from_params(cfg.model, params)
     new = generate(model, prompt, args.max_new_tokens, sampling=Sampling(args.temperature, args.top_k), seed=args.seed)
     tokens = [int(t) for t in np.asarray(new)[0]]

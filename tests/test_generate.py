@@ -176,7 +176,8 @@ def test_cli_samples_from_a_sharded_checkpoint(tiny, tmp_path, capsys):
     assert proc.stdout == expected
     # In this process (8 devices): the same greedy text; another step; then sampled text.
     assert main(greedy) == 0
-    assert capsys.readouterr().out == expected
+    out = capsys.readouterr()
+    assert out.out == expected and "warning" not in out.err, out.err
     assert main([*greedy, "--step", "15"]) == 0
     assert capsys.readouterr().out == expected_step_15
     sampling = ["--temperature", "1.5", "--top-k", "50", "--seed", "4"]
@@ -184,5 +185,10 @@ def test_cli_samples_from_a_sharded_checkpoint(tiny, tmp_path, capsys):
     sampled = capsys.readouterr().out
     assert sampled == _text(prompt_text, np.asarray(generate(newest, prompt, n, sampling=Sampling(1.5, top_k=50), seed=4))[0])
     assert sampled != expected, "sampling at temperature 1.5 must leave the greedy path"
+    # 5 + 28 tokens reach past the trained 32: one warning line, and the text still comes.
+    assert main([*greedy[:-1], "28"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith(prompt_text) and out.err == ("warning: the prompt (5 tokens) and --max-new-tokens 28 reach "
+                                                           "past the length the model was trained on (model.seq_len=32)\n")
     assert main(["--run-dir", cfg.run.dir, "--prompt", "x", "--step", "9"]) == 2
     assert "--step: no checkpoint for step 9" in capsys.readouterr().err
