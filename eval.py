@@ -21,7 +21,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from configs import ConfigError, check_writable
+from configs import ConfigError, check_writable, guarded
 
 if TYPE_CHECKING:  # the real imports wait until the arguments are checked: importing JAX takes a while
     import jax
@@ -102,4 +102,4 @@ def evaluate(args: argparse.Namespace, spec: RunSpec, devices: list[jax.Device],
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(guarded(main, "no scores were written; run the same command again"))

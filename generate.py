@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from configs import ConfigError
+from configs import ConfigError, guarded
 from data.tokenizer import load_tokenizer
 from model.decode import Sampling, generate
 from model.transformer import transformer_from_params
@@ -63,4 +63,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(guarded(main, "nothing was written"))

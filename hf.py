@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import jax
 
-from configs import check_writable, dump_config, load_config
+from configs import check_writable, dump_config, guarded, load_config
 from configs.schema import ConfigError, MeshConfig, PipelineConfig
 from model import lora
 from model.hf import check_compatible, peft_config, read_hf_config, to_hf_tensors, to_peft_tensors
@@ -159,4 +159,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(guarded(main, "each file is written under a temporary name and renamed whole, so what is there is "
+                           "whole; run the same command again"))

@@ -59,7 +59,7 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh
 
-from configs import Config, ConfigError, load_config
+from configs import Config, ConfigError, guarded, load_config, on_interrupt
 from configs.schema import MESH_AXES, REMAT_POLICIES
 from configs.writable import check_writable
 from model import attn_kernels
@@ -205,8 +205,9 @@ def run_child(child_spec: Child, jobs: list[list[str]]) -> list[dict]:
             child = subprocess.Popen([sys.executable, here, "--child", spec], env=env, cwd=os.path.dirname(here),
                                      stdout=subprocess.DEVNULL, stderr=err, text=True)
             try:
-                code = wait_with_progress(child, spec + ".progress")
-            except BaseException:  # Ctrl-C: the compile must not run on, orphaned
+                with on_interrupt(child.kill):  # Ctrl-C (configs.interrupt): the compile must not run on, orphaned
+                    code = wait_with_progress(child, spec + ".progress")
+            except BaseException:
                 child.kill()
                 child.wait()
                 raise
@@ -324,4 +325,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     jax.config.update("jax_platforms", "cpu")  # the planning process needs no accelerator; its child sees N CPUs
-    sys.exit(main())
+    sys.exit(guarded(main, "the compile was stopped and nothing was written"))

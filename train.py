@@ -5,7 +5,8 @@ or `python train.py --help-config` (every key, its type, default and meaning).
 Parses the command line, loads the config and hands it to the trainer. Exit status: 0 done;
 2 bad input or a run.dir in use by a live run (one line naming the key, file or holder, before
 anything is compiled or written);
-`train.preempt_exit_code` (143) after SIGTERM/SIGINT with the checkpoint committed; 3 too
+`train.preempt_exit_code` (143) after SIGTERM, 130 after SIGINT, with the checkpoint committed (a
+signal before the loop: one line, 143 or 130, nothing trained); 3 too
 many non-finite steps; 4 a step past `train.step_timeout_s`; 5 a peer process lost; 6 this
 run's run.dir lock taken over by another run.
 """
@@ -17,7 +18,7 @@ import gc
 import os
 import sys
 
-from configs import ConfigError, load_config
+from configs import ConfigError, guarded, load_config
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -48,10 +49,14 @@ def main(argv: list[str] | None = None) -> int:
         return sweep.main(args.sweep, args.config, args.overrides, args.emit, args.summarize)
     try:
         cfg = load_config(args.config, args.overrides)
-        if cfg.eval.tasks:  # the harness's progress bars off; tqdm reads this when it is first imported
-            os.environ.setdefault("TQDM_DISABLE", "1")
-        import trainer  # after the config is known good: importing JAX takes a while
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if cfg.eval.tasks:  # the harness's progress bars off; tqdm reads this when it is first imported
+        os.environ.setdefault("TQDM_DISABLE", "1")
+    import trainer  # after the config is known good: importing JAX takes a while
 
+    try:
         trainer.set_default_flags()
         trainer.run(cfg)
     except ConfigError as e:
@@ -75,5 +80,9 @@ def exit_quickly(code: int) -> None:
     sys.exit(code)
 
 
+# What an interrupted start-up leaves: the loop's own stop says which step it committed.
+KEPT = ("stopped before the training loop; checkpoints already in run.dir are intact (a save in flight is never "
+        "read); run the same command to start or resume")
+
 if __name__ == "__main__":
-    exit_quickly(main())
+    exit_quickly(guarded(main, KEPT))

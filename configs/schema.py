@@ -81,7 +81,7 @@ class TrainConfig:
     max_bad_steps: Annotated[int, Range(gt=0)] = 10
     """Non-finite loss or grad-norm steps in a row before the run stops (exit 3)."""
     preempt_exit_code: Annotated[int, Range(ge=0, lt=256)] = 143
-    """Exit status after SIGTERM/SIGINT once the checkpoint is committed (0: "done")."""
+    """Exit status after SIGTERM once the checkpoint is committed (0: "done"); Ctrl-C (SIGINT) exits 130."""
     objective: Literal["lm", "sft", "dpo", "distill"] = "lm"
     """lm: loss on every token; sft: on assistant/completion tokens; dpo: preference pairs; distill: a teacher's logits (docs/post-training.md)."""
 

@@ -42,4 +42,5 @@ def check_writable(path: str, what: str, *, file: bool = False) -> None:
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".meshlm-probe-", dir=where))
     except OSError as e:
-        raise ConfigError(f"{what}={path}: {where} is not a writable directory (making a folder there: {e.strerror})") from None
+        raise ConfigError(f"{what}={path}: {where} is not a writable directory (making a folder there: "
+                          f"{e.strerror})") from None

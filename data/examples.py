@@ -17,6 +17,7 @@ import sys
 
 import numpy as np
 
+from configs.interrupt import guarded
 from configs.schema import ConfigError
 from configs.writable import check_writable
 
@@ -93,4 +94,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(guarded(main, "run the same command again"))

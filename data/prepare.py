@@ -29,6 +29,7 @@ from typing import Iterator
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 
+from configs.interrupt import guarded
 from configs.schema import ConfigError
 from configs.writable import check_writable
 from data import corpus_format
@@ -436,4 +437,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(guarded(main, "--output is as it was (a corpus is written aside and swapped in whole); run the same "
+                           "command again"))

@@ -108,6 +108,9 @@ class StopSignal:
         signals = [signal.SIGINT] if self._multi else [signal.SIGTERM, signal.SIGINT]
         for signum in signals:
             self._previous[signum] = signal.signal(signum, self._handle)
+        # The loop stops at a step boundary: a command's wake-up pipe (configs.interrupt), which
+        # would end it at once, is set aside until `restore`.
+        self._wakeup = signal.set_wakeup_fd(-1)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self._multi:
@@ -126,6 +129,7 @@ class StopSignal:
     def restore(self) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+        signal.set_wakeup_fd(self._wakeup)
 
 
 def _fatal(message: str, code: int, dump_stacks: bool) -> None:

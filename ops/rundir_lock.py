@@ -34,6 +34,7 @@ import jax
 
 import storage
 from configs import ConfigError
+from configs.interrupt import on_interrupt
 from ops import object_lock
 from ops.lease import (BEATS_PER_TIMEOUT, EXIT_LOCK_LOST, LOCK_FILE, _describe, _host_key, _parse, _pid_alive,
                        new_record)
@@ -172,7 +173,9 @@ def hold(run_dir: str, timeout_s: float, wait_s: float, log: Callable[[str], Non
         refusal = distributed.share_from_process_0(_SHARE_KEY, refusal, wait_s + timeout_s)
         if refusal:
             raise ConfigError(refusal)
-        yield
+        # A signal outside the loop ends the command at once (configs.interrupt): it frees the lock first.
+        with on_interrupt(lease.release if lease is not None else lambda: None):
+            yield
     finally:
         if lease is not None:
             lease.release()

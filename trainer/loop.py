@@ -135,7 +135,8 @@ def _loop(ctx: RunContext, step_fn: Any, hooks: list[Hook]) -> None:
             signame = signal.Signals(ctx.stop.signum).name if ctx.stop.signum else "SIGTERM"
             log(f"preempted by {signame}: checkpoint at step {done} committed in {session.ckpt.directory}; "
                 "run the same command to resume")
-            raise Preempted(cfg.train.preempt_exit_code)
+            # Ctrl-C is the user's (130, as a shell reports it); SIGTERM the scheduler's preemption.
+            raise Preempted(128 + signal.SIGINT if ctx.stop.signum == signal.SIGINT else cfg.train.preempt_exit_code)
     if previous is not None:
         book.settle(*previous)
     ctx.wait_for_saves()
