@@ -249,6 +249,8 @@ class DataConfig:
     """text source: the share of documents held out (by content hash) for eval."""
     read_threads: Annotated[int, Range(gt=0)] = 2
     """Grain read threads."""
+    verify: bool = False
+    """prepared corpora: check every shard's sha256 against the manifest at start (reads every byte once; sizes are always checked)."""
     prefetch: Annotated[int, Range(ge=0)] = 4
     """Grain prefetch buffer, in batches."""
     workers: Annotated[int, Range(ge=0, hint="0: threads only")] = 0

@@ -5,7 +5,8 @@ A prepared directory holds:
   eval fraction is 0): ArrayRecord files (group_size 1, for random access), one record per
   document, its token ids as little-endian uint32 without an end-of-document token;
 - `train.lengths.npy`, `eval.lengths.npy`: int64, the token count of every record in order;
-- `manifest.json`: tokenizer, format, inputs with their bad-data counts, splits, content hash,
+- `manifest.json`: tokenizer, format, inputs with their bad-data counts, splits (each with its
+  shards' sizes and sha256, `shard_bytes` and `shard_sha256`; absent in older corpora), content hash,
   and the `objective` it was prepared for (absent: `lm`). An `sft` corpus's records carry the
   loss mask in bit 31 of each id, a `dpo` corpus's record is one preference pair; `chat_template`
   names the template they were rendered with (data/chat.py).
@@ -52,6 +53,38 @@ def content_hash(directory: str, splits: dict[str, list[str]]) -> str:
     return h.hexdigest()
 
 
+def shard_digests(directory: str, names: list[str]) -> tuple[list[int], list[str]]:
+    """(bytes, sha256) of each shard: what the manifest records so that a reader can tell a
+    truncated shard at open (its size) and, asked to (`data.verify`), a changed one (its hash)."""
+    sizes, hashes = [], []
+    for name in names:
+        h = hashlib.sha256()
+        with open(os.path.join(directory, name), "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        sizes.append(os.path.getsize(os.path.join(directory, name)))
+        hashes.append(h.hexdigest())
+    return sizes, hashes
+
+
+def verify_shards(directory: str, manifest: dict) -> None:
+    """Every shard's bytes against the sha256 the manifest records (`data.verify=true`; a corpus
+    prepared before shards had their own hashes is checked against its content hash as a whole).
+    Raises ConfigError naming the first shard that differs."""
+    splits = manifest["splits"]
+    if not all("shard_sha256" in splits[s] for s in SPLITS):
+        if content_hash(directory, {s: splits[s]["shards"] for s in SPLITS}) != manifest.get("content_hash"):
+            raise ConfigError(f"{directory}: its shards' content hash differs from the manifest's (data.verify); "
+                              "prepare the corpus again (python -m data.prepare)")
+        return
+    for split in SPLITS:
+        for name, want in zip(splits[split]["shards"], splits[split]["shard_sha256"]):
+            if shard_digests(directory, [name])[1][0] != want:
+                raise ConfigError(f"{os.path.join(directory, name)}: its sha256 differs from the manifest's "
+                                  "(data.verify): the shard is damaged or was changed; prepare the corpus again "
+                                  "(python -m data.prepare)")
+
+
 def read_manifest(directory: str, key: str = "data.path") -> dict:
     """The manifest of a prepared directory, after checking that every shard and lengths file it
     names is there and that the lengths match the documents counted. Raises ConfigError with one
@@ -76,9 +109,14 @@ def read_manifest(directory: str, key: str = "data.path") -> dict:
         raise ConfigError(f"{path}: the manifest lacks {e}; prepare it again") from None
     for split in SPLITS:
         info = splits[split]
-        for shard in info["shards"]:
-            if not os.path.isfile(os.path.join(directory, shard)):
-                raise ConfigError(f"{os.path.join(directory, shard)}: shard named in the manifest is missing")
+        for i, shard in enumerate(info["shards"]):
+            path = os.path.join(directory, shard)
+            if not os.path.isfile(path):
+                raise ConfigError(f"{path}: shard named in the manifest is missing")
+            if "shard_bytes" in info and os.path.getsize(path) != info["shard_bytes"][i]:
+                raise ConfigError(f"{path}: {os.path.getsize(path)} bytes, the manifest says {info['shard_bytes'][i]}: "
+                                  "the shard is truncated or was changed; prepare the corpus again "
+                                  "(python -m data.prepare)")
         lengths_path = os.path.join(directory, lengths_name(split))
         try:
             lengths = np.load(lengths_path, allow_pickle=False)

@@ -10,19 +10,17 @@ start of its prompt first, then the end of its response.
 
 from __future__ import annotations
 
-import os
-
-import grain
 import numpy as np
 
 from data.chat import decode_pair
+from data.shards import Shards
 
 
 class PairRows:
     """One split of a DPO corpus (`data.prepare --objective dpo`) as pairs of padded rows."""
 
     def __init__(self, directory: str, shards: list[str], eod_id: int, seq_len: int) -> None:
-        self.source = grain.sources.ArrayRecordDataSource([os.path.join(directory, s) for s in shards])
+        self.source = Shards(directory, shards)
         self.eod_id, self.capacity = eod_id, seq_len + 1
 
     def __len__(self) -> int:

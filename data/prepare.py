@@ -36,7 +36,8 @@ from data import corpus_format
 from data.chat import ChatTemplate, Skip, template_file
 from data.formats import (FORMATS, Documents, FileStats, Matched, Task, detect_format, expand_inputs, json_rows,
                           plan_tasks, read_task)
-from data.manifest import FORMAT_VERSION, MANIFEST, SPLITS, content_hash, is_prepared_file, lengths_name, shard_name
+from data.manifest import (FORMAT_VERSION, MANIFEST, SPLITS, content_hash, is_prepared_file, lengths_name,
+                           shard_digests, shard_name)
 from data.sources import held_out
 from data.tokenizer import Tokenizer, load_tokenizer
 
@@ -172,7 +173,9 @@ class SplitWriter:
             os.rename(os.path.join(self.directory, old), os.path.join(self.directory, new))
         lengths = np.frombuffer(self.lengths, dtype=np.int64) if self.lengths else np.zeros(0, np.int64)
         np.save(os.path.join(self.directory, lengths_name(self.split)), lengths)
-        return {"documents": len(lengths), "tokens": int(lengths.sum()), "shards": names}
+        sizes, hashes = shard_digests(self.directory, names)
+        return {"documents": len(lengths), "tokens": int(lengths.sum()), "shards": names, "shard_bytes": sizes,
+                "shard_sha256": hashes}
 
 
 class Progress:

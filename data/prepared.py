@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import os
 
-import grain
 import numpy as np
 
 from configs.schema import ConfigError
 from data.chat import decode_sequence
-from data.manifest import lengths_name, read_manifest
+from data.manifest import lengths_name, read_manifest, verify_shards
 from data.packing import span_from_docs
+from data.shards import Shards
 
 
 class ArrayRecordDocuments:
@@ -25,8 +25,7 @@ class ArrayRecordDocuments:
 
     def __init__(self, directory: str, split: str, shards: list[str], eod_id: int, masked: bool = False):
         self.eod_id, self.masked = eod_id, masked
-        paths = [os.path.join(directory, s) for s in shards]
-        self.source = grain.sources.ArrayRecordDataSource(paths)
+        self.source = Shards(directory, shards)
         lengths_path = os.path.join(directory, lengths_name(split))
         raw = np.load(lengths_path)
         if len(raw) != len(self.source):
@@ -53,11 +52,13 @@ class ArrayRecordDocuments:
         return span_from_docs(self, self.offsets, start, stop)
 
 
-def open_manifest(directory: str, fingerprint: str, fmt: str, key: str = "data.path") -> dict:
+def open_manifest(directory: str, fingerprint: str, fmt: str, key: str = "data.path", verify: bool = False) -> dict:
     """The manifest of a prepared directory after checking it was prepared with this tokenizer
-    and for this corpus format (the manifest's `objective`, `train.objective`). Raises
-    ConfigError naming the key."""
+    and for this corpus format (the manifest's `objective`, `train.objective`), its shards'
+    sizes, and with `verify` (data.verify) their bytes. Raises ConfigError naming the key or file."""
     manifest = read_manifest(directory, key)
+    if verify:
+        verify_shards(directory, manifest)
     theirs = manifest["tokenizer"]["fingerprint"]
     if theirs != fingerprint:
         raise ConfigError(
@@ -71,12 +72,11 @@ def open_manifest(directory: str, fingerprint: str, fmt: str, key: str = "data.p
 
 
 def open_corpus(
-    directory: str, fingerprint: str, eod_id: int, key: str = "data.path", fmt: str = "lm", masked: bool = False
+    directory: str, manifest: dict, eod_id: int, masked: bool = False
 ) -> tuple[ArrayRecordDocuments | None, ArrayRecordDocuments | None]:
-    """(train, eval) documents of a prepared directory (None for an empty split); `masked`: its
-    records carry a loss mask (data/corpus_format/). Raises ConfigError if the directory is
-    damaged or was prepared with another tokenizer or corpus format."""
-    manifest = open_manifest(directory, fingerprint, fmt, key)
+    """(train, eval) documents of a prepared directory whose manifest `open_manifest` checked
+    (None for an empty split); `masked`: its records carry a loss mask (data/corpus_format/).
+    Raises ConfigError naming a damaged shard."""
     shards = {split: manifest["splits"][split]["shards"] for split in ("train", "eval")}
     return tuple(ArrayRecordDocuments(directory, s, shards[s], eod_id, masked) if shards[s] else None
                  for s in shards)

@@ -76,7 +76,7 @@ def test_jsonl_bad_data_is_counted_and_the_rest_round_trips(tmp_path, monkeypatc
     assert decoded == [good[0], good[1], "caf\ufffd " + good[2], good[3], good[4]]  # file order, then line order
     train = manifest["splits"]["train"]
     assert train["documents"] == 5 and train["tokens"] == sum(len(d.encode()) for d in decoded)
-    assert manifest["splits"]["eval"] == {"documents": 0, "tokens": 0, "shards": []}
+    assert manifest["splits"]["eval"] == {"documents": 0, "tokens": 0, "shards": [], "shard_bytes": [], "shard_sha256": []}
 
 
 @pytest.mark.parametrize("suffix", [".gz", ".bz2", ".xz"])

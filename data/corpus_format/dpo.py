@@ -35,7 +35,7 @@ class PreferencePairs(CorpusFormat):
 
     def open(self, cfg: Config, tokenizer: Tokenizer) -> DataSources:
         """One element is one pair (data/pairs.py)."""
-        manifest = open_manifest(cfg.data.path, tokenizer.fingerprint(), self.name)
+        manifest = open_manifest(cfg.data.path, tokenizer.fingerprint(), self.name, verify=cfg.data.verify)
         shards = {split: manifest["splits"][split]["shards"] for split in ("train", "eval")}
         train = PairRows(cfg.data.path, shards["train"], tokenizer.eod_id, cfg.model.seq_len)
         if len(train) < cfg.train.global_batch:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from configs.schema import Config, ConfigError
 from data.corpus_format.registry import CorpusFormat, DataSources, Rows, register
 from data.packing import ConcatRows, Documents, DocumentRows
-from data.prepared import open_corpus
+from data.prepared import open_corpus, open_manifest
 from data.sources import stdlib_files, text_documents, text_files
 from data.tokenizer import Tokenizer
 
@@ -54,8 +54,11 @@ class PlainDocuments(CorpusFormat):
             return [(d.path or "the standard library", train_docs, eval_docs, 1.0)]
         key = "data.mixture" if d.mixture else "data.path"
         named = parse_mixture(d.mixture) if d.mixture else [(d.path, 1.0)]
-        return [(path, *open_corpus(path, tokenizer.fingerprint(), tokenizer.eod_id, key, self.name, self.masked),
-                 weight) for path, weight in named]
+        corpora = []
+        for path, weight in named:
+            manifest = open_manifest(path, tokenizer.fingerprint(), self.name, key, d.verify)
+            corpora.append((path, *open_corpus(path, manifest, tokenizer.eod_id, self.masked), weight))
+        return corpora
 
     def open(self, cfg: Config, tokenizer: Tokenizer) -> DataSources:
         corpora = self.corpora(cfg, tokenizer)

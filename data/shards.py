@@ -1,0 +1,64 @@
+"""A prepared corpus's ArrayRecord shards as one random-access record source whose damage is named.
+
+A truncated shard fails when it is opened (its footer is gone), a flipped byte when its record is
+read (Riegeli's chunk hash): either is one ConfigError naming the shard and saying to prepare the
+corpus again, not the reader's traceback. A run stops on it with exit 2 before anything is
+compiled (at open) or, mid-run, with the last checkpoint as it was. Which shard failed is worked
+out only then, by opening each one alone: the reading path stays the one multi-file source.
+"""
+
+from __future__ import annotations
+
+import os
+
+import grain
+import numpy as np
+
+from configs.schema import ConfigError
+
+AGAIN = "prepare the corpus again (python -m data.prepare)"
+
+
+def _reason(e: BaseException) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first[:200]}"
+
+
+class Shards:
+    """The records of `names` in `directory`, in order, as bytes."""
+
+    def __init__(self, directory: str, names: list[str]):
+        self.paths = [os.path.join(directory, n) for n in names]
+        try:
+            self.source = grain.sources.ArrayRecordDataSource(self.paths)
+        except Exception as e:  # noqa: BLE001 (Riegeli's own errors: one line naming the shard instead)
+            raise ConfigError(f"{self._unreadable()}: unreadable shard ({_reason(e)}); {AGAIN}") from None
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, index: int) -> bytes:
+        try:
+            return self.source[index]
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"{self._holding(index)}: record unreadable ({_reason(e)}); the shard is damaged; "
+                              f"{AGAIN}") from None
+
+    def _unreadable(self) -> str:
+        """The first shard that cannot be opened alone (all of them, if each can)."""
+        for path in self.paths:
+            try:
+                grain.sources.ArrayRecordDataSource([path])
+            except Exception:  # noqa: BLE001
+                return path
+        return ", ".join(self.paths)
+
+    def _holding(self, index: int) -> str:
+        """The shard that holds record `index` (its counts read from each shard alone)."""
+        counts = []
+        for path in self.paths:
+            try:
+                counts.append(len(grain.sources.ArrayRecordDataSource([path])))
+            except Exception:  # noqa: BLE001
+                return path
+        return self.paths[int(np.searchsorted(np.cumsum(counts), index, side="right"))]
