@@ -19,7 +19,7 @@ from typing import Annotated, Any, Iterable, Literal
 from annotated_types import MinLen
 
 from configs.fields import Range, Resume, choices
-from configs.post import DistillConfig, DPOConfig
+from configs.post import DistillConfig, DPOConfig, RLConfig
 from configs.straggler import StragglerConfig
 from configs.lora import LoraConfig
 from configs.mla import MLAConfig
@@ -408,6 +408,7 @@ class Config:
     init: InitConfig = field(default_factory=InitConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)

@@ -116,6 +116,10 @@ BAD = {
                                           "model.gather_dtype=fp8: this layout gathers no parameter"),
     "gather dtype name": (["model.gather_dtype=fp4"], "model.gather_dtype: 'fp4' is not one of compute, fp8"),
     "logits dtype name": (["model.logits_dtype=bf16"], "model.logits_dtype: 'bf16' is not one of compute, float32"),
+    "rl group of one": (["rl.group_size=1"], "rl.group_size: must be >= 2, got 1"),
+    "rl reward path": (["rl.reward=exact_match,my-pkg:fn"], "rl.reward: 'my-pkg:fn' is neither a reward's name"),
+    "rl answer format": (["rl.answer_format=[0-9"], "rl.answer_format: '[0-9' is not a regular expression"),
+    "rl top_k past the vocabulary": (["rl.top_k=264"], "rl.top_k: 264 must be below model.vocab_size=264"),
 }
 
 
