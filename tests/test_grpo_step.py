@@ -48,7 +48,7 @@ def setup(tmp_path_factory):
 def test_the_first_updates_ratio_is_exactly_one(setup):
     grpo, spec, params, loss_fn = setup
     batch, metrics = grpo.rollout_batch(params, params, PROMPTS, PAD, EXAMPLES, jax.random.key(0))
-    assert batch["inputs"].shape == (16, 11) and batch["advantages"].shape == (16,)
+    assert batch["inputs"].shape == batch["advantages"].shape == (16, 11)
     # The sampler's and the trainer's log-probs of the same tokens: float32 rounding apart.
     assert 0 <= metrics["logp_gap_max"] < 1e-4, metrics
     assert 0 < metrics["completion_length"] <= 6 and metrics["reward_std"] > 0
@@ -58,7 +58,7 @@ def test_the_first_updates_ratio_is_exactly_one(setup):
     assert float(stats[STATS.index("ratio")]) == float(count) > 0
     assert float(stats[STATS.index("clip_fraction")]) == 0.0 and float(stats[STATS.index("kl")]) == 0.0
     # So the loss is -sum(advantage) over the completion tokens.
-    want = -np.sum(np.asarray(batch["advantages"])[:, None] * np.asarray(batch["weights"]), dtype=np.float64)
+    want = -np.sum(np.asarray(batch["advantages"]) * np.asarray(batch["weights"]), dtype=np.float64)
     np.testing.assert_allclose(float(total), want, rtol=1e-5, atol=1e-5)
     assert np.isfinite(float(optax.tree.norm(grads))) and float(optax.tree.norm(grads)) > 0
 

@@ -78,15 +78,16 @@ def target_logps(graphdef: nnx.GraphDef, compute: Compute, params: dict, rows: d
 def make_grpo_loss_fn(graphdef: nnx.GraphDef, compute: Compute, spec: GRPOSpec, *,
                       model_terms: bool = False) -> LossFn:
     """loss(params, batch) -> (the clipped loss with its KL summed, (count, [the sums of
-    model/grpo.py STATS])). batch: the training rows with "old_logps", "advantages" and, when
+    model/grpo.py STATS])). batch: the training rows with "old_logps", "advantages" (each row's
+    on every target) and, when
     rl.kl_coef > 0, "ref_logps" (`GRPO.rollout_batch`). With `model_terms` the model's own loss
     terms join the sum, weighed by the count as the LM loss weighs them."""
 
     def loss_fn(params: dict, batch: dict[str, Array]) -> tuple[Array, tuple[Array, Array]]:
         rows = {k: batch[k] for k in ROWS}
         logps, terms = target_logps(graphdef, compute, params, rows, spec.temperature, model_terms)
-        total, count, stats = policy_loss(logps, batch["old_logps"], batch.get("ref_logps"), batch["advantages"],
-                                          batch["weights"], spec.loss)
+        total, count, stats = policy_loss(logps, batch["old_logps"], batch.get("ref_logps"),
+                                          batch["advantages"][:, 0], batch["weights"], spec.loss)
         total, _ = add_terms(total, count, terms, [])
         return total, (count, stats)
 
@@ -124,7 +125,10 @@ class GRPO:
         rewards = self._rewards(r, examples)
         rows = training_rows(r)
         old = self._logps(params, rows)  # the sampling policy, by the trainer's own forward
-        batch = {**rows, "old_logps": old, "advantages": group_advantages(rewards, self.spec.rollout.group_size)}
+        # Each row's advantage on every target, so that every array of the batch is [rows, n] and
+        # shards and splits into micro-batches as the rows do.
+        advantages = group_advantages(rewards, self.spec.rollout.group_size)
+        batch = {**rows, "old_logps": old, "advantages": jnp.broadcast_to(advantages[:, None], old.shape)}
         if self.spec.loss.kl_coef > 0:
             batch["ref_logps"] = self._logps(ref_params, rows)
         return batch, self._metrics(r, rewards, completion_logps(old, r))
