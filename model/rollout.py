@@ -88,3 +88,29 @@ def completion_logps(target_logps: Array, r: Rollout) -> Array:
     # Completion token t sits at L + t - pad in the row, so it is the target at L - 1 - pad + t.
     index = length - 1 - r.pad[:, None] + jnp.arange(new)[None, :]
     return jnp.take_along_axis(target_logps, index, axis=1) * r.mask
+
+
+def prompt_window(tokens: Array, mask: Array, prompt_len: int, end_id: int) -> tuple[Array, Array]:
+    """Padded rows of prompt, answer and end ([rows, n] tokens, the answer's mask) -> (the prompts
+    left-padded with `end_id` to prompt_len [rows, prompt_len], their padding [rows]), inside jit:
+    the host's data/corpus_format/rl.py `prompts_and_answers` as arrays. A longer prompt keeps its end."""
+    first = jnp.argmax(mask, axis=1).astype(jnp.int32)  # where the answer starts
+    index = first[:, None] - prompt_len + jnp.arange(prompt_len, dtype=jnp.int32)[None, :]
+    picked = jnp.take_along_axis(tokens, jnp.maximum(index, 0), axis=1)
+    return jnp.where(index >= 0, picked, end_id).astype(jnp.int32), jnp.maximum(prompt_len - first, 0)
+
+
+def exact_matches(model: Transformer, tokens: Array, mask: Array, max_new_tokens: int, end_id: int) -> Array:
+    """float32 [rows]: 1 where the greedy completion of a row's prompt is its answer then the end
+    token, token for token (rows as `prompt_window` reads them; an answer longer than
+    max_new_tokens never matches). The held-out accuracy of reinforcement learning, inside jit."""
+    prompt_len = tokens.shape[1] - max_new_tokens
+    prompts, pad = prompt_window(tokens, mask, prompt_len, end_id)
+    completion, _ = generate_with_logps(model, prompts, max_new_tokens, pad=pad)
+    # The answer and its end, max_new_tokens long from where the answer starts (past the row: not answer).
+    at = jnp.argmax(mask, axis=1)[:, None] + jnp.arange(max_new_tokens)[None, :]
+    inside = at < tokens.shape[1]
+    answer = jnp.take_along_axis(tokens, jnp.minimum(at, tokens.shape[1] - 1), axis=1)
+    wanted = inside & (jnp.take_along_axis(mask, jnp.minimum(at, tokens.shape[1] - 1), axis=1) > 0)
+    whole = jnp.sum(mask, axis=1) <= max_new_tokens  # the answer and its end fit in the completion
+    return (jnp.all((completion == answer) | ~wanted, axis=1) & whole).astype(jnp.float32)

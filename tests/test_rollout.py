@@ -92,3 +92,27 @@ def test_nucleus_sampling_draws_only_from_the_top_mass():
     assert set(drawn[0.75]) == {0, 1}
     assert set(drawn[0.9]) == {0, 1, 2}
     assert set(drawn[1.0]) == {0, 1, 2, 3}
+
+
+def test_the_held_out_exact_match_is_the_greedy_answer_token_for_token(model):
+    from data.corpus_format.rl import prompts_and_answers
+    from model.decode import generate
+    from model.rollout import exact_matches, prompt_window
+
+    greedy = np.asarray(generate(model, PROMPTS, 3, pad=PAD))
+    end = int(greedy[0, 2])  # row 0's third greedy token plays the end token
+    rows, mask = np.full((3, 10), end, np.int32), np.zeros((3, 10), np.int32)
+    for r, (prompt, pad) in enumerate([(PROMPTS[0], 2), (PROMPTS[0], 2), (PROMPTS[1], 0)]):
+        n = 5 - pad
+        rows[r, :n], rows[r, n:n + 2] = prompt[pad:], greedy[0, :2]
+        mask[r, n:n + 3] = 1  # the answer and its end
+    rows[1, 3 + 1] += 1  # row 1: the answer's second token wrong
+    # Row 2: another prompt, whose greedy completion is (almost surely) not row 0's.
+    # The window inside jit is the host's split of the same rows.
+    host, host_pad, _ = prompts_and_answers(rows, mask, 5, end)
+    device, device_pad = jax.jit(prompt_window, static_argnums=(2, 3))(rows, mask, 5, end)
+    np.testing.assert_array_equal(np.asarray(device), host)
+    np.testing.assert_array_equal(np.asarray(device_pad), host_pad)
+    got = nnx.jit(exact_matches, static_argnums=(3, 4))(model, jnp.asarray(rows), jnp.asarray(mask), 5, end)
+    assert greedy[1, :3].tolist() != greedy[0, :3].tolist()
+    np.testing.assert_array_equal(np.asarray(got), [1.0, 0.0, 0.0])
