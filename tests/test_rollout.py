@@ -101,10 +101,11 @@ def test_the_held_out_exact_match_is_the_greedy_answer_token_for_token(model):
 
     greedy = np.asarray(generate(model, PROMPTS, 3, pad=PAD))
     end = int(greedy[0, 2])  # row 0's third greedy token plays the end token
-    rows, mask = np.full((3, 10), end, np.int32), np.zeros((3, 10), np.int32)
+    # Filled past the answers with a token of its own: what follows an answer is never compared.
+    rows, mask = np.full((3, 10), 263, np.int32), np.zeros((3, 10), np.int32)
     for r, (prompt, pad) in enumerate([(PROMPTS[0], 2), (PROMPTS[0], 2), (PROMPTS[1], 0)]):
         n = 5 - pad
-        rows[r, :n], rows[r, n:n + 2] = prompt[pad:], greedy[0, :2]
+        rows[r, :n], rows[r, n:n + 3] = prompt[pad:], [*greedy[0, :2], end]
         mask[r, n:n + 3] = 1  # the answer and its end
     rows[1, 3 + 1] += 1  # row 1: the answer's second token wrong
     # Row 2: another prompt, whose greedy completion is (almost surely) not row 0's.
