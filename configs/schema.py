@@ -82,8 +82,8 @@ class TrainConfig:
     """Non-finite loss or grad-norm steps in a row before the run stops (exit 3)."""
     preempt_exit_code: Annotated[int, Range(ge=0, lt=256)] = 143
     """Exit status after SIGTERM/SIGINT once the checkpoint is committed (0: "done")."""
-    objective: Literal["lm", "sft", "dpo", "distill"] = "lm"
-    """lm: loss on every token; sft: on assistant/completion tokens; dpo: preference pairs; distill: a teacher's logits (docs/post-training.md)."""
+    objective: Literal["lm", "sft", "dpo", "distill", "grpo"] = "lm"
+    """lm: loss on every token; sft: on assistant/completion tokens; dpo: preference pairs; distill: a teacher's logits (docs/post-training.md); grpo: rewards of sampled completions (docs/rl.md)."""
 
 
 @dataclass(kw_only=True)

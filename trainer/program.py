@@ -82,11 +82,16 @@ class Program:
             return state
         return state.replace(ref_params=frozen.load(self.state_sh.ref_params))
 
-    def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+    def abstract_data_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """A batch of the data (and of the eval): the objective's corpus format's fields."""
         cfg = self.spec.cfg
         fmt = self.spec.objective.data_format
         shape = batch_shape(cfg, fmt)
         return {f: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sh) for f in batch_fields(cfg, fmt)}
+
+    def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """The batch the step trains on: the data's, or what the objective's stage makes of it."""
+        return self.spec.objective.step_batch(self.abstract_data_batch())
 
     @contextlib.contextmanager
     def tracing(self) -> Iterator[None]:
@@ -107,7 +112,7 @@ class Program:
     def compile_eval(self) -> jax.stages.Compiled:
         with self.tracing():
             state = self.abstract_state()
-            return self.eval_loss.lower(state.params, state.ref_params, self.abstract_batch()).compile()
+            return self.eval_loss.lower(state.params, state.ref_params, self.abstract_data_batch()).compile()
 
 
 def make_program(spec: RunSpec, devices: list) -> Program:

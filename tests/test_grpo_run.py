@@ -1,0 +1,86 @@
+"""`train.objective=grpo` end to end on the toy addition task (data/addition.py), a tiny model on
+2 fake CPU devices: the run samples, scores and updates each step, logs the rollout metrics and
+the held-out exact-match accuracy, trains `rl.updates_per_rollout` steps on one rollout batch,
+and bad GRPO input stops with one line before anything is compiled."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import train
+import trainer
+from configs import load_config
+from conftest import ROOT
+from data.addition import addition_rows, write
+from data.prepare import prepare
+
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+COMMON = ["train.objective=grpo", "data.source=prepared", "train.steps=4", "train.log_every=1",
+          "optim.warmup_steps=1", "checkpoint.every=100", "eval.every=2", "eval.batches=1", "model.num_layers=2",
+          "model.seq_len=16", "train.global_batch=4", "mesh.data=2", "rl.group_size=4", "rl.max_new_tokens=4",
+          "rl.updates_per_rollout=2", "rl.kl_coef=0.1"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
+    root = tmp_path_factory.mktemp("addition")
+    write(str(root / "rl.jsonl"), addition_rows()[:64])
+    prepare([str(root / "rl.jsonl")], str(root / "rl"), progress=False, objective="rl", eval_fraction=0.2)
+    return str(root / "rl")
+
+
+# A reward the untrained model's samples earn unevenly (exact_match would score them all 0 and
+# teach nothing): exact match, plus a little per lower-case letter, by path as a user's would be.
+REWARD = "def letters(prompt, completion, example):\n    return 0.1 * sum('a' <= c <= 'z' for c in completion)\n"
+
+
+@pytest.fixture(scope="module")
+def history(corpus, tmp_path_factory) -> tuple[list[dict], str]:
+    root = tmp_path_factory.mktemp("grpo")
+    (root / "grpo_run_reward.py").write_text(REWARD)
+    sys.path.insert(0, str(root))
+    try:
+        cfg = load_config(TINY, [f"run.dir={root / 'run'}", f"data.path={corpus}", *COMMON,
+                                 "rl.reward=exact_match,grpo_run_reward:letters"])
+        return trainer.run(cfg, devices=jax.devices()[:2]), str(root / "run")
+    finally:
+        sys.path.remove(str(root))
+
+
+def test_a_grpo_run_samples_scores_and_updates(history):
+    records, run_dir = history
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    for r in steps:
+        assert np.isfinite(r["loss"]) and 0 <= r["no_spread_groups"] <= 1 and 0 < r["completion_length"] <= 4
+        assert r["logp_gap_max"] < 1e-4 and r["rollout_tokens_per_s"] > 0
+    # The first update trains on the policy's own samples: every ratio exactly 1, no KL yet; the
+    # rewards differ within some groups, so it has a gradient.
+    assert steps[0]["ratio"] == 1.0 and steps[0]["kl"] == 0.0 and steps[0]["clip_fraction"] == 0.0
+    assert steps[0]["no_spread_groups"] < 1 and steps[0]["reward_std"] > 0 and steps[0]["grad_norm"] > 0
+    # rl.updates_per_rollout=2: steps 1 and 2 train on one rollout batch, 3 and 4 on the next.
+    assert steps[0]["reward_mean"] == steps[1]["reward_mean"] and steps[0]["rollout_s"] == steps[1]["rollout_s"]
+    assert steps[1]["rollout_s"] != steps[2]["rollout_s"]
+    evals = [r for r in records if "eval_accuracy" in r]
+    assert [r["step"] for r in evals] == [2, 4] and all(0 <= r["eval_accuracy"] <= 1 for r in evals)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        assert any("eval_accuracy" in json.loads(line) for line in f)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rl.max_new_tokens=16"], "rl.max_new_tokens: 16 leaves no room for a prompt in model.seq_len=16"),
+    (["rl.reward=exact_match,nowhere_xyz:fn"], "rl.reward: cannot import 'nowhere_xyz:fn'"),
+    (["data.packing=document"], "data.packing: train.objective=grpo pads each prompt"),
+])
+def test_bad_grpo_input_exits_2_naming_the_key(corpus, tmp_path, capsys, overrides, message):
+    run_dir = tmp_path / "run"
+    code = train.main(["--config", TINY, f"run.dir={run_dir}", f"data.path={corpus}", *COMMON, "mesh.data=-1", *overrides])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("\n") == 1, err
+    assert not run_dir.exists()
