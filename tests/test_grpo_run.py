@@ -24,7 +24,7 @@ TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 COMMON = ["train.objective=grpo", "data.source=prepared", "train.steps=4", "train.log_every=1",
           "optim.warmup_steps=1", "checkpoint.every=100", "eval.every=2", "eval.batches=1", "model.num_layers=2",
           "model.seq_len=16", "train.global_batch=4", "mesh.data=2", "rl.group_size=4", "rl.max_new_tokens=4",
-          "rl.updates_per_rollout=2", "rl.kl_coef=0.1"]
+          "rl.updates_per_rollout=2", "rl.kl_coef=0.1", "optim.decay_steps=4"]  # a resumed run keeps the horizon
 
 
 @pytest.fixture(scope="module")
@@ -41,16 +41,25 @@ REWARD = "def letters(prompt, completion, example):\n    return 0.1 * sum('a' <=
 
 
 @pytest.fixture(scope="module")
-def history(corpus, tmp_path_factory) -> tuple[list[dict], str]:
+def grpo_run(corpus, tmp_path_factory):
+    """run(run_dir, *overrides) -> the history of a GRPO run of COMMON on 2 devices."""
     root = tmp_path_factory.mktemp("grpo")
     (root / "grpo_run_reward.py").write_text(REWARD)
     sys.path.insert(0, str(root))
-    try:
-        cfg = load_config(TINY, [f"run.dir={root / 'run'}", f"data.path={corpus}", *COMMON,
-                                 "rl.reward=exact_match,grpo_run_reward:letters"])
-        return trainer.run(cfg, devices=jax.devices()[:2]), str(root / "run")
-    finally:
-        sys.path.remove(str(root))
+
+    def run(run_dir, *extra: str) -> list[dict]:
+        cfg = load_config(TINY, [f"run.dir={run_dir}", f"data.path={corpus}", *COMMON,
+                                 "rl.reward=exact_match,grpo_run_reward:letters", *extra])
+        return trainer.run(cfg, devices=jax.devices()[:2])
+
+    yield run
+    sys.path.remove(str(root))
+
+
+@pytest.fixture(scope="module")
+def history(grpo_run, tmp_path_factory) -> tuple[list[dict], str]:
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    return grpo_run(run_dir), str(run_dir)
 
 
 def test_a_grpo_run_samples_scores_and_updates(history):
@@ -71,6 +80,16 @@ def test_a_grpo_run_samples_scores_and_updates(history):
     assert [r["step"] for r in evals] == [2, 4] and all(0 <= r["eval_accuracy"] <= 1 for r in evals)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         assert any("eval_accuracy" in json.loads(line) for line in f)
+
+
+def test_a_run_resumed_at_a_rollout_boundary_is_bitwise_the_straight_one(grpo_run, history, tmp_path):
+    straight = {r["step"]: r for r in history[0] if "loss" in r}
+    grpo_run(tmp_path / "run", "train.steps=2")
+    resumed = {r["step"]: r for r in grpo_run(tmp_path / "run") if "loss" in r}
+    assert sorted(resumed) == [3, 4]
+    for step in (3, 4):  # the same draw (the step's key), prompts (the data position) and update
+        for key in ("loss", "grad_norm", "reward_mean", "kl", "ratio"):
+            assert resumed[step][key] == straight[step][key], (step, key)
 
 
 @pytest.mark.parametrize("overrides, message", [
