@@ -19,6 +19,7 @@ from configs import load_config
 from conftest import ROOT
 from data.addition import addition_rows, write
 from data.prepare import prepare
+from trainer.rewards import RewardError
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 COMMON = ["train.objective=grpo", "data.source=prepared", "train.steps=4", "train.log_every=1",
@@ -38,6 +39,9 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
 # A reward the untrained model's samples earn unevenly (exact_match would score them all 0 and
 # teach nothing): exact match, plus a little per lower-case letter, by path as a user's would be.
 REWARD = "def letters(prompt, completion, example):\n    return 0.1 * sum('a' <= c <= 'z' for c in completion)\n"
+# A reward that fails in the second rollout batch (past the 16 completions of the first).
+FLAKY = ("calls = 0\n\ndef flaky(prompt, completion, example):\n    global calls\n    calls += 1\n"
+         "    if calls > 16:\n        raise RuntimeError('scorer down')\n    return 0.0\n")
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +49,7 @@ def grpo_run(corpus, tmp_path_factory):
     """run(run_dir, *overrides) -> the history of a GRPO run of COMMON on 2 devices."""
     root = tmp_path_factory.mktemp("grpo")
     (root / "grpo_run_reward.py").write_text(REWARD)
+    (root / "grpo_flaky_reward.py").write_text(FLAKY)
     sys.path.insert(0, str(root))
 
     def run(run_dir, *extra: str) -> list[dict]:
@@ -77,7 +82,8 @@ def test_a_grpo_run_samples_scores_and_updates(history):
     assert steps[0]["reward_mean"] == steps[1]["reward_mean"] and steps[0]["rollout_s"] == steps[1]["rollout_s"]
     assert steps[1]["rollout_s"] != steps[2]["rollout_s"]
     evals = [r for r in records if "eval_accuracy" in r]
-    assert [r["step"] for r in evals] == [2, 4] and all(0 <= r["eval_accuracy"] <= 1 for r in evals)
+    # Measured before the first update too (step 0), then at eval.every and the last step.
+    assert [r["step"] for r in evals] == [0, 2, 4] and all(0 <= r["eval_accuracy"] <= 1 for r in evals)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         assert any("eval_accuracy" in json.loads(line) for line in f)
 
@@ -90,6 +96,17 @@ def test_a_run_resumed_at_a_rollout_boundary_is_bitwise_the_straight_one(grpo_ru
     for step in (3, 4):  # the same draw (the step's key), prompts (the data position) and update
         for key in ("loss", "grad_norm", "reward_mean", "kl", "ratio"):
             assert resumed[step][key] == straight[step][key], (step, key)
+
+
+def test_a_failing_reward_stops_the_run_before_the_update_with_the_checkpoint_intact(grpo_run, tmp_path):
+    with pytest.raises(RewardError) as err:
+        grpo_run(tmp_path / "run", "rl.reward=grpo_flaky_reward:flaky", "checkpoint.every=2")
+    assert str(err.value).startswith("rl.reward: grpo_flaky_reward:flaky raised RuntimeError: scorer down on prompt ")
+    assert "\n" not in str(err.value)
+    # Step 3's rollout failed: the checkpoint of step 2 is the newest, and no step 3 was logged.
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["2"]
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        assert max(json.loads(line)["step"] for line in f) == 2
 
 
 @pytest.mark.parametrize("overrides, message", [

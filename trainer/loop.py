@@ -118,7 +118,7 @@ def _loop(ctx: RunContext, step_fn: Any, hooks: list[Hook], stage: Stage | None 
     watchdog.beat(start)
     previous: tuple[int, dict] | None = None  # the step before, whose flag we read one step late
     for hook in hooks:
-        hook.begin(start)
+        hook.begin(start, state)
     clock.restart()
     for done in range(start + 1, last + 1):
         batch, extra = _next_batch(ctx, stage, batches, state, done)

@@ -73,6 +73,7 @@ class GRPOObjective(Objective):
     name = "grpo"
     data_format = "rl"
     token_loss = False  # the 1F1B family's own gradient code has the LM loss only
+    eval_before_training = True  # the held-out accuracy the run starts from
 
     def check(self) -> None:
         cfg, rl = self.cfg, self.cfg.rl

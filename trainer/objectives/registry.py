@@ -56,6 +56,9 @@ class Objective:
     rows_per_example: ClassVar[int] = 1  # sequences one example (a row of train.global_batch) holds
     # Its loss is the per-token next-token loss, which a 1F1B-family schedule computes itself.
     token_loss: ClassVar[bool] = True
+    # The held-out eval also runs before the first update (logged at step 0): a metric whose
+    # starting value is the baseline a run is judged against (GRPO's accuracy).
+    eval_before_training: ClassVar[bool] = False
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
