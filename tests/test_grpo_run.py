@@ -86,6 +86,10 @@ def test_a_grpo_run_samples_scores_and_updates(history):
     assert [r["step"] for r in evals] == [0, 2, 4] and all(0 <= r["eval_accuracy"] <= 1 for r in evals)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         assert any("eval_accuracy" in json.loads(line) for line in f)
+    # Goodput counts the rollouts (sampling, rewards, old log-probs) apart from the updates.
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        seconds = json.load(f)["invocations"][0]["seconds"]
+    assert seconds["rollout"] > 0 and seconds["productive"] > 0
 
 
 def test_a_run_resumed_at_a_rollout_boundary_is_bitwise_the_straight_one(grpo_run, history, tmp_path):

@@ -100,7 +100,8 @@ def _next_batch(ctx: RunContext, stage: Stage | None, batches: Iterator, state: 
     if stage is None:
         return next(batches), {}
     program = ctx.session.program
-    with program.tracing():  # the model's activation rules bind as in the step
+    # Goodput counts it apart from the update; the model's activation rules bind as in the step.
+    with ctx.goodput.phase("rollout"), program.tracing():
         batch, extra = stage(state, lambda: next(batches), step)
     return jax.device_put(batch, program.batch_sh), extra
 
