@@ -117,6 +117,8 @@ def test_a_failing_reward_stops_the_run_before_the_update_with_the_checkpoint_in
     (["rl.max_new_tokens=16"], "rl.max_new_tokens: 16 leaves no room for a prompt in model.seq_len=16"),
     (["rl.reward=exact_match,nowhere_xyz:fn"], "rl.reward: cannot import 'nowhere_xyz:fn'"),
     (["data.packing=document"], "data.packing: train.objective=grpo pads each prompt"),
+    (["mesh.pipeline=2"], "mesh.pipeline: 2 with train.objective=grpo: rollouts decode with the whole layer stack"),
+    (["model.lora.rank=4", "model.lora.dropout=0.1"], "model.lora.dropout: train.objective=grpo compares log-probs"),
 ])
 def test_bad_grpo_input_exits_2_naming_the_key(corpus, tmp_path, capsys, overrides, message):
     run_dir = tmp_path / "run"
