@@ -32,8 +32,11 @@ def _np_mask(completion: np.ndarray) -> np.ndarray:
     return mask
 
 
-def _np_loss(logp, old, ref, adv, mask, clip, kl_coef, averaging):
-    logp, old, ref = (np.asarray(a, np.float64) for a in (logp, old, ref))
+def _np_loss(logps: tuple[np.ndarray, np.ndarray, np.ndarray], adv: np.ndarray, mask: np.ndarray,
+             spec: PolicyLoss) -> tuple[float, float, float, float]:
+    """(loss sum, count, pg sum, kl sum) token by token in float64: the same inputs, other code."""
+    logp, old, ref = (np.asarray(a, np.float64) for a in logps)
+    clip, kl_coef, averaging = spec.clip, spec.kl_coef, spec.averaging
     total, count, pg_sum, kl_sum = 0.0, 0.0, 0.0, 0.0
     for r in range(logp.shape[0]):
         n = mask[r].sum()
@@ -55,7 +58,7 @@ def _np_loss(logp, old, ref, adv, mask, clip, kl_coef, averaging):
 
 
 @pytest.fixture(scope="module")
-def rollout():
+def rollout() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     rng = np.random.default_rng(0)
     rows, length, group = 6, 7, 3
     completion = rng.integers(0, 4, (rows, length))
@@ -90,7 +93,7 @@ def test_policy_loss_equals_float64_numpy(rollout, averaging):
     spec = PolicyLoss(clip=0.2, kl_coef=0.3, averaging=averaging)
     total, count, stats = policy_loss(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(ref),
                                       jnp.asarray(adv, jnp.float32), jnp.asarray(mask, jnp.float32), spec)
-    want_total, want_count, want_pg, want_kl = _np_loss(logp, old, ref, adv, mask, 0.2, 0.3, averaging)
+    want_total, want_count, want_pg, want_kl = _np_loss((logp, old, ref), adv, mask, spec)
     assert float(count) == want_count
     np.testing.assert_allclose(float(total), want_total, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(float(stats[STATS.index("pg_loss")]), want_pg, rtol=1e-5, atol=1e-6)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Callable, Iterator
 
 import jax
 import numpy as np
@@ -45,14 +46,14 @@ FLAKY = ("calls = 0\n\ndef flaky(prompt, completion, example):\n    global calls
 
 
 @pytest.fixture(scope="module")
-def grpo_run(corpus, tmp_path_factory):
+def grpo_run(corpus: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., list[dict]]]:
     """run(run_dir, *overrides) -> the history of a GRPO run of COMMON on 2 devices."""
     root = tmp_path_factory.mktemp("grpo")
     (root / "grpo_run_reward.py").write_text(REWARD)
     (root / "grpo_flaky_reward.py").write_text(FLAKY)
     sys.path.insert(0, str(root))
 
-    def run(run_dir, *extra: str) -> list[dict]:
+    def run(run_dir: str | os.PathLike, *extra: str) -> list[dict]:
         cfg = load_config(TINY, [f"run.dir={run_dir}", f"data.path={corpus}", *COMMON,
                                  "rl.reward=exact_match,grpo_run_reward:letters", *extra])
         return trainer.run(cfg, devices=jax.devices()[:2])
@@ -62,7 +63,7 @@ def grpo_run(corpus, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def history(grpo_run, tmp_path_factory) -> tuple[list[dict], str]:
+def history(grpo_run: Callable[..., list[dict]], tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], str]:
     run_dir = tmp_path_factory.mktemp("straight") / "run"
     return grpo_run(run_dir), str(run_dir)
 

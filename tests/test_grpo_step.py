@@ -5,6 +5,8 @@ micro-batches as the step does; and a few updates raise a reward the samples can
 
 from __future__ import annotations
 
+from typing import Callable, Iterator
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +21,7 @@ from model import Transformer
 from model.grpo import STATS
 from trainer import rewards
 from trainer.compute import Compute
-from trainer.grpo import GRPO, grpo_spec, make_grpo_loss_fn, step_metrics
+from trainer.grpo import GRPO, GRPOSpec, grpo_spec, make_grpo_loss_fn, step_metrics
 from trainer.step import accumulate_stats
 
 CFG = ModelConfig(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64, vocab_size=264, init_std=0.3)
@@ -30,7 +32,7 @@ REWARD = "def lower(prompt, completion, example):\n    return float(sum('a' <= c
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[GRPO, GRPOSpec, nnx.State, Callable]]:
     root = tmp_path_factory.mktemp("reward")
     (root / "grpo_step_reward.py").write_text(REWARD)
     import sys
@@ -81,7 +83,7 @@ def test_a_few_updates_raise_the_reward(setup):
     opt_state = tx.init(params)
 
     @jax.jit
-    def update(params, opt_state, batch):
+    def update(params: nnx.State, opt_state: optax.OptState, batch: dict) -> tuple[nnx.State, optax.OptState]:
         _, grads, _ = accumulate_stats(loss_fn, params, batch, 1)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state

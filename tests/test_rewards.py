@@ -4,6 +4,8 @@ one line a failing reward stops the run with."""
 from __future__ import annotations
 
 
+import pathlib
+
 import numpy as np
 import pytest
 
@@ -37,7 +39,7 @@ not_callable = 3
 
 
 @pytest.fixture
-def user_module(tmp_path, monkeypatch):
+def user_module(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> str:
     (tmp_path / "rl_user_rewards.py").write_text(USER_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
     return "rl_user_rewards"

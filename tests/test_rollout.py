@@ -14,7 +14,7 @@ from configs.schema import ModelConfig
 from model import Transformer
 from model.decode import Sampling, sample
 from model.preference import token_logps
-from model.rollout import RolloutSpec, completion_logps, rollout, training_rows
+from model.rollout import Rollout, RolloutSpec, completion_logps, rollout, training_rows
 from trainer.compute import Compute
 from trainer.forward import forward
 
@@ -32,7 +32,7 @@ def model() -> Transformer:
 
 
 @pytest.fixture(scope="module")
-def drawn(model):
+def drawn(model: Transformer) -> tuple[RolloutSpec, Rollout]:
     spec = RolloutSpec(group_size=3, max_new_tokens=6, sampling=SAMPLING, end_id=END)
     return spec, rollout(model, PROMPTS, PAD, spec, jax.random.key(7))
 
@@ -71,7 +71,7 @@ def test_the_trainers_forward_gives_the_samplers_log_probs(model, drawn):
     graphdef, params = nnx.split(model)
 
     @jax.jit
-    def trainer_logps(params, rows):
+    def trainer_logps(params: nnx.State, rows: dict[str, jax.Array]) -> jax.Array:
         out = forward(graphdef, Compute(), params, rows)
         logits = out.model.logits(out.x).astype(jnp.float32) / SAMPLING.temperature
         return completion_logps(token_logps(logits, out.targets) * out.weights, r)
