@@ -194,10 +194,10 @@ def _cli(*args: str, timeout: int = 120, env: dict[str, str] | None = None) -> s
         (["--config", TINY, "sharding.params.embd=fsdp"],
          "sharding.params.embd: unknown logical name; did you mean 'embed'?"),
         (["model.d_model=abc"], "model.d_model: expected int, got 'abc'"),
-        (["--config", "tiny-moee"], "config file not found: tiny-moee (did you mean tiny-moe?); presets: deepseek-v3, "
-                                    "dpo-tiny, llama3-1b, llama3-3b, llama3-70b, llama3-8b, llama3-8b-128k, "
-                                    "llama3-8b-dpo, llama3-8b-sft, lora-tiny, mixtral-8x7b, moonlight-16b, sft-tiny, "
-                                    "tiny, tiny-deepseek, tiny-moe"),
+        (["--config", "tiny-moee"], "config file not found: tiny-moee (did you mean tiny-moe?); presets: "
+                                    "addition-sft-tiny, deepseek-v3, dpo-tiny, grpo-tiny, llama3-1b, llama3-3b, "
+                                    "llama3-70b, llama3-8b, llama3-8b-128k, llama3-8b-dpo, llama3-8b-sft, lora-tiny, "
+                                    "mixtral-8x7b, moonlight-16b, sft-tiny, tiny, tiny-deepseek, tiny-moe"),
     ],
 )
 def test_real_process_bad_input_is_one_line(tmp_path, args, message):

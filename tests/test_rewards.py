@@ -3,7 +3,6 @@ one line a failing reward stops the run with."""
 
 from __future__ import annotations
 
-
 import pathlib
 
 import numpy as np
