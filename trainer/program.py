@@ -109,6 +109,20 @@ class Program:
         compiled = self.lower(state).compile()
         return compiled, time.perf_counter() - t0
 
+    def compile_side(self) -> jax.stages.Compiled | None:
+        """The objective's program besides the step (GRPO's rollout decoding), compiled on this
+        mesh with the parameters' shardings: for the planner. None: the objective has none."""
+        made = self.spec.objective.side_program(self.spec.model.graphdef, self.compute)
+        if made is None:
+            return None
+        fn, args = made
+        # Arrays of the batch's rows shard as the batch does; scalars and [rows] vectors replicate.
+        replicated = NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        shardings = tuple(self.batch_sh if len(a.shape) == 2 else replicated for a in args)
+        with self.tracing():
+            jitted = jax.jit(fn, in_shardings=(self.state_sh.params, *shardings))
+            return jitted.lower(self.abstract_state().params, *args).compile()
+
     def compile_eval(self) -> jax.stages.Compiled:
         with self.tracing():
             state = self.abstract_state()

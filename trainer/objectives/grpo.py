@@ -25,7 +25,7 @@ from configs import ConfigError
 from data.corpus_format.rl import prompts_and_answers
 from data.tokenizer import load_tokenizer
 from model.loss import LossFn
-from model.rollout import exact_matches
+from model.rollout import Rollout, exact_matches, rollout
 from trainer import grpo, rewards
 from trainer.compute import Compute
 from trainer.objectives.dpo import reference_params
@@ -104,6 +104,20 @@ class GRPOObjective(Objective):
 
     def stage(self, graphdef: nnx.GraphDef, compute: Compute) -> Stage:
         return RolloutStage(self, graphdef, compute)
+
+    def side_program(self, graphdef: nnx.GraphDef, compute: Compute) -> tuple[Callable, tuple]:
+        """The rollouts' decoding of one step's prompts (train.global_batch x rl.group_size rows,
+        the KV cache of prompt and completion), for the planner."""
+        spec, cfg = self._spec(), self.cfg
+        prompt_len = cfg.model.seq_len + 1 - cfg.rl.max_new_tokens
+
+        def decode(params: dict, prompts: Array, pad: Array, key: Array) -> Rollout:
+            model = nnx.merge(graphdef, params if compute.cast is None else compute.cast(params))
+            return rollout(model, prompts, pad, spec.rollout, key)
+
+        rows = cfg.train.global_batch
+        return decode, (jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32),
+                        jax.eval_shape(lambda: jax.random.key(0)))
 
     def step_batch(self, data: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.ShapeDtypeStruct]:
         tokens = data["tokens"]

@@ -98,6 +98,12 @@ class Objective:
         data's batch is the step's)."""
         return None
 
+    def side_program(self, graphdef: nnx.GraphDef, compute: Compute) -> tuple[Callable, tuple] | None:
+        """A program the objective runs on the devices besides the step (GRPO's decoding of its
+        rollouts), for the planner to compile: (fn(params, *args), the args' abstract values, each
+        an array of the data batch's rows or a scalar). None: none."""
+        return None
+
     def step_batch(self, data: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.ShapeDtypeStruct]:
         """The batch the step compiles for, from the data's (the same unless a `stage` remakes it);
         every array [rows, ...] with the data batch's sharding."""
