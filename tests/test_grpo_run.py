@@ -114,6 +114,19 @@ def test_a_failing_reward_stops_the_run_before_the_update_with_the_checkpoint_in
         assert max(json.loads(line)["step"] for line in f) == 2
 
 
+def test_the_planner_compiles_the_rollout_decoding_beside_the_step(corpus):
+    from planner.compiled import compiled_stats
+    from trainer.program import abstract_program
+
+    cfg = load_config(TINY, [f"data.path={corpus}", *COMMON, "rl.max_new_tokens=6"])
+    side = compiled_stats(abstract_program(cfg, jax.devices()[:2]).compile_side())
+    # Its temporaries hold the KV cache: layers x rows per device (4 prompts x 4 completions over
+    # data=2) x (prompt room 11 + 6 new) slots x kv heads x head dim, keys and values, float32.
+    m = cfg.model
+    cache = m.num_layers * 8 * 17 * m.num_kv_heads * m.resolved_head_dim * 2 * 4
+    assert side["temp_bytes"] >= cache and side["argument_bytes"] > 0
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["rl.max_new_tokens=16"], "rl.max_new_tokens: 16 leaves no room for a prompt in model.seq_len=16"),
     (["rl.reward=exact_match,nowhere_xyz:fn"], "rl.reward: cannot import 'nowhere_xyz:fn'"),
