@@ -61,6 +61,17 @@ def completion_mask(completion: Array, end_id: int) -> Array:
     return (ends_before == 0).astype(jnp.float32)
 
 
+def averaging_weights(mask: Array, averaging: str) -> tuple[Array, Array]:
+    """(each token's weight [rows, T], the count the weighted sum is divided by) of a loss, or of
+    any per-token statistic, averaged as `averaging` says (PolicyLoss.averaging)."""
+    mask = mask.astype(jnp.float32)
+    if averaging == "token":
+        return mask, jnp.sum(mask)
+    # Each completion's token mean: weights 1 / its length, one unit per completion.
+    lengths = jnp.sum(mask, axis=1, keepdims=True)
+    return mask / jnp.maximum(lengths, 1.0), jnp.sum(lengths > 0).astype(jnp.float32)
+
+
 def k3_kl(logps: Array, ref_logps: Array) -> Array:
     """The k3 estimator of KL(policy || reference) per sampled token (Schulman, "Approximating KL
     divergence"): exp(ref - logp) - (ref - logp) - 1, never negative and unbiased under the policy."""
@@ -87,11 +98,7 @@ def policy_loss(logps: Array, old_logps: Array, ref_logps: Array | None, advanta
     per_token = pg + spec.kl_coef * kl
     # A token is clipped when the clipped term is the smaller: its gradient is zero.
     was_clipped = (clipped < unclipped).astype(jnp.float32)
-    if spec.averaging == "token":
-        weights, count = mask, jnp.sum(mask)
-    else:  # each completion's token mean: weights 1 / its length, one unit per completion
-        lengths = jnp.sum(mask, axis=1, keepdims=True)
-        weights, count = mask / jnp.maximum(lengths, 1.0), jnp.sum(lengths > 0).astype(jnp.float32)
+    weights, count = averaging_weights(mask, spec.averaging)
     stats = jnp.stack([jnp.sum(pg * weights), jnp.sum(kl * weights), jnp.sum(was_clipped * weights),
                        jnp.sum(ratio * weights)])
     return jnp.sum(per_token * weights), count, stats

@@ -74,7 +74,7 @@ def test_a_grpo_run_samples_scores_and_updates(history):
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     for r in steps:
         assert np.isfinite(r["loss"]) and 0 <= r["no_spread_groups"] <= 1 and 0 < r["completion_length"] <= 4
-        assert r["logp_gap_max"] < 1e-4 and r["rollout_tokens_per_s"] > 0
+        assert r["logp_gap_max"] < 1e-4 and r["rollout_tokens_per_s"] > 0 and r["entropy"] > 0
     # The first update trains on the policy's own samples: every ratio exactly 1, no KL yet; the
     # rewards differ within some groups, so it has a gradient.
     assert steps[0]["ratio"] == 1.0 and steps[0]["kl"] == 0.0 and steps[0]["clip_fraction"] == 0.0

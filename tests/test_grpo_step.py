@@ -63,6 +63,12 @@ def test_the_first_updates_ratio_is_exactly_one(setup):
     want = -np.sum(np.asarray(batch["advantages"]) * np.asarray(batch["weights"]), dtype=np.float64)
     np.testing.assert_allclose(float(total), want, rtol=1e-5, atol=1e-5)
     assert np.isfinite(float(optax.tree.norm(grads))) and float(optax.tree.norm(grads)) > 0
+    # The policy's entropy over the completion tokens, against float64 NumPy from the model's logits.
+    logits = np.asarray(nnx.merge(grpo.graphdef, params)(batch["inputs"]), np.float64) / spec.temperature
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    want = np.sum(-(np.exp(logp) * logp).sum(-1) * np.asarray(batch["weights"])) / float(count)
+    np.testing.assert_allclose(float(step_metrics((count, stats))["entropy"]), want, rtol=1e-5)
 
 
 def test_micro_batches_give_the_whole_batchs_loss_and_gradients(setup):

@@ -28,7 +28,7 @@ from flax import nnx
 
 from configs import Config
 from model.decode import Sampling
-from model.grpo import STATS, PolicyLoss, group_advantages, policy_loss
+from model.grpo import STATS, PolicyLoss, averaging_weights, group_advantages, policy_loss
 from model.loss import LossFn
 from model.preference import token_logps
 from model.rollout import Rollout, RolloutSpec, completion_logps, rollout, training_rows
@@ -39,6 +39,7 @@ from trainer.rewards import Rewards
 
 Array = jax.Array
 ROWS = ("inputs", "targets", "weights")  # the per-target arrays of a rollout's training rows
+STEP_STATS = STATS + ("entropy",)  # a step's statistics: the loss's, then the policy's entropy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,38 +67,51 @@ def target_logps(graphdef: nnx.GraphDef, compute: Compute, params: dict, rows: d
                  temperature: float, with_terms: bool = False) -> tuple[Array, dict]:
     """(log softmax(logits / temperature)[target] x weight per target [rows, n] in the rows'
     order, the model's loss terms when asked) from the one forward pass."""
+    logps, _, terms = _policy(graphdef, compute, params, rows, temperature, with_terms)
+    return logps, terms
+
+
+def _policy(graphdef: nnx.GraphDef, compute: Compute, params: dict, rows: dict[str, Array],
+            temperature: float, with_terms: bool) -> tuple[Array, Array, dict]:
+    """`target_logps` with the policy's entropy at each target (in nats, at the temperature)."""
     out = forward(graphdef, compute, params, rows, with_terms)
     logits = out.model.logits(out.x).astype(jnp.float32) / temperature
     # token_logps: the same program with or without gradients, so old == new bitwise.
     logps = token_logps(logits, out.targets) * out.weights
+    # A metric only: no gradient flows through it.
+    log_probs = jax.nn.log_softmax(jax.lax.stop_gradient(logits), axis=-1)
+    entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1) * out.weights
     if compute.order is not None:  # a sequence split's load-balanced order, undone
-        logps = logps[:, np.argsort(compute.order)]
-    return logps, out.terms
+        undo = np.argsort(compute.order)
+        logps, entropy = logps[:, undo], entropy[:, undo]
+    return logps, entropy, out.terms
 
 
 def make_grpo_loss_fn(graphdef: nnx.GraphDef, compute: Compute, spec: GRPOSpec, *,
                       model_terms: bool = False) -> LossFn:
     """loss(params, batch) -> (the clipped loss with its KL summed, (count, [the sums of
-    model/grpo.py STATS])). batch: the training rows with "old_logps", "advantages" (each row's
+    STEP_STATS])). batch: the training rows with "old_logps", "advantages" (each row's
     on every target) and, when
     rl.kl_coef > 0, "ref_logps" (`GRPO.rollout_batch`). With `model_terms` the model's own loss
     terms join the sum, weighed by the count as the LM loss weighs them."""
 
     def loss_fn(params: dict, batch: dict[str, Array]) -> tuple[Array, tuple[Array, Array]]:
         rows = {k: batch[k] for k in ROWS}
-        logps, terms = target_logps(graphdef, compute, params, rows, spec.temperature, model_terms)
+        logps, entropy, terms = _policy(graphdef, compute, params, rows, spec.temperature, model_terms)
         total, count, stats = policy_loss(logps, batch["old_logps"], batch.get("ref_logps"),
                                           batch["advantages"][:, 0], batch["weights"], spec.loss)
         total, _ = add_terms(total, count, terms, [])
-        return total, (count, stats)
+        # The entropy averaged as the loss is, so it adds up over micro-batches as the loss does.
+        weights, _ = averaging_weights(batch["weights"], spec.loss.averaging)
+        return total, (count, jnp.concatenate([stats, jnp.sum(entropy * weights)[None]]))
 
     return loss_fn
 
 
 def step_metrics(aux: Any) -> dict[str, Array]:
-    """The means of a step's STATS from its loss's aux summed over micro-batches."""
+    """The means of a step's STEP_STATS from its loss's aux summed over micro-batches."""
     count = jnp.maximum(aux[0], 1.0)
-    return {name: value / count for name, value in zip(STATS, aux[1])}
+    return {name: value / count for name, value in zip(STEP_STATS, aux[1])}
 
 
 class GRPO:

@@ -152,5 +152,6 @@ class GRPOObjective(Objective):
 
     def console(self, r: dict[str, float]) -> list[str]:
         return [f"reward {r['reward_mean']:.3f} (std {r['reward_std']:.3f}, flat groups {r['no_spread_groups']:.2f}) "
-                f"kl {r['kl']:.4f} clip {r['clip_fraction']:.2f} len {r['completion_length']:.1f} "
+                f"kl {r['kl']:.4f} clip {r['clip_fraction']:.2f} entropy {r['entropy']:.3f} "
+                f"len {r['completion_length']:.1f} "
                 f"logp gap {r['logp_gap_max']:.1e} rollout {r['rollout_tokens_per_s']:,.0f} tok/s"]
