@@ -133,6 +133,7 @@ def test_the_planner_compiles_the_rollout_decoding_beside_the_step(corpus):
     (["data.packing=document"], "data.packing: train.objective=grpo pads each prompt"),
     (["mesh.pipeline=2"], "mesh.pipeline: 2 with train.objective=grpo: rollouts decode with the whole layer stack"),
     (["model.lora.rank=4", "model.lora.dropout=0.1"], "model.lora.dropout: train.objective=grpo compares log-probs"),
+    (["checkpoint.every=3"], "checkpoint.every: 3 is not a multiple of rl.updates_per_rollout=2"),
 ])
 def test_bad_grpo_input_exits_2_naming_the_key(corpus, tmp_path, capsys, overrides, message):
     run_dir = tmp_path / "run"

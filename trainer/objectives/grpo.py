@@ -88,6 +88,12 @@ class GRPOObjective(Objective):
                 "log-probs of sampled tokens; set 0")
         require(cfg.model.lora.dropout == 0, "model.lora.dropout", "train.objective=grpo compares log-probs "
                 "of the same tokens before and during the update; set 0")
+        # A checkpoint between the updates of one rollout batch could not resume them bitwise (the
+        # batch was sampled by the weights at its first update): scheduled saves land on boundaries.
+        for key, every in (("checkpoint.every", cfg.checkpoint.every), ("checkpoint.local_every",
+                                                                        cfg.checkpoint.local_every)):
+            require(every % rl.updates_per_rollout == 0, key, f"{every} is not a multiple of "
+                    f"rl.updates_per_rollout={rl.updates_per_rollout}: save where a new rollout batch begins")
         rewards.build(rl)  # every reward's name and path resolve, before anything is compiled
 
     @property
