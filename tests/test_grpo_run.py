@@ -53,10 +53,10 @@ def grpo_run(corpus: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     (root / "grpo_flaky_reward.py").write_text(FLAKY)
     sys.path.insert(0, str(root))
 
-    def run(run_dir: str | os.PathLike, *extra: str) -> list[dict]:
+    def run(run_dir: str | os.PathLike, *extra: str, devices: int = 2) -> list[dict]:
         cfg = load_config(TINY, [f"run.dir={run_dir}", f"data.path={corpus}", *COMMON,
                                  "rl.reward=exact_match,grpo_run_reward:letters", *extra])
-        return trainer.run(cfg, devices=jax.devices()[:2])
+        return trainer.run(cfg, devices=jax.devices()[:devices])
 
     yield run
     sys.path.remove(str(root))
@@ -91,6 +91,17 @@ def test_a_grpo_run_samples_scores_and_updates(history):
     with open(os.path.join(run_dir, "summary.json")) as f:
         seconds = json.load(f)["invocations"][0]["seconds"]
     assert seconds["rollout"] > 0 and seconds["productive"] > 0
+
+
+def test_data_parallel_samples_and_updates_as_one_device(grpo_run, history, tmp_path):
+    """The 2-device run (data=2) draws the one-device run's completions and makes its updates
+    (bench/grpo_layouts.py does the same for data x fsdp x tensor on 8 devices)."""
+    sharded = [r for r in history[0] if "loss" in r]
+    one = [r for r in grpo_run(tmp_path / "run", "mesh.data=1", devices=1) if "loss" in r]
+    for a, b in zip(one, sharded, strict=True):
+        assert a["reward_mean"] == b["reward_mean"] and a["completion_length"] == b["completion_length"]
+        for key in ("loss", "grad_norm", "kl", "entropy"):
+            np.testing.assert_allclose(a[key], b[key], rtol=1e-4, atol=1e-7, err_msg=f"step {a['step']} {key}")
 
 
 def test_a_run_resumed_at_a_rollout_boundary_is_bitwise_the_straight_one(grpo_run, history, tmp_path):
