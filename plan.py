@@ -147,6 +147,7 @@ def measure(cfg: Config, hw: Hardware, target: Hardware | None, n: int, topology
             raise
         lines = [line.strip() for line in str(e).splitlines() if "RESOURCE_EXHAUSTED" in line or "exceeds" in line]
         return {"out_of_memory": " ".join(lines)[:300]}
+    side = program.compile_side()  # the objective's own program besides the step (GRPO's rollout decoding)
     text = compiled.as_text()
     if dump:
         os.makedirs(dump, exist_ok=True)
@@ -171,6 +172,7 @@ def measure(cfg: Config, hw: Hardware, target: Hardware | None, n: int, topology
         "collectives": [{**dataclasses.asdict(c), "wire_bytes": c.wire_bytes} for c in ops],
         "roofline": roofline,
         "bubble": program.spec.layout.bubble if program.spec.layout.pipelined else 0.0,
+        "side_program": None if side is None else compiled_stats(side),
         "notes": notes,
     }
 

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Iterable, Literal
 from annotated_types import MinLen
 
 from configs.fields import Range, Resume, choices
-from configs.post import DistillConfig, DPOConfig
+from configs.post import DistillConfig, DPOConfig, RLConfig
 from configs.straggler import StragglerConfig
 from configs.lora import LoraConfig
 from configs.mla import MLAConfig
@@ -82,8 +82,8 @@ class TrainConfig:
     """Non-finite loss or grad-norm steps in a row before the run stops (exit 3)."""
     preempt_exit_code: Annotated[int, Range(ge=0, lt=256)] = 143
     """Exit status after SIGTERM once the checkpoint is committed (0: "done"); Ctrl-C (SIGINT) exits 130."""
-    objective: Literal["lm", "sft", "dpo", "distill"] = "lm"
-    """lm: loss on every token; sft: on assistant/completion tokens; dpo: preference pairs; distill: a teacher's logits (docs/post-training.md)."""
+    objective: Literal["lm", "sft", "dpo", "distill", "grpo"] = "lm"
+    """lm: loss on every token; sft: on assistant/completion tokens; dpo: preference pairs; distill: a teacher's logits (docs/post-training.md); grpo: rewards of sampled completions (docs/rl.md)."""
 
 
 @dataclass(kw_only=True)
@@ -410,6 +410,7 @@ class Config:
     init: InitConfig = field(default_factory=InitConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)

@@ -7,6 +7,8 @@ in `sharding.mesh`). Each failure is one `ConfigError` line naming the key.
 
 from __future__ import annotations
 
+import re
+
 from configs.lora import LORA_TARGETS
 from configs.moe import MoEConfig
 from configs.schema import LOGICAL_AXES, MESH_AXES, Config, ConfigError, closest, nan_steps
@@ -23,6 +25,25 @@ def _check_data(cfg: Config) -> None:
     _require(not (d.mixture and d.path), "data.mixture", "set either data.path or data.mixture, not both")
     _require(d.source != "prepared" or bool(d.path or d.mixture), "data.path", "data.source=prepared needs a directory")
     _require(d.source != "synthetic" or d.packing == "concat", "data.packing", "synthetic data has no documents")
+
+
+# One part of `rl.reward`: a registered reward's name, or a function by path `pkg.module:fn`.
+# Whether the name is registered, or the function imports, is trainer/rewards.py's check.
+_REWARD_PART = re.compile(r"[A-Za-z_]\w*|[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+
+
+def _check_rl(cfg: Config) -> None:
+    rl = cfg.rl
+    parts = rl.reward.split(",")
+    bad = next((p for p in parts if not _REWARD_PART.fullmatch(p.strip())), None)
+    _require(bad is None, "rl.reward", f"{bad!r} is neither a reward's name nor a function's path pkg.module:fn "
+             f"(in {rl.reward!r}; several are comma-separated)")
+    try:
+        re.compile(rl.answer_format)
+    except re.error as e:
+        raise ConfigError(f"rl.answer_format: {rl.answer_format!r} is not a regular expression ({e})") from None
+    _require(rl.top_k < cfg.model.vocab_size, "rl.top_k",
+             f"{rl.top_k} must be below model.vocab_size={cfg.model.vocab_size} (0: all tokens)")
 
 
 def _check_profile(cfg: Config) -> None:
@@ -208,4 +229,5 @@ def validate_static(cfg: Config) -> None:
     _check_checkpoint(cfg)
     nan_steps(cfg)
     _check_profile(cfg)
+    _check_rl(cfg)
     _check_sharding(cfg)

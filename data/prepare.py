@@ -247,7 +247,7 @@ class Options:
     eval_fraction: float = 0.0
     shard_docs: int = 100_000
     overwrite: bool = False
-    objective: str = "lm"  # the corpus format (data/corpus_format/); sft/dpo: JSONL examples (data.chat)
+    objective: str = "lm"  # the corpus format (data/corpus_format/); sft/dpo/rl: JSONL examples (data.chat)
     chat_template: str | None = None  # None: the tokenizer's own (data.chat.template_file)
 
     def validate(self) -> None:
@@ -423,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shard-docs", type=int, default=100_000, help="documents per shard at most")
     p.add_argument("--overwrite", action="store_true", help="replace a previous prepared corpus of other inputs")
     p.add_argument("--objective", choices=corpus_format.names(), default="lm",
-                   help="sft: JSONL messages or prompt/completion; dpo: JSONL prompt/chosen/rejected (default: lm)")
+                   help="sft: JSONL messages or prompt/completion; dpo: JSONL prompt/chosen/rejected; "
+                   "rl: JSONL prompt/answer (default: lm)")
     p.add_argument("--chat-template", help="a tokenizer_config.json with the chat_template (default: the tokenizer's)")
     args = p.parse_args(argv)
     try:

@@ -139,7 +139,7 @@ class TaskHook:
         self.lm: MeshLM | None = None
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
 
-    def begin(self, start: int) -> None:
+    def begin(self, start: int, state: Any) -> None:
         """Nothing before the first step."""
 
     def due(self, step: int, stopping: bool) -> bool:

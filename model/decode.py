@@ -178,19 +178,42 @@ class Sampling:
 
     temperature: float = 0.0  # 0: greedy (argmax), else the softmax of the logits / temperature
     top_k: int = 0  # draw among the k most likely tokens only (0: all)
+    top_p: float = 1.0  # draw among the most likely tokens whose probabilities add up to p (1: all)
+
+
+def _truncated(logits: Array, sampling: Sampling) -> Array:
+    """Tempered logits [batch, vocab] with the tokens top-k and top-p leave out at -inf."""
+    top_k, top_p = sampling.top_k, sampling.top_p
+    if 0 < top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        # Nucleus: keep the most likely tokens until their probabilities reach p (the most
+        # likely always), i.e. each token whose more likely tokens hold less than p.
+        ranked = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(ranked, axis=-1)
+        kept = jnp.cumsum(probs, axis=-1) - probs < top_p
+        smallest = jnp.min(jnp.where(kept, ranked, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < smallest, -jnp.inf, logits)
+    return logits
 
 
 def sample(logits: Array, key: Array, sampling: Sampling) -> Array:
     """logits [batch, vocab] -> token ids [batch]: argmax at temperature 0, else a draw from the
-    softmax at `sampling.temperature` over the `sampling.top_k` most likely tokens (0: all)."""
-    temperature, top_k = sampling.temperature, sampling.top_k
-    if temperature == 0:
+    softmax at `sampling.temperature` over the `sampling.top_k` most likely tokens (0: all) and
+    the nucleus of mass `sampling.top_p` (1: all)."""
+    if sampling.temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / temperature
-    if 0 < top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    logits = _truncated(logits / sampling.temperature, sampling)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def sampled_logps(logits: Array, tokens: Array, sampling: Sampling) -> Array:
+    """float32 [batch]: log softmax(logits / temperature)[token] (temperature 0: 1), the
+    policy's log-probability of each drawn token. Top-k and top-p are left out: this is the
+    quantity a trainer recomputes from its own forward (reinforcement learning's old log-probs)."""
+    logits = logits.astype(jnp.float32) / (sampling.temperature or 1.0)
+    return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
 
 
 def generate(model: Transformer, prompt: Array, max_new_tokens: int, *, sampling: Sampling = Sampling(),
@@ -199,27 +222,39 @@ def generate(model: Transformer, prompt: Array, max_new_tokens: int, *, sampling
     unless `sampling` says otherwise (drawn from `seed`). `pad` [batch]: how many of each row's
     first tokens are left padding (prompts of different lengths in one batch, so one program
     serves them all); each row then decodes as it would alone."""
+    return generate_with_logps(model, prompt, max_new_tokens, sampling=sampling, seed=seed, pad=pad)[0]
+
+
+def generate_with_logps(model: Transformer, prompt: Array, max_new_tokens: int, *, sampling: Sampling = Sampling(),
+                        seed: int | Array = 0, pad: Array | None = None) -> tuple[Array, Array]:
+    """`generate`'s tokens [batch, max_new_tokens] and each one's log-probability under the
+    sampling policy (`sampled_logps`) float32 [batch, max_new_tokens]. `seed`: an int, or a
+    PRNG key (reinforcement learning draws a new one for each rollout)."""
     pad = jnp.zeros(len(prompt), jnp.int32) if pad is None else jnp.asarray(pad, jnp.int32)
     # Plain Python numbers: the static settings hash alike however the caller typed them.
-    sampling = Sampling(float(sampling.temperature), int(sampling.top_k))
-    return _generate(model, jnp.asarray(prompt, jnp.int32), pad, jax.random.key(seed), max_new_tokens, sampling)
+    sampling = Sampling(float(sampling.temperature), int(sampling.top_k), float(sampling.top_p))
+    key = jax.random.key(seed) if isinstance(seed, int) else seed
+    return _generate(model, jnp.asarray(prompt, jnp.int32), pad, key, max_new_tokens, sampling)
 
 
 # One jitted function for every call (the sampling settings static): calls with the same model
 # structure, shapes and settings run one compiled program, whatever the parameters, prompt or
 # seed; a jit made inside `generate` would trace and compile again on every call.
 @functools.partial(nnx.jit, static_argnums=(4, 5))
-def _generate(m: Transformer, prompt: Array, pad: Array, key: Array, max_new_tokens: int, sampling: Sampling) -> Array:
+def _generate(m: Transformer, prompt: Array, pad: Array, key: Array, max_new_tokens: int,
+              sampling: Sampling) -> tuple[Array, Array]:
     batch, length = prompt.shape
     logits, cache = forward(m, prompt, init_cache(m, batch, length + max_new_tokens), 0, pad)
     keys = jax.random.split(key, max_new_tokens)
     first = sample(logits[:, -1], keys[0], sampling)
+    first_logp = sampled_logps(logits[:, -1], first, sampling)
 
     def step(carry: tuple[Array, AnyCache, Array], key: Array) -> tuple[tuple[Array, AnyCache, Array], Array]:
         token, cache, pos = carry
         logits, cache = forward(m, token[:, None], cache, pos, pad)
         nxt = sample(logits[:, -1], key, sampling)
-        return (nxt, cache, pos + 1), nxt
+        return (nxt, cache, pos + 1), (nxt, sampled_logps(logits[:, -1], nxt, sampling))
 
-    _, rest = jax.lax.scan(step, (first, cache, jnp.int32(length)), keys[1:])
-    return jnp.concatenate([first[:, None], rest.T], axis=1)
+    _, (rest, rest_logps) = jax.lax.scan(step, (first, cache, jnp.int32(length)), keys[1:])
+    return (jnp.concatenate([first[:, None], rest.T], axis=1),
+            jnp.concatenate([first_logp[:, None], rest_logps.T], axis=1))

@@ -6,7 +6,8 @@ init (distributed start-up, checks, building or restoring the state), compile, f
 execution (the first step's time beyond a steady step: the compiler's one-time set-up of a
 program's first run, worth several steps of a small model), checkpoint (the blocking part of
 saves and the final wait; each tier's saves are also counted apart, with their blocking
-seconds), eval, data wait (the loop waiting for a batch), profile (finishing a trace), and
+seconds), eval, rollout (an objective's batches made on the host between steps: GRPO's sampling
+and rewards), data wait (the loop waiting for a batch), profile (finishing a trace), and
 recompute: steps this invocation ran again because an earlier one had reached them before it
 stopped (the highest step in metrics.jsonl beyond the checkpoint resumed from), estimated at this
 invocation's mean step time.
@@ -35,7 +36,7 @@ from ops.metrics import MetricsLogger, log
 from ops.observe import last_value, read_metrics
 
 SUMMARY = "summary.json"
-BUCKETS = ("init", "compile", "first_execution", "checkpoint", "eval", "data_wait", "profile", "recompute")
+BUCKETS = ("init", "compile", "first_execution", "checkpoint", "eval", "rollout", "data_wait", "profile", "recompute")
 RESTART = ("init", "compile", "first_execution", "recompute")
 TIERS = ("local", "persistent")
 

@@ -97,6 +97,7 @@ def entry(cfg: Config, n: int, hw: Hardware, measured: dict, state: dict[str, in
         "links": by_link(collectives),
         "time": time,
         "compile_s": measured["compile_s"],
+        "side_program": measured.get("side_program"),  # the objective's own program: GRPO's decoding
         "notes": measured["notes"],
     }
 
@@ -224,6 +225,11 @@ def print_plan(plan: dict) -> None:
         print(f"  {key:<22}{_size(m[key]):>14}")
     verdict = "fits" if p["status"] == "fits" else "does NOT fit"
     print(f"  {'total':<22}{_size(m['total']):>14}  -> {verdict}, margin {m['margin'] / GB:.1f} GB")
+    side = p.get("side_program")
+    if side:  # GRPO: the rollouts' KV-cached decoding, a program of its own beside the step
+        fits = "fits" if side["total_bytes"] <= hw["memory_budget"] else "does NOT fit"
+        print(f"  {'rollout decoding':<22}{_size(side['total_bytes']):>14}  -> {fits} (its own program: arguments "
+              f"{_size(side['argument_bytes'])}, temps with the KV cache {_size(side['temp_bytes'])})")
     print(f"FLOPs per device per step: model {f['model']:.3e}, compiled kernels {f['compiled']:.3e} "
           f"(remat recompute included); HBM traffic {_size(p['hbm_bytes'])}")
     print("collectives per device per step (count includes loop trips; sent = ring-algorithm bytes of the op "

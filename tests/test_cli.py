@@ -116,6 +116,10 @@ BAD = {
                                           "model.gather_dtype=fp8: this layout gathers no parameter"),
     "gather dtype name": (["model.gather_dtype=fp4"], "model.gather_dtype: 'fp4' is not one of compute, fp8"),
     "logits dtype name": (["model.logits_dtype=bf16"], "model.logits_dtype: 'bf16' is not one of compute, float32"),
+    "rl group of one": (["rl.group_size=1"], "rl.group_size: must be >= 2, got 1"),
+    "rl reward path": (["rl.reward=exact_match,my-pkg:fn"], "rl.reward: 'my-pkg:fn' is neither a reward's name"),
+    "rl answer format": (["rl.answer_format=[0-9"], "rl.answer_format: '[0-9' is not a regular expression"),
+    "rl top_k past the vocabulary": (["rl.top_k=264"], "rl.top_k: 264 must be below model.vocab_size=264"),
 }
 
 
@@ -190,10 +194,10 @@ def _cli(*args: str, timeout: int = 120, env: dict[str, str] | None = None) -> s
         (["--config", TINY, "sharding.params.embd=fsdp"],
          "sharding.params.embd: unknown logical name; did you mean 'embed'?"),
         (["model.d_model=abc"], "model.d_model: expected int, got 'abc'"),
-        (["--config", "tiny-moee"], "config file not found: tiny-moee (did you mean tiny-moe?); presets: deepseek-v3, "
-                                    "dpo-tiny, llama3-1b, llama3-3b, llama3-70b, llama3-8b, llama3-8b-128k, "
-                                    "llama3-8b-dpo, llama3-8b-sft, lora-tiny, mixtral-8x7b, moonlight-16b, sft-tiny, "
-                                    "tiny, tiny-deepseek, tiny-moe"),
+        (["--config", "tiny-moee"], "config file not found: tiny-moee (did you mean tiny-moe?); presets: "
+                                    "addition-sft-tiny, deepseek-v3, dpo-tiny, grpo-tiny, llama3-1b, llama3-3b, "
+                                    "llama3-70b, llama3-8b, llama3-8b-128k, llama3-8b-dpo, llama3-8b-sft, lora-tiny, "
+                                    "mixtral-8x7b, moonlight-16b, sft-tiny, tiny, tiny-deepseek, tiny-moe"),
     ],
 )
 def test_real_process_bad_input_is_one_line(tmp_path, args, message):

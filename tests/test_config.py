@@ -14,7 +14,7 @@ from configs import Config, ConfigError, all_keys, dump_config, load_config
 from conftest import ROOT
 
 PRESETS = ["tiny", "lora-tiny", "llama3-1b", "llama3-3b", "llama3-8b", "llama3-70b", "tiny-deepseek", "deepseek-v3",
-           "moonlight-16b"]
+           "moonlight-16b", "addition-sft-tiny", "grpo-tiny"]
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -109,10 +109,11 @@ def test_missing_config_file():
 def test_an_unknown_preset_gets_the_nearest_one_and_the_list():
     with pytest.raises(ConfigError) as err:
         load_config("tiny-moee")
-    assert str(err.value) == ("config file not found: tiny-moee (did you mean tiny-moe?); presets: deepseek-v3, "
-                              "dpo-tiny, llama3-1b, llama3-3b, llama3-70b, llama3-8b, llama3-8b-128k, llama3-8b-dpo, "
-                              "llama3-8b-sft, lora-tiny, mixtral-8x7b, moonlight-16b, sft-tiny, tiny, tiny-deepseek, tiny-moe")
-    with pytest.raises(ConfigError, match=r"^config file not found: nope.yaml; presets: deepseek-v3, dpo-tiny, .*, tiny-moe$"):
+    assert str(err.value) == ("config file not found: tiny-moee (did you mean tiny-moe?); presets: addition-sft-tiny, "
+                              "deepseek-v3, dpo-tiny, grpo-tiny, llama3-1b, llama3-3b, llama3-70b, llama3-8b, "
+                              "llama3-8b-128k, llama3-8b-dpo, llama3-8b-sft, lora-tiny, mixtral-8x7b, moonlight-16b, "
+                              "sft-tiny, tiny, tiny-deepseek, tiny-moe")
+    with pytest.raises(ConfigError, match=r"^config file not found: nope.yaml; presets: addition-sft-tiny, .*, tiny-moe$"):
         load_config("nope.yaml")  # nothing near it: the list alone
 
 
@@ -136,6 +137,9 @@ EXPLICIT: dict[str, tuple[Any, list[str]]] = {
     "train.preempt_exit_code": (0, []),
     "train.objective": ("sft", ["data.source=prepared", "data.path=/a", "data.packing=document"]),
     "dpo.loss": ("ipo", []),
+    "rl.top_p": (0.9, []),
+    "rl.loss_averaging": ("sequence", []),
+    "rl.reward": ("exact_match,length_penalty", []),
     "mesh.data": (2, []),
     "mesh.nodes": (2, ["mesh.data=2"]),
     "mesh.expert": (2, ["model.moe.num_experts=4"]),

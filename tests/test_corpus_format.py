@@ -18,6 +18,7 @@ from configs.fields import choices
 from configs.schema import TrainConfig
 from conftest import ROOT
 from data import batch_fields, batch_shape, corpus_format, describe, eval_batches, open_source, process_dataset
+from data.addition import addition_rows
 from data.examples import dpo_rows, sft_rows, write
 from data.prepare import Options, main, prepare
 from trainer import objectives
@@ -25,12 +26,13 @@ from trainer import objectives
 SMALL = ["model.seq_len=32", "train.global_batch=4"]
 PACKED = ("tokens", "segment_ids", "positions")
 # (format, preset, overrides, the fields and the [batch, ..., seq_len + 1] shape it must declare):
-# plain documents both ways of packing, SFT, DPO
+# plain documents both ways of packing, SFT, DPO, RL prompts
 CASES = {
     "lm concat": ("lm", "tiny.yaml", ["data.packing=concat"], ("tokens",), (4, 33)),
     "lm document": ("lm", "tiny.yaml", ["data.packing=document"], PACKED, (4, 33)),
     "sft": ("sft", "sft-tiny.yaml", [], PACKED + ("loss_mask",), (4, 33)),
     "dpo": ("dpo", "dpo-tiny.yaml", [], ("tokens", "loss_mask"), (4, 2, 33)),
+    "rl": ("rl", "tiny.yaml", [], ("tokens", "loss_mask"), (4, 33)),
 }
 
 
@@ -48,7 +50,7 @@ def test_every_objective_the_cli_and_config_accept_is_a_format_with_fields_and_s
     config = list(choices(TrainConfig, "objective"))
     # Every train.objective is a registered objective whose batches come in one of these formats.
     assert set(objectives.names()) == set(config)
-    assert cli == ["lm", "sft", "dpo"] and {objectives.get(name).data_format for name in config} <= set(cli)
+    assert cli == ["lm", "sft", "dpo", "rl"] and {objectives.get(name).data_format for name in config} <= set(cli)
     assert list(corpus_format.names()) == cli
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), SMALL)
     for name in cli:
@@ -69,9 +71,10 @@ def corpora(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         f.writelines(json.dumps({"text": s}) + "\n" for s in sentences(200))
     write(str(root / "sft.jsonl"), sft_rows(64))
     write(str(root / "dpo.jsonl"), dpo_rows(48))
-    for name in ("lm", "sft", "dpo"):
+    write(str(root / "rl.jsonl"), addition_rows()[:48])
+    for name in ("lm", "sft", "dpo", "rl"):
         prepare([str(root / f"{name}.jsonl")], str(root / name), progress=False, objective=name, eval_fraction=0.25)
-    return {name: str(root / name) for name in ("lm", "sft", "dpo")}
+    return {name: str(root / name) for name in ("lm", "sft", "dpo", "rl")}
 
 
 @pytest.mark.parametrize("case", CASES)

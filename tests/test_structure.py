@@ -11,7 +11,7 @@ import re
 from conftest import ROOT
 from test_imports import _imports, _modules
 
-OBJECTIVES = ("lm", "sft", "dpo", "distill")
+OBJECTIVES = ("lm", "sft", "dpo", "distill", "grpo")
 
 # Functions whose parameters stay over 6, and why.
 MANY_PARAMETERS: dict[str, str] = {}

@@ -7,7 +7,8 @@ interval (docs/design.md, "From config to checkpoint").
 - `CheckpointHook` saves at `checkpoint.every`, at the last step and on a stop signal, and into
   the local tier at `checkpoint.local_every` (trainer.tiers), never a state reached only through
   bad steps.
-- `EvalHook` runs the held-out loss at `eval.every` and the last step.
+- `EvalHook` runs the held-out loss at `eval.every` and the last step (and at step 0, before any
+  update, for an objective that asks: GRPO's held-out accuracy).
 - `evaluation.tasks.TaskHook` runs the lm-evaluation-harness tasks of `eval.tasks` at
   `eval.tasks_every` and the last step; a failing task is one warning line, never the run's end.
 - `ProfileHook` traces `profile.steps=[a, b]` with `jax.profiler` into `run.dir/profile/`
@@ -41,7 +42,7 @@ class Hook:
     """An action between steps. `begin` runs once before an invocation's first step; `due` is
     asked after every step; `run` only when it is due, after the step's metrics are settled."""
 
-    def begin(self, start: int) -> None:
+    def begin(self, start: int, state: TrainState) -> None:
         """Most hooks have nothing to do before the first step."""
 
     def due(self, step: int, stopping: bool) -> bool:
@@ -122,6 +123,11 @@ class EvalHook(Hook):
         self.loss_fn = program.compile_eval()
         self.batches = [to_global(rows, program.batch_sh, cfg.train.global_batch) for rows in eval_rows]
 
+    def begin(self, start: int, state: TrainState) -> None:
+        """An objective that asks for it (GRPO's accuracy) is measured once before a run's first update."""
+        if start == 0 and self.objective.eval_before_training:
+            self.run(0, state, False)
+
     def due(self, step: int, stopping: bool) -> bool:
         return not stopping and (step % self.every == 0 or step == self.last)
 
@@ -149,7 +155,7 @@ class ProfileHook(Hook):
         self.dir, self.goodput = os.path.join(cfg.run.dir, PROFILE_DIR), goodput
         self.opened = 0  # the first step traced; 0: no trace open
 
-    def begin(self, start: int) -> None:
+    def begin(self, start: int, state: TrainState) -> None:
         if self.first <= start + 1:
             self._open(start + 1)
 

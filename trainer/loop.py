@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 
@@ -68,9 +68,11 @@ def _train(session: Session, devices: list, goodput: Goodput) -> list[dict[str, 
     hooks = make_hooks(ctx)
     goodput.lap("compile")
     step_fn = instrument(step_fn, session.start, goodput)
+    program = session.program
+    stage = program.spec.objective.stage(program.spec.model.graphdef, program.compute)
     ctx.watch()
     try:
-        _loop(ctx, step_fn, hooks)
+        _loop(ctx, step_fn, hooks, stage)
     finally:
         ctx.close()
     return ctx.logger.history
@@ -87,10 +89,28 @@ def _timed(batches: Iterator, logger: MetricsLogger) -> Iterator:
         yield batch
 
 
-def _loop(ctx: RunContext, step_fn: Any, hooks: list[Hook]) -> None:
+# An objective's maker of each step's batch (trainer.objectives.registry.Stage).
+Stage = Callable[[Any, Callable[[], dict], int], tuple[dict, dict[str, float]]]
+
+
+def _next_batch(ctx: RunContext, stage: Stage | None, batches: Iterator, state: Any,
+                step: int) -> tuple[dict, dict[str, float]]:
+    """The batch step `step` trains on, with the host's metrics of making it: the data's next, or
+    what the objective's stage makes of the data (GRPO's rollouts), placed as the step takes it."""
+    if stage is None:
+        return next(batches), {}
+    program = ctx.session.program
+    # Goodput counts it apart from the update; the model's activation rules bind as in the step.
+    with ctx.goodput.phase("rollout"), program.tracing():
+        batch, extra = stage(state, lambda: next(batches), step)
+    return jax.device_put(batch, program.batch_sh), extra
+
+
+def _loop(ctx: RunContext, step_fn: Any, hooks: list[Hook], stage: Stage | None = None) -> None:
     """Runs the steps; after each, the previous step's metrics are settled (one step late) and
     the hooks that are due act, in order, on the step just dispatched. `ctx.clock` times this
-    process's own part of each step (ops.stragglers)."""
+    process's own part of each step (ops.stragglers). `stage`: the objective's maker of each
+    step's batch from the data (None: the data's batches)."""
     cfg, session, book, clock, watchdog = ctx.cfg, ctx.session, ctx.book, ctx.clock, ctx.watchdog
     state, last, start = session.state, cfg.train.steps, session.start
     local = poisoned(session.iterator, cfg, start) if cfg.debug.nan_steps else session.iterator
@@ -99,10 +119,10 @@ def _loop(ctx: RunContext, step_fn: Any, hooks: list[Hook]) -> None:
     watchdog.beat(start)
     previous: tuple[int, dict] | None = None  # the step before, whose flag we read one step late
     for hook in hooks:
-        hook.begin(start)
+        hook.begin(start, state)
     clock.restart()
     for done in range(start + 1, last + 1):
-        batch = next(batches)
+        batch, extra = _next_batch(ctx, stage, batches, state, done)
         if ctx.sleep_s:
             time.sleep(ctx.sleep_s)
         watchdog.arrive(done)
@@ -113,6 +133,7 @@ def _loop(ctx: RunContext, step_fn: Any, hooks: list[Hook]) -> None:
                 ctx.goodput.first_step_s = time.perf_counter() - t0
             else:
                 state, metrics = step_fn(state, batch)
+            metrics = {**metrics, **extra}
             if previous is not None:
                 book.settle(*previous)
         if previous is not None:

@@ -82,11 +82,16 @@ class Program:
             return state
         return state.replace(ref_params=frozen.load(self.state_sh.ref_params))
 
-    def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+    def abstract_data_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """A batch of the data (and of the eval): the objective's corpus format's fields."""
         cfg = self.spec.cfg
         fmt = self.spec.objective.data_format
         shape = batch_shape(cfg, fmt)
         return {f: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sh) for f in batch_fields(cfg, fmt)}
+
+    def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """The batch the step trains on: the data's, or what the objective's stage makes of it."""
+        return self.spec.objective.step_batch(self.abstract_data_batch())
 
     @contextlib.contextmanager
     def tracing(self) -> Iterator[None]:
@@ -104,10 +109,24 @@ class Program:
         compiled = self.lower(state).compile()
         return compiled, time.perf_counter() - t0
 
+    def compile_side(self) -> jax.stages.Compiled | None:
+        """The objective's program besides the step (GRPO's rollout decoding), compiled on this
+        mesh with the parameters' shardings: for the planner. None: the objective has none."""
+        made = self.spec.objective.side_program(self.spec.model.graphdef, self.compute)
+        if made is None:
+            return None
+        fn, args = made
+        # Arrays of the batch's rows shard as the batch does; scalars and [rows] vectors replicate.
+        replicated = NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        shardings = tuple(self.batch_sh if len(a.shape) == 2 else replicated for a in args)
+        with self.tracing():
+            jitted = jax.jit(fn, in_shardings=(self.state_sh.params, *shardings))
+            return jitted.lower(self.abstract_state().params, *args).compile()
+
     def compile_eval(self) -> jax.stages.Compiled:
         with self.tracing():
             state = self.abstract_state()
-            return self.eval_loss.lower(state.params, state.ref_params, self.abstract_batch()).compile()
+            return self.eval_loss.lower(state.params, state.ref_params, self.abstract_data_batch()).compile()
 
 
 def make_program(spec: RunSpec, devices: list) -> Program:

@@ -5,8 +5,9 @@ An `Objective` owns everything that differs between objectives: its corpus forma
 side, data/corpus_format/), its config checks, the frozen weights the state holds beside the
 parameters (`Frozen`: DPO's copy of the starting weights, distillation's teacher),
 what joins a batch before the step (a reference's log-probs), its loss and eval functions (both
-on the one forward pass, trainer/forward.py) and the names and console text of its metrics. The
-step, the program, the hooks and the metrics logger ask it; none of them compares a name.
+on the one forward pass, trainer/forward.py), the names and console text of its metrics, and,
+for an objective that makes its batches on the host (GRPO's rollouts), that `stage`. The step,
+the program, the loop, the hooks and the metrics logger ask it; none of them compares a name.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ Array = jax.Array
 EvalFn = Callable[[dict, Any, dict], Any]
 # (params, reference params or None, batch) -> the batch with what the objective adds before its loss
 BatchFn = Callable[[dict, Any, dict], dict]
+# (the train state, the data's next batch when asked, the step about to run) -> (the batch the
+# step trains on, the host's metrics of making it): an objective that makes its batches on the
+# host between steps (reinforcement learning's rollouts and rewards), taking data when it needs it.
+Stage = Callable[[Any, Callable[[], dict], int], tuple[dict, dict[str, float]]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +56,9 @@ class Objective:
     rows_per_example: ClassVar[int] = 1  # sequences one example (a row of train.global_batch) holds
     # Its loss is the per-token next-token loss, which a 1F1B-family schedule computes itself.
     token_loss: ClassVar[bool] = True
+    # The held-out eval also runs before the first update (logged at step 0): a metric whose
+    # starting value is the baseline a run is judged against (GRPO's accuracy).
+    eval_before_training: ClassVar[bool] = False
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -84,6 +92,22 @@ class Objective:
     def batch_fn(self, graphdef: nnx.GraphDef, compute: Compute) -> BatchFn | None:
         """What joins a batch at the start of each step, before its dropout noise (None: nothing)."""
         return None
+
+    def stage(self, graphdef: nnx.GraphDef, compute: Compute) -> Stage | None:
+        """What makes each step's batch from the data's on the host, between steps (None: the
+        data's batch is the step's)."""
+        return None
+
+    def side_program(self, graphdef: nnx.GraphDef, compute: Compute) -> tuple[Callable, tuple] | None:
+        """A program the objective runs on the devices besides the step (GRPO's decoding of its
+        rollouts), for the planner to compile: (fn(params, *args), the args' abstract values, each
+        an array of the data batch's rows or a scalar). None: none."""
+        return None
+
+    def step_batch(self, data: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.ShapeDtypeStruct]:
+        """The batch the step compiles for, from the data's (the same unless a `stage` remakes it);
+        every array [rows, ...] with the data batch's sharding."""
+        return data
 
     def loss_fn(self, graphdef: nnx.GraphDef, compute: Compute) -> LossFn:
         """loss(params, batch) -> (loss sum, aux): aux's leaves add up over micro-batches, its
