@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import glob
 import os
+import shutil
 import urllib.parse
 from typing import Any
 
@@ -181,6 +182,21 @@ def write_text(path: str | os.PathLike, text: str, atomic: bool = False) -> None
         f.write(text)
     if atomic:
         os.replace(target, path)
+
+
+def copy_file(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Copies one file between any two places, local or URL, streamed (a model's weights need not
+    fit in memory). An upload is one object, seen whole or not at all."""
+    src, dst = os.fspath(src), os.fspath(dst)
+    if not is_remote(src) and not is_remote(dst):
+        shutil.copyfile(src, dst)
+    elif not is_remote(src):
+        filesystem(dst).put_file(src, dst)
+    elif not is_remote(dst):
+        filesystem(src).get_file(src, dst)
+    else:  # between buckets or stores: through this host, one chunk at a time
+        with filesystem(src).open(src, "rb") as fin, filesystem(dst).open(dst, "wb") as fout:
+            shutil.copyfileobj(fin, fout, 1 << 24)
 
 
 def makedirs(path: str | os.PathLike) -> None:
