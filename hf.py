@@ -24,8 +24,7 @@ from typing import Any, Callable
 import jax
 
 import storage
-from configs import check_writable, dump_config, load_config
-from configs.schema import ConfigError, MeshConfig, PipelineConfig
+from configs import ConfigError, MeshConfig, PipelineConfig, check_output, dump_config, load_config
 from model import lora
 from model.hf import check_compatible, peft_config, read_hf_config, to_hf_tensors, to_peft_tensors
 from model.hf_arch import hf_config, model_keys
@@ -50,16 +49,7 @@ def check_out(out: str, overwrite: bool) -> None:
         raise ConfigError(f"--out: {out} is not empty; give --overwrite to replace what export writes there")
     if storage.exists(out) and not storage.isdir(out):
         raise ConfigError(f"--out: {out} is a file, not a directory")
-    check_writable(out, "--out")  # skips a bucket URL: check_bucket answers for those
-    if storage.is_remote(out):
-        _check_bucket(out, "--out")
-
-
-def _check_bucket(url: str, key: str) -> None:
-    try:
-        storage.check_bucket(url)
-    except storage.StorageError as e:
-        raise ConfigError(f"{key}={e}") from None
+    check_output(out, "--out")
 
 
 def export(run_dir: str, out: str, step: int | None = None, dtype: str = "float32", overwrite: bool = False,
@@ -124,7 +114,7 @@ def import_(
     The state is built on one local device: for models larger than one device, train with
     `init.from_hf` instead, which loads straight into the sharded layout."""
     if storage.is_remote(run_dir):  # before the first read: a missing bucket is one line, not a traceback
-        _check_bucket(run_dir, "--run-dir")
+        check_output(run_dir, "--run-dir")
     cfg = import_config(hf_dir, run_dir, preset, overrides)
     found = read_run_dir(cfg.run.dir)  # once: prepare and the session read this, not the disk
     if found.checkpoints:

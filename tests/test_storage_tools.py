@@ -1,22 +1,28 @@
-"""`hf.py import` and `hf.py export` with every path on a bucket (docs/storage.md), on the real S3
-test server (tests/storage_servers.py): a Hugging Face directory written to the bucket is imported
-into a run directory on the bucket (a step-0 checkpoint), which is exported to another prefix;
-the weights come back unchanged at each hop."""
+"""The commands beside train.py with their paths on a bucket (docs/storage.md), on the real S3 test
+server (tests/storage_servers.py): `hf.py import` of a Hugging Face directory on the bucket into a
+run directory on the bucket (a step-0 checkpoint), `generate.py` from that run, `hf.py export` of
+it to another prefix, the weights unchanged at each hop; and `plan.py --out` on the bucket."""
 
 from __future__ import annotations
 
 import json
+import os
 import uuid
 
 import jax
 import numpy as np
 import pytest
 
+import generate as generate_cli
 import hf as hf_cli
+import plan as plan_cli
 import storage
 from configs import load_config
-from conftest import stdlib_glob
+from conftest import ROOT, stdlib_glob
+from data.tokenizer import ByteTokenizer
 from model import hf, hf_arch
+from model.decode import generate
+from model.transformer import transformer_from_params
 from model.safetensors_files import SafetensorsDir, write_safetensors
 from storage_servers import s3_bucket  # noqa: F401  (fixture)
 from trainer.checkpoint import restore_params
@@ -50,6 +56,14 @@ def test_import_from_and_export_to_a_bucket_round_trip(s3_bucket: str, capsys: p
     assert step == 0 and got_cfg.init.from_hf == source and got_cfg.run.dir == run
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), imported, params)
 
+    # generate.py from the bucket run: the greedy text of the weights written to the bucket.
+    prompt = ByteTokenizer().encode("abc").astype(np.int32)[None]
+    tokens = np.asarray(generate(transformer_from_params(cfg.model, params), prompt, 6))[0]
+    assert generate_cli.main(["--run-dir", run, "--prompt", "abc", "--max-new-tokens", "6"]) == 0
+    want = [int(t) for t in tokens]
+    want = want[: want.index(256)] if 256 in want else want  # the end of a document ends the sample
+    assert capsys.readouterr().out == "abc" + ByteTokenizer().decode(want) + "\n"
+
     assert hf_cli.main(["export", "--run-dir", run, "--out", out]) == 0
     assert f"exported step 0 of {run} to {out}" in capsys.readouterr().out
     assert storage.listdir(out) == ["config.json", "model.safetensors"]
@@ -64,3 +78,17 @@ def test_import_from_and_export_to_a_bucket_round_trip(s3_bucket: str, capsys: p
     assert "is not empty; give --overwrite" in capsys.readouterr().err
     assert hf_cli.main(["export", "--run-dir", run, "--out", "s3://no-such-bucket/x"]) == 2
     assert "--out=s3://no-such-bucket/x: bucket no-such-bucket does not exist" in capsys.readouterr().err
+
+
+def test_plan_writes_its_json_to_a_bucket(s3_bucket: str, capsys: pytest.CaptureFixture) -> None:  # noqa: F811
+    """A plan decided without compiling (pure data parallel of llama3-8b cannot fit) is written to
+    a prefix on the bucket; a missing bucket is refused before anything else, exit 2."""
+    out = f"{s3_bucket}/{uuid.uuid4().hex[:8]}/plans/dp.json"
+    args = ["--config", os.path.join(ROOT, "configs", "llama3-8b.yaml"), "--devices", "64", "--search",
+            "mesh.pipeline=1", "mesh.data=64", "mesh.fsdp=1", "mesh.tensor=1", "model.remat=full"]
+    assert plan_cli.main([*args, "--out", out]) == 1
+    assert f"wrote {out}" in capsys.readouterr().out
+    assert json.loads(storage.read_text(out))["best"] is None
+    assert plan_cli.main([*args, "--out", "s3://no-such-bucket/plan.json"]) == 2
+    assert capsys.readouterr().err == (f"error: --out=s3://no-such-bucket/plan.json: bucket no-such-bucket does not exist "
+                                       f"at {storage.s3_endpoint()}\n")
