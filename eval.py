@@ -21,7 +21,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from configs import ConfigError, check_writable
+from configs import ConfigError, check_output
 
 if TYPE_CHECKING:  # the real imports wait until the arguments are checked: importing JAX takes a while
     import jax
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.checkpoint import find_checkpoint  # after the arguments: importing JAX takes a while
 
         cfg, step = find_checkpoint(args.run_dir, args.step)
-        check_writable(args.output or "", "--output", file=True)
+        check_output(args.output or "", "--output", file=True)  # a local file, or a bucket that answers
         import jax
         from data.tokenizer import load_tokenizer
         from trainer.checks import check_devices
@@ -96,8 +96,10 @@ def evaluate(args: argparse.Namespace, spec: RunSpec, devices: list[jax.Device],
     rate = lm.requests_done / max(seconds, 1e-9)
     print(f"step {step}: {lm.requests_done} requests in {seconds:.1f} s ({rate:.1f} requests/s)")
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump({"step": step, "scores": scores, "requests": lm.requests_done, "seconds": seconds}, f, indent=1)
+        import storage
+
+        record = {"step": step, "scores": scores, "requests": lm.requests_done, "seconds": seconds}
+        storage.write_text(args.output, json.dumps(record, indent=1))
     return 0
 
 

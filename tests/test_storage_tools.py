@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import uuid
 
 import jax
 import numpy as np
 import pytest
 
+import eval as eval_cli
 import generate as generate_cli
 import hf as hf_cli
 import plan as plan_cli
@@ -39,7 +41,8 @@ def hf_tensors(directory: str, names: list[str]) -> dict[str, np.ndarray]:
     return {n: np.asarray(files.slices[n][1][...]) for n in names}
 
 
-def test_import_from_and_export_to_a_bucket_round_trip(s3_bucket: str, capsys: pytest.CaptureFixture) -> None:  # noqa: F811
+def test_import_from_and_export_to_a_bucket_round_trip(s3_bucket: str, tmp_path: pathlib.Path,  # noqa: F811
+                                                       capsys: pytest.CaptureFixture) -> None:
     root = f"{s3_bucket}/{uuid.uuid4().hex[:8]}"
     source, run, out = storage.join(root, "hf"), storage.join(root, "run"), storage.join(root, "exported")
     cfg = load_config("tiny", [])
@@ -63,6 +66,18 @@ def test_import_from_and_export_to_a_bucket_round_trip(s3_bucket: str, capsys: p
     want = [int(t) for t in tokens]
     want = want[: want.index(256)] if 256 in want else want  # the end of a document ends the sample
     assert capsys.readouterr().out == "abc" + ByteTokenizer().decode(want) + "\n"
+    # eval.py from the bucket run, its scores written to the bucket: those of the same weights
+    # imported from the bucket into a local run directory.
+    local = str(tmp_path / "run")
+    assert hf_cli.main(["import", "--hf-dir", source, "--run-dir", local, "--config", "tiny",
+                        f"data.path={stdlib_glob('json')}"]) == 0
+    scores = storage.join(root, "scores.json")
+    for run_dir, output in ((run, scores), (local, str(tmp_path / "scores.json"))):
+        assert eval_cli.main(["--run-dir", run_dir, "--tasks", "stdlib_words", "--limit", "8", "--output", output]) == 0
+    written = json.loads(storage.read_text(scores))
+    assert written["step"] == 0 and written["requests"] > 8
+    assert written["scores"] == json.loads((tmp_path / "scores.json").read_text())["scores"]
+    capsys.readouterr()
 
     assert hf_cli.main(["export", "--run-dir", run, "--out", out]) == 0
     assert f"exported step 0 of {run} to {out}" in capsys.readouterr().out
