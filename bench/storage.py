@@ -1,16 +1,18 @@
 """Save and restore throughput of a checkpoint on local disk and on the two object stores.
 
-    python -m bench.storage [--gb 1.0] [--only local,s3,gs]
+    python -m bench.storage [--gb 1.0] [--repeat 3] [--only local,s3,gs]
 
 A train state of about `--gb` GB (float32 parameters shaped like the model of `model_keys`, with
 AdamW's two moments, every array random so no codec shortens it) on the CPU device is saved and
 restored through the run's own `trainer.checkpoint.Checkpointer` (Orbax, asynchronous saves, the
 commit-file protocol on a bucket), once per target: a local temporary directory, moto's S3 server
 and fake-gcs-server, each started here on 127.0.0.1 (bench/object_servers.py) as the storage tests
-start them. Printed per target: the state's size, the loop's blocking time of the asynchronous
-save (the `save` call, as the training loop times it), the save's total time (until
-`wait` returns: the step committed), its throughput, and the restore's time and throughput (a
-new Checkpointer, as a resumed run opens one).
+start them. `--repeat` saves (steps 1, 2, ...: nothing deleted between them) and as many restores
+per target; printed per target, medians over them: the state's size, the loop's blocking time of
+the asynchronous save (the `save` call, as the training loop times it; the first save's includes
+Orbax's one-time set-up, which the median leaves out from 3 repeats on), the save's total time
+(until `wait` returns: the step committed), its throughput, and the restore's time and throughput
+(a new Checkpointer, as a resumed run opens one).
 
 The servers run on this host over loopback: the figures bound what the checkpoint code and the
 clients sustain, not a cloud store's throughput.
@@ -22,6 +24,7 @@ import argparse
 import dataclasses
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from typing import Callable, Iterator
@@ -90,27 +93,33 @@ def _iterator() -> grain.DatasetIterator:
     return iter(grain.MapDataset.range(8).to_iter_dataset())
 
 
-def measure(target: str, directory: str, state: TrainState) -> Row:
-    """Saves `state` at step 1 of `directory` and restores it with a fresh Checkpointer."""
-    cfg = CheckpointConfig(every=1, keep=1, async_save=True)
+def measure(target: str, directory: str, state: TrainState, repeat: int) -> Row:
+    """Saves `state` at steps 1..`repeat` of `directory`, then restores each with a fresh
+    Checkpointer; the medians."""
+    cfg = CheckpointConfig(every=1, keep=repeat, async_save=True)
+    blocking, save, restore = [], [], []
     ckpt = Checkpointer(directory, cfg)
-    start = time.perf_counter()
-    ckpt.save(1, state, _iterator())
-    blocking = time.perf_counter() - start
-    ckpt.wait()
-    save = time.perf_counter() - start
+    for step in range(1, repeat + 1):
+        start = time.perf_counter()
+        ckpt.save(step, state, _iterator())
+        blocking.append(time.perf_counter() - start)
+        ckpt.wait()
+        save.append(time.perf_counter() - start)
     ckpt.close()
-    ckpt = Checkpointer(directory, cfg)
     target_state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
-    start = time.perf_counter()
-    restored = ckpt.restore(1, target_state, _iterator())
-    jax.block_until_ready(restored)
-    restore = time.perf_counter() - start
-    ckpt.close()
-    # A restore that read the wrong bytes must not pass for a fast one.
-    first = jax.tree.leaves(state.params)[0]
-    assert np.array_equal(np.asarray(jax.tree.leaves(restored.params)[0]), np.asarray(first)), target
-    return Row(target, state_gb(state), blocking, save, restore)
+    first = np.asarray(jax.tree.leaves(state.params)[0])
+    for step in range(1, repeat + 1):
+        ckpt = Checkpointer(directory, cfg)
+        start = time.perf_counter()
+        restored = ckpt.restore(step, target_state, _iterator())
+        jax.block_until_ready(restored)
+        restore.append(time.perf_counter() - start)
+        ckpt.close()
+        # A restore that read the wrong bytes must not pass for a fast one.
+        assert np.array_equal(np.asarray(jax.tree.leaves(restored.params)[0]), first), (target, step)
+        del restored
+    median = statistics.median
+    return Row(target, state_gb(state), median(blocking), median(save), median(restore))
 
 
 def _servers(target: str) -> Iterator[str]:
@@ -147,16 +156,19 @@ def table(rows: list[Row]) -> str:
 def main(argv: list[str] | None = None, out: Callable[[str], None] = print) -> list[Row]:
     parser = argparse.ArgumentParser(prog="python -m bench.storage", description=__doc__.split("\n\n")[0])
     parser.add_argument("--gb", type=float, default=1.0, help="the state's size, in GB (rounded to whole layers)")
+    parser.add_argument("--repeat", type=int, default=3, help="saves and restores per target (medians)")
     parser.add_argument("--only", default=",".join(TARGETS), help="targets, comma-separated: local, s3, gs")
     args = parser.parse_args(argv)
     targets = [t for t in args.only.split(",") if t]
     if unknown := set(targets) - set(TARGETS):
         parser.error(f"--only: unknown targets {sorted(unknown)}")
+    if args.repeat < 1:
+        parser.error(f"--repeat: at least 1, got {args.repeat}")
     state = make_state(layers_for(args.gb))
     rows = []
     for target in targets:
         for directory in _servers(target):
-            rows.append(measure(target, directory, state))
+            rows.append(measure(target, directory, state, args.repeat))
     out(table(rows))
     return rows
 
