@@ -15,7 +15,6 @@ An entry point above the packages, like train.py.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -83,7 +82,7 @@ def evaluate(args: argparse.Namespace, spec: RunSpec, devices: list[jax.Device],
     from evaluation.harness import MeshLM
     from trainer.scoring import evaluator_of
     from trainer.program import make_program
-    from evaluation.tasks import run_tasks
+    from evaluation.tasks import run_tasks, write_scores
 
     program = make_program(spec, devices)
     _, _, params = restore_params(args.run_dir, step, shardings=program.state_sh.params)
@@ -96,10 +95,7 @@ def evaluate(args: argparse.Namespace, spec: RunSpec, devices: list[jax.Device],
     rate = lm.requests_done / max(seconds, 1e-9)
     print(f"step {step}: {lm.requests_done} requests in {seconds:.1f} s ({rate:.1f} requests/s)")
     if args.output:
-        import storage
-
-        record = {"step": step, "scores": scores, "requests": lm.requests_done, "seconds": seconds}
-        storage.write_text(args.output, json.dumps(record, indent=1))
+        write_scores(args.output, {"step": step, "scores": scores, "requests": lm.requests_done, "seconds": seconds})
     return 0
 
 

@@ -16,7 +16,6 @@ Safetensors files are read and written through the `safetensors` library
 from __future__ import annotations
 
 import json
-import os
 from typing import Any, Callable
 
 import jax
