@@ -3,17 +3,14 @@
 its framework here (no torch); ml_dtypes gives numpy the bfloat16 type the files may hold.
 
 A directory on a bucket (`gs://`, `s3://`) is read from local copies of its files (the reader maps
-a local file), made once per process in a temporary directory; a file written to a bucket is
-written locally first and uploaded as one object.
+a local file; `storage.local_copy`, once per process); a file written to a bucket is written
+locally first and uploaded as one object.
 """
 
 from __future__ import annotations
 
-import atexit
-import functools
 import json
 import os
-import shutil
 import tempfile
 from typing import Any
 
@@ -45,7 +42,7 @@ class SafetensorsDir:
         for name in files:
             path = storage.join(hf_dir, name)
             try:
-                handle = safe_open(_local_copy(path) if storage.is_remote(path) else path, framework="numpy")
+                handle = safe_open(storage.local_copy(path), framework="numpy")
             except Exception as e:  # the library's own error for a damaged header names no file
                 raise ConfigError(f"{key}: cannot read {path}: {e}") from None
             for tensor in handle.keys():
@@ -61,17 +58,6 @@ class SafetensorsDir:
         if tuple(lazy.get_shape()) != shape:
             raise ConfigError(f"{self.key}: tensor {name} has shape {lazy.get_shape()}, expected {list(shape)}")
         return lazy
-
-
-@functools.lru_cache(maxsize=None)
-def _local_copy(url: str) -> str:
-    """A local copy of the file at `url`, downloaded once per process: safetensors maps a local
-    file, and the lazy slices read it long after the directory was opened (removed at exit)."""
-    folder = tempfile.mkdtemp(prefix="meshlm-safetensors-")
-    atexit.register(shutil.rmtree, folder, True)
-    local = os.path.join(folder, storage.basename(url))
-    storage.copy_file(url, local)
-    return local
 
 
 def write_safetensors(tensors: dict[str, np.ndarray], path: str, dtype: str = "float32") -> None:

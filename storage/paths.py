@@ -15,10 +15,12 @@ only to move things aside, never to commit).
 
 from __future__ import annotations
 
+import atexit
 import functools
 import glob
 import os
 import shutil
+import tempfile
 import urllib.parse
 from typing import Any
 
@@ -197,6 +199,29 @@ def copy_file(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     else:  # between buckets or stores: through this host, one chunk at a time
         with filesystem(src).open(src, "rb") as fin, filesystem(dst).open(dst, "wb") as fout:
             shutil.copyfileobj(fin, fout, 1 << 24)
+
+
+@functools.lru_cache(maxsize=None)
+def _copies() -> str:
+    """This process's folder of local copies, removed when it exits."""
+    folder = tempfile.mkdtemp(prefix="meshlm-copies-")
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
+
+
+@functools.lru_cache(maxsize=None)
+def local_copy(url: str) -> str:
+    """A local path holding the file at `url`, downloaded once per process, for a library that
+    reads local files only (safetensors maps one; tokenizers, sentencepiece open one). Files of
+    one prefix land in one local folder, so a library looking beside a file (a
+    tokenizer_config.json) finds what was copied there too. A local path is returned as is."""
+    if not is_remote(url):
+        return url
+    bucket, key = bucket_and_key(url)
+    local = os.path.join(_copies(), scheme(url), bucket, *key.split("/"))
+    os.makedirs(os.path.dirname(local), exist_ok=True)
+    copy_file(url, local)
+    return local
 
 
 def makedirs(path: str | os.PathLike) -> None:

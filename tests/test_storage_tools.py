@@ -1,7 +1,8 @@
 """The commands beside train.py with their paths on a bucket (docs/storage.md), on the real S3 test
 server (tests/storage_servers.py): `hf.py import` of a Hugging Face directory on the bucket into a
 run directory on the bucket (a step-0 checkpoint), `generate.py` from that run, `hf.py export` of
-it to another prefix, the weights unchanged at each hop; and `plan.py --out` on the bucket."""
+it to another prefix, the weights unchanged at each hop; `plan.py --out` on the bucket; a
+tokenizer file on the bucket."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ import generate as generate_cli
 import hf as hf_cli
 import plan as plan_cli
 import storage
-from configs import load_config
+from configs import ConfigError, load_config
 from conftest import ROOT, stdlib_glob
-from data.tokenizer import ByteTokenizer
+from data.tokenizer import ByteTokenizer, load_tokenizer
 from model import hf, hf_arch
 from model.decode import generate
 from model.transformer import transformer_from_params
@@ -107,3 +108,28 @@ def test_plan_writes_its_json_to_a_bucket(s3_bucket: str, capsys: pytest.Capture
     assert plan_cli.main([*args, "--out", "s3://no-such-bucket/plan.json"]) == 2
     assert capsys.readouterr().err == (f"error: --out=s3://no-such-bucket/plan.json: bucket no-such-bucket does not exist "
                                        f"at {storage.s3_endpoint()}\n")
+
+
+def test_a_tokenizer_on_a_bucket_is_the_local_one(s3_bucket: str, tmp_path: pathlib.Path) -> None:  # noqa: F811
+    """data.tokenizer on a bucket: the tokenizer.json's ids, end-of-document id (named by the
+    tokenizer_config.json beside it, not by a known name) and fingerprint are the local file's."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=120, special_tokens=["[UNK]", "<stop>"], show_progress=False)
+    tok.train_from_iterator(["the lazy dog sings", "a quick brown fox"] * 20, trainer)
+    local = tmp_path / "tok"
+    local.mkdir()
+    tok.save(str(local / "tokenizer.json"))
+    (local / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<stop>"}))
+    root = f"{s3_bucket}/{uuid.uuid4().hex[:8]}"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        storage.copy_file(str(local / name), storage.join(root, name))
+
+    url = storage.join(root, "tokenizer.json")
+    here, there = load_tokenizer(str(local / "tokenizer.json")), load_tokenizer(url)
+    assert there.eod_id == here.eod_id == tok.token_to_id("<stop>")
+    assert there.fingerprint() == here.fingerprint() and there.describe()["path"] == url
+    assert list(there.encode("the quick dog")) == list(here.encode("the quick dog"))
+    with pytest.raises(ConfigError, match="data.tokenizer: no file"):
+        load_tokenizer(storage.join(root, "missing.json"))
