@@ -21,6 +21,7 @@ clients sustain, not a cloud store's throughput.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -122,7 +123,8 @@ def measure(target: str, directory: str, state: TrainState, repeat: int) -> Row:
     return Row(target, state_gb(state), median(blocking), median(save), median(restore))
 
 
-def _servers(target: str) -> Iterator[str]:
+@contextlib.contextmanager
+def _target(target: str) -> Iterator[str]:
     """Starts `target`'s server (none for local), yields the checkpoint directory, stops it."""
     if target == "local":
         tmp = tempfile.mkdtemp(prefix="meshlm-bench-storage-")
@@ -131,6 +133,7 @@ def _servers(target: str) -> Iterator[str]:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return
+    # The server's variables are set in this process: TensorStore and fsspec read them here.
     server = moto_server() if target == "s3" else gcs_server()
     old = set_env(s3_env(server, "testing") if target == "s3" else gcs_env(server, "meshlm-bench"))
     try:
@@ -167,7 +170,7 @@ def main(argv: list[str] | None = None, out: Callable[[str], None] = print) -> l
     state = make_state(layers_for(args.gb))
     rows = []
     for target in targets:
-        for directory in _servers(target):
+        with _target(target) as directory:
             rows.append(measure(target, directory, state, args.repeat))
     out(table(rows))
     return rows

@@ -20,7 +20,7 @@ import generate as generate_cli
 import hf as hf_cli
 import plan as plan_cli
 import storage
-from configs import ConfigError, load_config
+from configs import ConfigError, ModelConfig, load_config
 from conftest import ROOT, stdlib_glob
 from data.tokenizer import ByteTokenizer, load_tokenizer
 from model import hf, hf_arch
@@ -32,12 +32,14 @@ from trainer.checkpoint import restore_params
 from trainer.state import abstract_model
 
 
-def random_params(cfg_model: object) -> dict:  # a ModelConfig
+def random_params(cfg_model: ModelConfig) -> dict:
+    """Every parameter of the model, random: a checkpoint no initializer would give by chance."""
     rng = np.random.default_rng(0)
     return jax.tree.map(lambda x: rng.standard_normal(x.shape, dtype=np.float32), abstract_model(cfg_model).shapes)
 
 
 def hf_tensors(directory: str, names: list[str]) -> dict[str, np.ndarray]:
+    """The named tensors of a Hugging Face directory, read whole."""
     files = SafetensorsDir(directory, "test")
     return {n: np.asarray(files.slices[n][1][...]) for n in names}
 
