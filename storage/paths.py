@@ -1,5 +1,6 @@
 """One path layer for a run's files: local paths and `gs://` / `s3://` URLs behind the same few
-functions (join, exists, list, read, write, remove, rename).
+functions (join, exists, list, read, write, copy, remove, rename), and a local copy of a file for
+the libraries that open local files only (`local_copy`).
 
 A local path goes through `os` and `open` exactly as the callers did before this layer existed,
 so a local run writes the same files the same way. A URL goes through fsspec (gcsfs, s3fs: the

@@ -6,6 +6,8 @@ fake-gcs-server, both from the `dev` extra, each a subprocess on a free port of
 TENSORSTORE_GCS_HTTP_URL for GCS), so every client in this process and in the processes it
 starts reaches the server the way a user's would reach the real service.
 
+conftest.py imports the two fixtures, so all test files share them (one server of each kind).
+
 No mocks: the clients (s3fs, gcsfs, TensorStore under Orbax) speak HTTP to a server process.
 """
 

@@ -27,7 +27,6 @@ from model import hf, hf_arch
 from model.decode import generate
 from model.transformer import transformer_from_params
 from model.safetensors_files import SafetensorsDir, write_safetensors
-from storage_servers import s3_bucket  # noqa: F401  (fixture)
 from trainer.checkpoint import restore_params
 from trainer.state import abstract_model
 
@@ -59,7 +58,7 @@ def bpe_dir(folder: pathlib.Path) -> pathlib.Path:
     return folder
 
 
-def test_import_from_and_export_to_a_bucket_round_trip(s3_bucket: str, tmp_path: pathlib.Path,  # noqa: F811
+def test_import_from_and_export_to_a_bucket_round_trip(s3_bucket: str, tmp_path: pathlib.Path,
                                                        capsys: pytest.CaptureFixture) -> None:
     root = f"{s3_bucket}/{uuid.uuid4().hex[:8]}"
     source, run, out = storage.join(root, "hf"), storage.join(root, "run"), storage.join(root, "exported")
@@ -121,7 +120,7 @@ def test_import_from_and_export_to_a_bucket_round_trip(s3_bucket: str, tmp_path:
     assert "--out=s3://no-such-bucket/x: bucket no-such-bucket does not exist" in capsys.readouterr().err
 
 
-def test_plan_writes_its_json_to_a_bucket(s3_bucket: str, capsys: pytest.CaptureFixture) -> None:  # noqa: F811
+def test_plan_writes_its_json_to_a_bucket(s3_bucket: str, capsys: pytest.CaptureFixture) -> None:
     """A plan decided without compiling (pure data parallel of llama3-8b cannot fit) is written to
     a prefix on the bucket; a missing bucket is refused before anything else, exit 2."""
     out = f"{s3_bucket}/{uuid.uuid4().hex[:8]}/plans/dp.json"
@@ -135,7 +134,7 @@ def test_plan_writes_its_json_to_a_bucket(s3_bucket: str, capsys: pytest.Capture
                                        f"at {storage.s3_endpoint()}\n")
 
 
-def test_a_tokenizer_on_a_bucket_is_the_local_one(s3_bucket: str, tmp_path: pathlib.Path) -> None:  # noqa: F811
+def test_a_tokenizer_on_a_bucket_is_the_local_one(s3_bucket: str, tmp_path: pathlib.Path) -> None:
     """data.tokenizer on a bucket: the tokenizer.json's ids, end-of-document id (named by the
     tokenizer_config.json beside it, not by a known name) and fingerprint are the local file's."""
     local = bpe_dir(tmp_path / "tok")
