@@ -15,13 +15,12 @@ An entry point above the packages, like train.py.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from typing import TYPE_CHECKING
 
-from configs import ConfigError, check_writable, guarded
+from configs import ConfigError, check_output, guarded
 
 if TYPE_CHECKING:  # the real imports wait until the arguments are checked: importing JAX takes a while
     import jax
@@ -55,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.checkpoint import find_checkpoint  # after the arguments: importing JAX takes a while
 
         cfg, step = find_checkpoint(args.run_dir, args.step)
-        check_writable(args.output or "", "--output", file=True)
+        check_output(args.output or "", "--output", file=True)  # a local file, or a bucket that answers
         import jax
         from data.tokenizer import load_tokenizer
         from trainer.checks import check_devices
@@ -83,7 +82,7 @@ def evaluate(args: argparse.Namespace, spec: RunSpec, devices: list[jax.Device],
     from evaluation.harness import MeshLM
     from trainer.scoring import evaluator_of
     from trainer.program import make_program
-    from evaluation.tasks import run_tasks
+    from evaluation.tasks import run_tasks, write_scores
 
     program = make_program(spec, devices)
     _, _, params = restore_params(args.run_dir, step, shardings=program.state_sh.params)
@@ -96,8 +95,7 @@ def evaluate(args: argparse.Namespace, spec: RunSpec, devices: list[jax.Device],
     rate = lm.requests_done / max(seconds, 1e-9)
     print(f"step {step}: {lm.requests_done} requests in {seconds:.1f} s ({rate:.1f} requests/s)")
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump({"step": step, "scores": scores, "requests": lm.requests_done, "seconds": seconds}, f, indent=1)
+        write_scores(args.output, {"step": step, "scores": scores, "requests": lm.requests_done, "seconds": seconds})
     return 0
 
 

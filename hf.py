@@ -18,14 +18,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 from typing import Any, Callable
 
 import jax
 
-from configs import check_writable, dump_config, guarded, load_config
-from configs.schema import ConfigError, MeshConfig, PipelineConfig
+import storage
+from configs import ConfigError, MeshConfig, PipelineConfig, check_output, dump_config, guarded, load_config
 from model import lora
 from model.hf import check_compatible, peft_config, read_hf_config, to_hf_tensors, to_peft_tensors
 from model.hf_arch import hf_config, model_keys
@@ -43,6 +42,16 @@ TOKENIZER_FILES = (
 EXPORT_FORMATS = ("merged", "peft")
 
 
+def check_out(out: str, overwrite: bool) -> None:
+    """export's --out, before anything is read: a non-empty directory is refused unless
+    `overwrite`, a file always; a local one must be writable, a bucket must exist and answer."""
+    if storage.isdir(out) and storage.listdir(out) and not overwrite:
+        raise ConfigError(f"--out: {out} is not empty; give --overwrite to replace what export writes there")
+    if storage.exists(out) and not storage.isdir(out):
+        raise ConfigError(f"--out: {out} is a file, not a directory")
+    check_output(out, "--out")
+
+
 def export(run_dir: str, out: str, step: int | None = None, dtype: str = "float32", overwrite: bool = False,
            form: str = "merged") -> int:
     """Writes the run's checkpoint (newest, or `step`) as a Hugging Face directory of `dtype`
@@ -54,11 +63,7 @@ def export(run_dir: str, out: str, step: int | None = None, dtype: str = "float3
         raise ConfigError(f"--dtype: {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
     if form not in EXPORT_FORMATS:
         raise ConfigError(f"--format: {form!r} is not one of {', '.join(EXPORT_FORMATS)}")
-    if os.path.isdir(out) and os.listdir(out) and not overwrite:
-        raise ConfigError(f"--out: {out} is not empty; give --overwrite to replace what export writes there")
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ConfigError(f"--out: {out} is a file, not a directory")
-    check_writable(out, "--out")
+    check_out(out, overwrite)
 
     try:
         device = jax.devices("cpu")[0]
@@ -69,38 +74,35 @@ def export(run_dir: str, out: str, step: int | None = None, dtype: str = "float3
         if not cfg.model.lora.enabled:
             raise ConfigError(f"--format peft: the run in {run_dir} has no LoRA adapters (model.lora.rank=0)")
         config = peft_config(cfg.model, cfg.init.from_hf)  # ConfigError, before anything is written, if none fits
-        os.makedirs(out, exist_ok=True)
-        write_safetensors(to_peft_tensors(params, cfg.model), os.path.join(out, "adapter_model.safetensors"), dtype)
-        with open(os.path.join(out, "adapter_config.json"), "w") as f:
-            json.dump(config, f, indent=2)
+        storage.makedirs(out)
+        write_safetensors(to_peft_tensors(params, cfg.model), storage.join(out, "adapter_model.safetensors"), dtype)
+        storage.write_text(storage.join(out, "adapter_config.json"), json.dumps(config, indent=2))
         return step
     params = lora.merged(params, cfg.model) if cfg.model.lora.enabled else params
-    imported = bool(cfg.init.from_hf) and os.path.exists(os.path.join(cfg.init.from_hf, "config.json"))
+    imported = bool(cfg.init.from_hf) and storage.exists(storage.join(cfg.init.from_hf, "config.json"))
     if imported:
         source = read_hf_config(cfg.init.from_hf, "init.from_hf")
     else:  # the byte tokenizer ends documents with 256 (data/tokenizer.py)
         source = {"eos_token_id": 256} if cfg.data.tokenizer == "byte" else {}
     config = hf_config(cfg.model, source, dtype)  # ConfigError, before anything is written, if none fits
-    os.makedirs(out, exist_ok=True)
-    write_safetensors(to_hf_tensors(params, cfg.model), os.path.join(out, "model.safetensors"), dtype)
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    storage.makedirs(out)
+    write_safetensors(to_hf_tensors(params, cfg.model), storage.join(out, "model.safetensors"), dtype)
+    storage.write_text(storage.join(out, "config.json"), json.dumps(config, indent=2))
     for name in TOKENIZER_FILES if imported else ():
-        src = os.path.join(cfg.init.from_hf, name)
-        if os.path.exists(src):
-            with open(src, "rb") as fin, open(os.path.join(out, name), "wb") as fout:
-                fout.write(fin.read())
+        src = storage.join(cfg.init.from_hf, name)
+        if storage.exists(src):
+            storage.copy_file(src, storage.join(out, name))
     return step
 
 
 def import_config(hf_dir: str, run_dir: str, preset: str | None, overrides: list[str]) -> Any:
     """The fine-tuning config: the preset, then the model keys (and tokenizer.json, if the
     directory has one) of the checkpoint, then the user's overrides."""
-    hf_dir = os.path.abspath(hf_dir)
+    hf_dir = storage.absolute(hf_dir)
     keys = model_keys(read_hf_config(hf_dir, "--hf-dir"), "--hf-dir")
     derived = [f"model.{k}={v}" for k, v in keys.items()] + [f"init.from_hf={hf_dir}", f"run.dir={run_dir}"]
-    if os.path.exists(os.path.join(hf_dir, "tokenizer.json")):
-        derived.append(f"data.tokenizer={os.path.join(hf_dir, 'tokenizer.json')}")
+    if storage.exists(storage.join(hf_dir, "tokenizer.json")):
+        derived.append(f"data.tokenizer={storage.join(hf_dir, 'tokenizer.json')}")
     return load_config(preset, derived + list(overrides))
 
 
@@ -111,6 +113,8 @@ def import_(
     fresh optimizer state and data position), so `train.py --config RUN/config.yaml` fine-tunes.
     The state is built on one local device: for models larger than one device, train with
     `init.from_hf` instead, which loads straight into the sharded layout."""
+    if storage.is_remote(run_dir):  # before the first read: a missing bucket is one line, not a traceback
+        check_output(run_dir, "--run-dir")
     cfg = import_config(hf_dir, run_dir, preset, overrides)
     found = read_run_dir(cfg.run.dir)  # once: prepare and the session read this, not the disk
     if found.checkpoints:
@@ -121,10 +125,9 @@ def import_(
     session.ckpt.save(0, session.state, session.iterator)
     session.ckpt.wait()
     session.ckpt.close()
-    with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:  # the user's mesh, not the import's
-        f.write(dump_config(cfg))
+    storage.write_text(storage.join(cfg.run.dir, "config.yaml"), dump_config(cfg))  # the user's mesh, not the import's
     log(f"imported {cfg.init.from_hf} into {cfg.run.dir} (step 0); fine-tune with: "
-        f"python train.py --config {os.path.join(cfg.run.dir, 'config.yaml')}")
+        f"python train.py --config {storage.join(cfg.run.dir, 'config.yaml')}")
 
 
 def main(argv: list[str] | None = None) -> int:

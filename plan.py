@@ -59,9 +59,9 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh
 
-from configs import Config, ConfigError, guarded, load_config, on_interrupt
+import storage
+from configs import Config, ConfigError, check_output, check_writable, guarded, load_config, on_interrupt
 from configs.schema import MESH_AXES, REMAT_POLICIES
-from configs.writable import check_writable
 from model import attn_kernels
 from ops.xla_env import set_cpu_collective_env, set_default_flags
 from planner import (Heartbeat, candidates, collectives, compiled_stats, compute_seconds, evaluate, kernels,
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.devices is None or args.devices <= 0:
             raise ConfigError(f"--devices: a positive device count is required, got {args.devices}")
-        check_writable(args.out or "", "--out", file=True)
+        check_output(args.out or "", "--out", file=True)  # a local file, or a bucket that answers
         check_writable(args.dump_hlo, "--dump-hlo")
         remats = [r.strip() for r in args.remat.split(",") if r.strip()]
         for r in remats:
@@ -318,9 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     (print_search if args.search else print_plan)(plan)
     out = args.out or ("plan.json" if args.search else None)
     if out:
-        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(plan, f, indent=1)
+        storage.makedirs(storage.parent(out) or ".")
+        storage.write_text(out, json.dumps(plan, indent=1))
         print(f"wrote {out}")
     return 0 if plan["best"] is not None else 1
 

@@ -6,7 +6,8 @@ exit 2, with nothing created.
 `os.access` is not enough: it says yes to root everywhere, /proc and read-only mounts included.
 So the check makes (and at once removes) a probe directory in the nearest existing ancestor of
 the path: what the command would do first. Object-store URLs (`gs://`, `s3://`) are left to the
-storage layer's own check.
+storage layer's own check (`storage.check_bucket`: the bucket exists and answers), which
+`check_output` adds for a command whose output may be either.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 import tempfile
 
+import storage
 from configs.schema import ConfigError
 
 
@@ -44,3 +46,15 @@ def check_writable(path: str, what: str, *, file: bool = False) -> None:
     except OSError as e:
         raise ConfigError(f"{what}={path}: {where} is not a writable directory (making a folder there: "
                           f"{e.strerror})") from None
+
+
+def check_output(path: str, what: str, *, file: bool = False) -> None:
+    """`check_writable` for a local path; for a bucket URL, that its bucket exists and answers
+    (one listing request; nothing written). ConfigError `what=path: why` either way."""
+    if not storage.is_remote(path):
+        check_writable(path, what, file=file)
+        return
+    try:
+        storage.check_bucket(path)
+    except storage.StorageError as e:
+        raise ConfigError(f"{what}={e}") from None

@@ -19,6 +19,7 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
+import storage
 from configs.schema import ConfigError
 
 # Names that end a document in common vocabularies (GPT-2/Qwen, Llama 3, Llama 2/Mistral/T5, Gemma);
@@ -196,6 +197,8 @@ def load_tokenizer(spec: str, key: str = "data.tokenizer") -> Tokenizer:
     Raises ConfigError naming `key` for a missing, unknown or unreadable file."""
     if spec == "byte":
         return ByteTokenizer()
+    if storage.is_remote(spec):
+        return _remote(spec, key)
     path = os.path.expanduser(spec)
     if not os.path.isfile(path):
         raise ConfigError(f"{key}: no file {spec!r} (expected 'byte', a tokenizer.json or a SentencePiece .model)")
@@ -204,3 +207,21 @@ def load_tokenizer(spec: str, key: str = "data.tokenizer") -> Tokenizer:
     if path.endswith(".model"):
         return SentencePieceTokenizer(path, key)
     raise ConfigError(f"{key}: {spec!r} is neither a tokenizer.json (.json) nor a SentencePiece model (.model)")
+
+
+def _remote(url: str, key: str) -> Tokenizer:
+    """A tokenizer file on a bucket, read from a local copy (the libraries open local files only),
+    with the tokenizer_config.json beside it, if any, copied beside the copy; it describes itself
+    by its URL. The fingerprint is the content's, the same as a local copy's."""
+    if not storage.exists(url) or storage.isdir(url):
+        raise ConfigError(f"{key}: no file {url!r} (expected 'byte', a tokenizer.json or a SentencePiece .model)")
+    beside = storage.join(storage.parent(url), "tokenizer_config.json")
+    if url.endswith(".json") and storage.exists(beside):
+        storage.local_copy(beside)
+    local = storage.local_copy(url)
+    try:
+        tok = load_tokenizer(local, key)
+    except ConfigError as e:  # named by the URL the user gave, not this process's copy
+        raise ConfigError(str(e).replace(local, url)) from None
+    tok.path = url
+    return tok

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 from typing import Any, Callable
 
@@ -16,6 +17,7 @@ from lm_eval.tasks import TaskManager
 from lm_eval.tasks._yaml_loader import load_yaml
 
 import configs
+import storage
 from configs import Config, ConfigError
 from data.tokenizer import load_tokenizer
 from evaluation.harness import Evaluator, MeshLM
@@ -103,6 +105,11 @@ def resolve_tasks(names: list[str] | tuple[str, ...], folder: str, key: str = "e
             raise ConfigError(f"{key}: unknown task {name!r}: neither a YAML task in {folder}{mine} nor one of the "
                               "harness's (`lm_eval ls tasks`)")
     return Tasks(tuple(names), specs, manager)
+
+
+def write_scores(path: str, record: dict[str, Any]) -> None:
+    """eval.py --output: the scores and their step as one JSON file, local or an object on a bucket."""
+    storage.write_text(path, json.dumps(record, indent=1))
 
 
 def run_tasks(lm: MeshLM, tasks: Tasks, limit: int = 0) -> dict[str, float]:

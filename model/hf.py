@@ -16,12 +16,12 @@ Safetensors files are read and written through the `safetensors` library
 from __future__ import annotations
 
 import json
-import os
 from typing import Any, Callable
 
 import jax
 import numpy as np
 
+import storage
 from configs.schema import ConfigError, ModelConfig
 from model import lora
 from model.hf_arch import architecture, entries, model_keys
@@ -30,10 +30,9 @@ from model.transformer import param_shapes
 
 
 def read_hf_config(hf_dir: str, key: str) -> dict[str, Any]:
-    path = os.path.join(hf_dir, "config.json")
+    path = storage.join(hf_dir, "config.json")
     try:
-        with open(path) as f:
-            return json.load(f)
+        return json.loads(storage.read_text(path))
     except OSError:
         raise ConfigError(f"{key}: no Hugging Face config at {path}") from None
     except ValueError as e:

@@ -1,12 +1,17 @@
 """Safetensors files through the `safetensors` library: its memory-mapped reader
 (`safe_open(...).get_slice`), so a slice costs only its own bytes, and its numpy writer. numpy is
 its framework here (no torch); ml_dtypes gives numpy the bfloat16 type the files may hold.
+
+A directory on a bucket (`gs://`, `s3://`) is read from local copies of its files (the reader maps
+a local file; `storage.local_copy`, once per process); a file written to a bucket is written
+locally first and uploaded as one object.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import tempfile
 from typing import Any
 
 import ml_dtypes  # noqa: F401 (registers "bfloat16" with numpy, which safetensors' numpy reader asks for)
@@ -14,6 +19,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+import storage
 from configs.schema import ConfigError
 
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
@@ -25,19 +31,18 @@ class SafetensorsDir:
     lazy slices: nothing is read from disk until a block of one is indexed."""
 
     def __init__(self, hf_dir: str, key: str):
-        index = os.path.join(hf_dir, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        elif os.path.exists(os.path.join(hf_dir, "model.safetensors")):
+        index = storage.join(hf_dir, "model.safetensors.index.json")
+        if storage.exists(index):
+            files = sorted(set(json.loads(storage.read_text(index))["weight_map"].values()))
+        elif storage.exists(storage.join(hf_dir, "model.safetensors")):
             files = ["model.safetensors"]
         else:
             raise ConfigError(f"{key}: {hf_dir} has neither model.safetensors nor model.safetensors.index.json")
         self.key, self.slices = key, {}
         for name in files:
-            path = os.path.join(hf_dir, name)
+            path = storage.join(hf_dir, name)
             try:
-                handle = safe_open(path, framework="numpy")
+                handle = safe_open(storage.local_copy(path), framework="numpy")
             except Exception as e:  # the library's own error for a damaged header names no file
                 raise ConfigError(f"{key}: cannot read {path}: {e}") from None
             for tensor in handle.keys():
@@ -57,8 +62,15 @@ class SafetensorsDir:
 
 def write_safetensors(tensors: dict[str, np.ndarray], path: str, dtype: str = "float32") -> None:
     """Tensors -> one .safetensors file of `dtype` (rounded to nearest), written whole or not at
-    all (a temporary file renamed into place), with the permissions open() would give it."""
+    all (a temporary file renamed into place), with the permissions open() would give it. On a
+    bucket: written in a local temporary directory, then uploaded as one object."""
     cast = {name: np.ascontiguousarray(a, dtype=EXPORT_DTYPES[dtype]) for name, a in tensors.items()}
+    if storage.is_remote(path):
+        with tempfile.TemporaryDirectory(prefix="meshlm-safetensors-") as tmp:
+            local = os.path.join(tmp, storage.basename(path))
+            save_file(cast, local, metadata={"format": "pt"})
+            storage.copy_file(local, path)
+        return
     save_file(cast, path + ".tmp", metadata={"format": "pt"})  # "pt": what transformers expects to find
     # The library's writer creates its file private (0600) whatever the umask; the files written
     # beside it (config.json, the tokenizer's) get 0666 less the umask, and so does this one.

@@ -1,11 +1,11 @@
 """Storage: where a run's files live, a local directory or a `gs://` / `s3://` bucket prefix
 (docs/storage.md). The bottom of the import graph: it imports no other package of the project."""
 
-from storage.paths import (StorageError, absolute, basename, bucket_and_key, check_bucket, exists, filesystem, glob_files,
-                           is_remote, isdir, join, kvstore_spec, listdir, makedirs, parent, read_bytes, read_text,
+from storage.paths import (StorageError, absolute, basename, bucket_and_key, check_bucket, copy_file, exists, filesystem, glob_files,
+                           is_remote, isdir, join, kvstore_spec, listdir, local_copy, makedirs, parent, read_bytes, read_text,
                            remove, rename, s3_endpoint, scheme, write_bytes, write_text)
 from storage.appendlog import REMOTE_FLUSH_S, AppendLog
 
-__all__ = ["REMOTE_FLUSH_S", "AppendLog", "StorageError", "absolute", "basename", "bucket_and_key", "check_bucket", "exists", "filesystem", "glob_files",
-           "is_remote", "isdir", "join", "kvstore_spec", "listdir", "makedirs", "parent", "read_bytes", "read_text",
+__all__ = ["REMOTE_FLUSH_S", "AppendLog", "StorageError", "absolute", "basename", "bucket_and_key", "check_bucket", "copy_file", "exists", "filesystem", "glob_files",
+           "is_remote", "isdir", "join", "kvstore_spec", "listdir", "local_copy", "makedirs", "parent", "read_bytes", "read_text",
            "remove", "rename", "s3_endpoint", "scheme", "write_bytes", "write_text"]

@@ -1,5 +1,6 @@
 """One path layer for a run's files: local paths and `gs://` / `s3://` URLs behind the same few
-functions (join, exists, list, read, write, remove, rename).
+functions (join, exists, list, read, write, copy, remove, rename), and a local copy of a file for
+the libraries that open local files only (`local_copy`).
 
 A local path goes through `os` and `open` exactly as the callers did before this layer existed,
 so a local run writes the same files the same way. A URL goes through fsspec (gcsfs, s3fs: the
@@ -15,9 +16,12 @@ only to move things aside, never to commit).
 
 from __future__ import annotations
 
+import atexit
 import functools
 import glob
 import os
+import shutil
+import tempfile
 import urllib.parse
 from typing import Any
 
@@ -181,6 +185,44 @@ def write_text(path: str | os.PathLike, text: str, atomic: bool = False) -> None
         f.write(text)
     if atomic:
         os.replace(target, path)
+
+
+def copy_file(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Copies one file between any two places, local or URL, streamed (a model's weights need not
+    fit in memory). An upload is one object, seen whole or not at all."""
+    src, dst = os.fspath(src), os.fspath(dst)
+    if not is_remote(src) and not is_remote(dst):
+        shutil.copyfile(src, dst)
+    elif not is_remote(src):
+        filesystem(dst).put_file(src, dst)
+    elif not is_remote(dst):
+        filesystem(src).get_file(src, dst)
+    else:  # between buckets or stores: through this host, one chunk at a time
+        with filesystem(src).open(src, "rb") as fin, filesystem(dst).open(dst, "wb") as fout:
+            shutil.copyfileobj(fin, fout, 1 << 24)
+
+
+@functools.lru_cache(maxsize=None)
+def _copies() -> str:
+    """This process's folder of local copies, removed when it exits."""
+    folder = tempfile.mkdtemp(prefix="meshlm-copies-")
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
+
+
+@functools.lru_cache(maxsize=None)
+def local_copy(url: str) -> str:
+    """A local path holding the file at `url`, downloaded once per process, for a library that
+    reads local files only (safetensors maps one; tokenizers, sentencepiece open one). Files of
+    one prefix land in one local folder, so a library looking beside a file (a
+    tokenizer_config.json) finds what was copied there too. A local path is returned as is."""
+    if not is_remote(url):
+        return url
+    bucket, key = bucket_and_key(url)
+    local = os.path.join(_copies(), scheme(url), bucket, *key.split("/"))
+    os.makedirs(os.path.dirname(local), exist_ok=True)
+    copy_file(url, local)
+    return local
 
 
 def makedirs(path: str | os.PathLike) -> None:

@@ -25,7 +25,7 @@ from configs import ConfigError, load_config
 from conftest import require, stdlib_glob
 from bench.procs import TINY, Train
 from ops.lease import new_record as _lock_record
-from storage_servers import SECRET, free_port, gcs_bucket, moto_server, s3_bucket  # noqa: F401  (fixtures)
+from storage_servers import SECRET, free_port, moto_server  # the bucket fixtures: conftest.py
 
 
 @pytest.fixture(params=["local", "s3", "gs"])

