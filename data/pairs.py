@@ -13,18 +13,11 @@ from __future__ import annotations
 import numpy as np
 
 from data.chat import decode_pair
-from data.shards import Shards
+from data.shards import RecordRows
 
 
-class PairRows:
+class PairRows(RecordRows):
     """One split of a DPO corpus (`data.prepare --objective dpo`) as pairs of padded rows."""
-
-    def __init__(self, directory: str, shards: list[str], eod_id: int, seq_len: int) -> None:
-        self.source = Shards(directory, shards)
-        self.eod_id, self.capacity = eod_id, seq_len + 1
-
-    def __len__(self) -> int:
-        return len(self.source)
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         tokens = np.full((2, self.capacity), self.eod_id, np.int32)

@@ -24,6 +24,18 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {first[:200]}"
 
 
+class RecordRows:
+    """Rows of `seq_len + 1` tokens made from one record each of a prepared corpus's shards (a DPO
+    pair, an RL prompt); a subclass decodes a record in `__getitem__`."""
+
+    def __init__(self, directory: str, shards: list[str], eod_id: int, seq_len: int) -> None:
+        self.source = Shards(directory, shards)
+        self.eod_id, self.capacity = eod_id, seq_len + 1
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+
 class Shards:
     """The records of `names` in `directory`, in order, as bytes."""
 

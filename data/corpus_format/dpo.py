@@ -13,11 +13,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from configs.schema import Config, ConfigError
+from configs.schema import Config
 from data.chat import ChatTemplate, Skip, encode, encode_pair, prompt_segments
-from data.corpus_format.registry import CorpusFormat, DataSources, register
+from data.corpus_format.registry import CorpusFormat, DataSources, open_examples, register
 from data.pairs import PairRows
-from data.prepared import open_manifest
 from data.tokenizer import Tokenizer
 
 
@@ -35,14 +34,7 @@ class PreferencePairs(CorpusFormat):
 
     def open(self, cfg: Config, tokenizer: Tokenizer) -> DataSources:
         """One element is one pair (data/pairs.py)."""
-        manifest = open_manifest(cfg.data.path, tokenizer.fingerprint(), self.name, verify=cfg.data.verify)
-        shards = {split: manifest["splits"][split]["shards"] for split in ("train", "eval")}
-        train = PairRows(cfg.data.path, shards["train"], tokenizer.eod_id, cfg.model.seq_len)
-        if len(train) < cfg.train.global_batch:
-            raise ConfigError(f"data.path: {cfg.data.path} holds {len(train)} pairs, fewer than one global batch of "
-                              f"{cfg.train.global_batch} (train.global_batch counts pairs under train.objective=dpo)")
-        held = PairRows(cfg.data.path, shards["eval"], tokenizer.eod_id, cfg.model.seq_len) if shards["eval"] else None
-        return DataSources([(train, 1.0)], held, self.fields(cfg))
+        return open_examples(cfg, tokenizer, self.name, PairRows, "pairs")
 
     def describe(self, sources: DataSources, cfg: Config) -> str:
         pairs = sum(len(r) for r, _ in sources.train)

@@ -14,9 +14,11 @@ from typing import Any, Callable, ClassVar, Sequence
 
 import numpy as np
 
-from configs.schema import Config
+from configs.schema import Config, ConfigError
 from configs.registry import Registry, api
 from data.chat import ChatTemplate
+from data.prepared import open_manifest
+from data.shards import RecordRows
 from data.tokenizer import Tokenizer
 
 __all__ = ["CorpusFormat", "DataSources", "Rows", "get", "names", "register"]
@@ -70,3 +72,17 @@ class CorpusFormat:
 _FORMATS: Registry[CorpusFormat] = Registry(
     "train.objective", unknown="{key}: no corpus format {name!r}; expected one of {names}")
 register, get, names = api(_FORMATS)  # a CorpusFormat subclass decorated with `register`, in registration order
+
+
+def open_examples(cfg: Config, tokenizer: Tokenizer, fmt: str, rows: type[RecordRows], unit: str) -> DataSources:
+    """The train and held-out rows of a prepared corpus of examples at data.path (one `rows`
+    element per record: DPO pairs, RL prompts). Raises ConfigError naming data.path when the
+    training split holds fewer `unit` than one global batch."""
+    manifest = open_manifest(cfg.data.path, tokenizer.fingerprint(), fmt, verify=cfg.data.verify)
+    shards = {split: manifest["splits"][split]["shards"] for split in ("train", "eval")}
+    train = rows(cfg.data.path, shards["train"], tokenizer.eod_id, cfg.model.seq_len)
+    if len(train) < cfg.train.global_batch:
+        raise ConfigError(f"data.path: {cfg.data.path} holds {len(train)} {unit}, fewer than one global batch of "
+                          f"{cfg.train.global_batch} (train.global_batch counts {unit} for a corpus of {fmt} examples)")
+    held = rows(cfg.data.path, shards["eval"], tokenizer.eod_id, cfg.model.seq_len) if shards["eval"] else None
+    return DataSources([(train, 1.0)], held, ("tokens", "loss_mask"))

@@ -18,23 +18,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-from configs.schema import Config, ConfigError
+from configs.schema import Config
 from data.chat import ChatTemplate, Skip, decode_sequence, encode
-from data.corpus_format.registry import CorpusFormat, DataSources, register
-from data.prepared import open_manifest
-from data.shards import Shards
+from data.corpus_format.registry import CorpusFormat, DataSources, open_examples, register
+from data.shards import RecordRows
 from data.tokenizer import Tokenizer
 
 
-class PromptRows:
+class PromptRows(RecordRows):
     """One split of an RL corpus as padded rows of prompt, answer and end token."""
-
-    def __init__(self, directory: str, shards: list[str], eod_id: int, seq_len: int) -> None:
-        self.source = Shards(directory, shards)
-        self.eod_id, self.capacity = eod_id, seq_len + 1
-
-    def __len__(self) -> int:
-        return len(self.source)
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         seq, answer = decode_sequence(np.frombuffer(self.source[index], "<u4"), self.eod_id)
@@ -76,14 +68,7 @@ class Prompts(CorpusFormat):
         return ("tokens", "loss_mask")  # padded rows, no documents to tell apart
 
     def open(self, cfg: Config, tokenizer: Tokenizer) -> DataSources:
-        manifest = open_manifest(cfg.data.path, tokenizer.fingerprint(), self.name, verify=cfg.data.verify)
-        shards = {split: manifest["splits"][split]["shards"] for split in ("train", "eval")}
-        train = PromptRows(cfg.data.path, shards["train"], tokenizer.eod_id, cfg.model.seq_len)
-        if len(train) < cfg.train.global_batch:
-            raise ConfigError(f"data.path: {cfg.data.path} holds {len(train)} prompts, fewer than one global batch "
-                              f"of {cfg.train.global_batch}")
-        held = PromptRows(cfg.data.path, shards["eval"], tokenizer.eod_id, cfg.model.seq_len) if shards["eval"] else None
-        return DataSources([(train, 1.0)], held, self.fields(cfg))
+        return open_examples(cfg, tokenizer, self.name, PromptRows, "prompts")
 
     def describe(self, sources: DataSources, cfg: Config) -> str:
         prompts = sum(len(r) for r, _ in sources.train)
