@@ -25,6 +25,7 @@ from configs import Config
 from configs.schema import MESH_AXES
 from configs.writable import check_writable
 from sharding.distributed import process_layout
+from sharding.hardware import GPU_MEMORY_RESERVE
 
 FORCE_COUNT = "--xla_force_host_platform_device_count"
 # XLA:CPU runs all CPU devices on one thread pool (NPROC sets its size), and a collective holds
@@ -41,9 +42,17 @@ GPU_DEFAULTS = {
 }
 
 
+# JAX takes 75% of a GPU's memory by default; the planner's verdicts assume all but its reserve.
+MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+
+
 def set_default_flags(env: dict[str, str] | None = None) -> list[str]:
-    """Adds the defaults the user has not set to XLA_FLAGS; returns the flags added."""
+    """Adds the defaults the user has not set to XLA_FLAGS, and JAX's GPU memory share to what the
+    planner budgets (all but sharding.hardware.GPU_MEMORY_RESERVE) unless the user set it: under
+    JAX's own 75%, a step the planner says fits on an H200 ran out of memory. Returns the XLA flags
+    added."""
     env = os.environ if env is None else env
+    env.setdefault(MEM_FRACTION, f"{1 - GPU_MEMORY_RESERVE:.2f}")
     current = env.get("XLA_FLAGS", "")
     added = [f"--{name}={value}" for name, value in GPU_DEFAULTS.items() if f"--{name}" not in current]
     if added:

@@ -67,7 +67,10 @@ class Hardware:
         return self.memory_bytes * (1 - self.memory_reserve)
 
 
-_GPU = dict(platform="cuda", devices_per_node=8, memory_reserve=0.1)
+# What a GPU keeps outside JAX's memory (CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers): the
+# planner's budget, and the share the entry points leave outside JAX's pool (ops.xla_env).
+GPU_MEMORY_RESERVE = 0.1
+_GPU = dict(platform="cuda", devices_per_node=8, memory_reserve=GPU_MEMORY_RESERVE)
 # Dense datasheet peaks: H100/H200 SXM FP8 and INT8 1,979 T/s (twice bf16); A100 INT8 624 TOPS,
 # no FP8; TPU INT8 (v4 275, v5e 394, v5p 918, v6e 1,836 TOPS), no FP8 before TPU7x.
 _HOPPER_8BIT = {"fp8": 1979e12, "int8": 1979e12}

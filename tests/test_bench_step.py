@@ -13,6 +13,7 @@ import pytest
 from bench.procs import cpu_env
 from conftest import ROOT, require, stdlib_glob
 from ops.xla_env import GPU_DEFAULTS, set_default_flags
+from sharding.hardware import HARDWARE
 
 
 def test_the_step_benchmark_prints_a_row_and_writes_json(tmp_path, capsys):
@@ -36,10 +37,14 @@ def test_the_step_benchmark_prints_a_row_and_writes_json(tmp_path, capsys):
 
 
 def test_default_flags_never_override_the_users():
-    env = {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false"}
+    env = {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false", "XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"}
     assert set_default_flags(env) == [] and env["XLA_FLAGS"].endswith("=false")
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == ".5"
     empty: dict[str, str] = {}
     assert len(set_default_flags(empty)) == len(GPU_DEFAULTS) and "latency_hiding" in empty["XLA_FLAGS"]
+    # JAX's GPU pool is what the planner budgets (HARDWARE's memory less its reserve), not JAX's own 75%.
+    assert float(empty["XLA_PYTHON_CLIENT_MEM_FRACTION"]) == pytest.approx(
+        HARDWARE["h200"].memory_budget / HARDWARE["h200"].memory_bytes)
 
 
 def test_the_precision_check_passes_wandering_and_fails_a_sustained_offset():
