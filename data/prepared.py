@@ -17,6 +17,7 @@ from data.chat import decode_sequence
 from data.manifest import lengths_name, read_manifest, verify_shards
 from data.packing import span_from_docs
 from data.shards import Shards
+from data.tokenizer import Tokenizer
 
 
 class ArrayRecordDocuments:
@@ -52,17 +53,19 @@ class ArrayRecordDocuments:
         return span_from_docs(self, self.offsets, start, stop)
 
 
-def open_manifest(directory: str, fingerprint: str, fmt: str, key: str = "data.path", verify: bool = False) -> dict:
+def open_manifest(directory: str, tokenizer: Tokenizer, fmt: str, key: str = "data.path", verify: bool = False) -> dict:
     """The manifest of a prepared directory after checking it was prepared with this tokenizer
     and for this corpus format (the manifest's `objective`, `train.objective`), its shards'
     sizes, and with `verify` (data.verify) their bytes. Raises ConfigError naming the key or file."""
     manifest = read_manifest(directory, key)
     if verify:
         verify_shards(directory, manifest)
-    theirs = manifest["tokenizer"]["fingerprint"]
-    if theirs != fingerprint:
+    theirs, ours = manifest["tokenizer"], tokenizer.describe()
+    if theirs["fingerprint"] != ours["fingerprint"]:
         raise ConfigError(
-            f"data.tokenizer: {directory!r} was prepared with tokenizer {theirs!r}, the config uses {fingerprint!r}"
+            f"data.tokenizer={ours['path'] or 'byte'}: {directory!r} was prepared with tokenizer "
+            f"{theirs['fingerprint']!r} (from {theirs.get('path') or 'byte'}), this config's is "
+            f"{ours['fingerprint']!r}; set data.tokenizer to the corpus's or prepare it again with this one"
         )
     prepared_for = manifest.get("objective", "lm")
     if prepared_for != fmt:

@@ -92,9 +92,11 @@ def test_training_from_a_prepared_corpus_and_a_mixture(tiny, tmp_path):
 
     other = shutil.copytree(json_dir, tmp_path / "other")
     manifest = json.loads((other / "manifest.json").read_text())
-    manifest["tokenizer"]["fingerprint"] = "hf:0123"
+    manifest["tokenizer"]["fingerprint"], manifest["tokenizer"]["path"] = "hf:0123", "/models/other/tokenizer.json"
     (other / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ConfigError, match="prepared with tokenizer 'hf:0123'"):
+    # The key, both tokenizers' files and both fingerprints.
+    with pytest.raises(ConfigError, match=r"^data.tokenizer=byte: '.*' was prepared with tokenizer 'hf:0123' "
+                                          r"\(from /models/other/tokenizer.json\), this config's is 'byte'; set data"):
         trainer.run(tiny(*common, f"data.path={other}", f"run.dir={tmp_path / 'z'}"))
     with pytest.raises(ConfigError, match="no manifest.json"):
         trainer.run(tiny(*common, f"data.path={tmp_path}", f"run.dir={tmp_path / 'y'}"))

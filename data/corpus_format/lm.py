@@ -56,7 +56,7 @@ class PlainDocuments(CorpusFormat):
         named = parse_mixture(d.mixture) if d.mixture else [(d.path, 1.0)]
         corpora = []
         for path, weight in named:
-            manifest = open_manifest(path, tokenizer.fingerprint(), self.name, key, d.verify)
+            manifest = open_manifest(path, tokenizer, self.name, key, d.verify)
             corpora.append((path, *open_corpus(path, manifest, tokenizer.eod_id, self.masked), weight))
         return corpora
 

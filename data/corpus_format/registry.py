@@ -78,7 +78,7 @@ def open_examples(cfg: Config, tokenizer: Tokenizer, fmt: str, rows: type[Record
     """The train and held-out rows of a prepared corpus of examples at data.path (one `rows`
     element per record: DPO pairs, RL prompts). Raises ConfigError naming data.path when the
     training split holds fewer `unit` than one global batch."""
-    manifest = open_manifest(cfg.data.path, tokenizer.fingerprint(), fmt, verify=cfg.data.verify)
+    manifest = open_manifest(cfg.data.path, tokenizer, fmt, verify=cfg.data.verify)
     shards = {split: manifest["splits"][split]["shards"] for split in ("train", "eval")}
     train = rows(cfg.data.path, shards["train"], tokenizer.eod_id, cfg.model.seq_len)
     if len(train) < cfg.train.global_batch:
