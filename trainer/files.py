@@ -9,8 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import storage
-from configs import Config, ConfigError
-from configs.writable import check_writable
+from configs import Config, ConfigError, check_output
 from model import hf
 from ops.trackers import check_trackers
 from trainer.checkpoint import RunDir, check_resumable
@@ -18,15 +17,11 @@ from trainer.tiers import check_local_dir
 
 
 def check_storage(cfg: Config) -> None:
-    """run.dir on an object store: its bucket exists and answers (one line naming run.dir and the
-    bucket otherwise), and nothing is asked of it that only a local directory can hold."""
-    if not storage.is_remote(cfg.run.dir):
-        return
-    try:
-        storage.check_bucket(cfg.run.dir)
-    except storage.StorageError as e:
-        raise ConfigError(f"run.dir={e}") from None
-    if cfg.profile.steps:
+    """run.dir can be written, before anything reads it: a local directory (or one that can be
+    made), or on an object store a bucket that exists and answers (configs.check_output: one line
+    naming run.dir otherwise), of which nothing is asked that only a local directory can hold."""
+    check_output(cfg.run.dir, "run.dir")
+    if storage.is_remote(cfg.run.dir) and cfg.profile.steps:
         raise ConfigError(f"profile.steps: jax.profiler writes its trace to a local directory, not run.dir={cfg.run.dir}; "
                           "trace with a local run.dir")
 
@@ -34,7 +29,6 @@ def check_storage(cfg: Config) -> None:
 def check_files(cfg: Config, found: RunDir) -> None:
     """What `cfg` names on disk, `found` being run.dir as read once (trainer.checkpoint)."""
     check_resumable(cfg, found)
-    check_writable(cfg.run.dir, "run.dir")
     check_local_dir(cfg)
     check_trackers(cfg)
     # Once the run has checkpoints (of either tier) it resumes from them; a LoRA run's hold no
