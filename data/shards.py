@@ -56,21 +56,22 @@ class Shards:
             raise ConfigError(f"{self._holding(index)}: record unreadable ({_reason(e)}); the shard is damaged; "
                               f"{AGAIN}") from None
 
-    def _unreadable(self) -> str:
-        """The first shard that cannot be opened alone (all of them, if each can)."""
-        for path in self.paths:
-            try:
-                grain.sources.ArrayRecordDataSource([path])
-            except Exception:  # noqa: BLE001
-                return path
-        return ", ".join(self.paths)
-
-    def _holding(self, index: int) -> str:
-        """The shard that holds record `index` (its counts read from each shard alone)."""
+    def _each(self) -> tuple[list[int], str | None]:
+        """Each shard opened alone: the record counts of those that open, up to the first that
+        does not (None when all do)."""
         counts = []
         for path in self.paths:
             try:
                 counts.append(len(grain.sources.ArrayRecordDataSource([path])))
             except Exception:  # noqa: BLE001
-                return path
-        return self.paths[int(np.searchsorted(np.cumsum(counts), index, side="right"))]
+                return counts, path
+        return counts, None
+
+    def _unreadable(self) -> str:
+        """The first shard that cannot be opened alone (all of them, if each can)."""
+        return self._each()[1] or ", ".join(self.paths)
+
+    def _holding(self, index: int) -> str:
+        """The shard that holds record `index`, or the first that cannot be opened."""
+        counts, unreadable = self._each()
+        return unreadable or self.paths[int(np.searchsorted(np.cumsum(counts), index, side="right"))]
