@@ -42,29 +42,37 @@ def is_prepared_file(name: str) -> bool:
     return _OWN_FILE.fullmatch(name) is not None
 
 
+def _feed(path: str, hashes: tuple) -> int:
+    """Feeds the file at `path` to every hash of `hashes`; its size in bytes."""
+    size = 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            for h in hashes:
+                h.update(block)
+            size += len(block)
+    return size
+
+
+def corpus_digests(directory: str, splits: dict[str, list[str]]) -> tuple[str, dict[str, dict]]:
+    """One read of every file: the content hash (sha256 over every shard's bytes then the lengths
+    file, split by split), and per split its shards' sizes and sha256 (`shard_bytes`,
+    `shard_sha256`), which let a reader tell a truncated shard at open and, asked to
+    (`data.verify`), a changed one."""
+    whole, per_split = hashlib.sha256(), {}
+    for split in SPLITS:
+        sizes, hashes = [], []
+        for name in splits.get(split, []):
+            own = hashlib.sha256()
+            sizes.append(_feed(os.path.join(directory, name), (whole, own)))
+            hashes.append(own.hexdigest())
+        _feed(os.path.join(directory, lengths_name(split)), (whole,))
+        per_split[split] = {"shard_bytes": sizes, "shard_sha256": hashes}
+    return whole.hexdigest(), per_split
+
+
 def content_hash(directory: str, splits: dict[str, list[str]]) -> str:
     """sha256 over every shard's bytes then the lengths file, split by split (train, eval)."""
-    h = hashlib.sha256()
-    for split in SPLITS:
-        for name in splits.get(split, []) + [lengths_name(split)]:
-            with open(os.path.join(directory, name), "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    h.update(block)
-    return h.hexdigest()
-
-
-def shard_digests(directory: str, names: list[str]) -> tuple[list[int], list[str]]:
-    """(bytes, sha256) of each shard: what the manifest records so that a reader can tell a
-    truncated shard at open (its size) and, asked to (`data.verify`), a changed one (its hash)."""
-    sizes, hashes = [], []
-    for name in names:
-        h = hashlib.sha256()
-        with open(os.path.join(directory, name), "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        sizes.append(os.path.getsize(os.path.join(directory, name)))
-        hashes.append(h.hexdigest())
-    return sizes, hashes
+    return corpus_digests(directory, splits)[0]
 
 
 def verify_shards(directory: str, manifest: dict) -> None:
@@ -79,7 +87,9 @@ def verify_shards(directory: str, manifest: dict) -> None:
         return
     for split in SPLITS:
         for name, want in zip(splits[split]["shards"], splits[split]["shard_sha256"]):
-            if shard_digests(directory, [name])[1][0] != want:
+            own = hashlib.sha256()
+            _feed(os.path.join(directory, name), (own,))
+            if own.hexdigest() != want:
                 raise ConfigError(f"{os.path.join(directory, name)}: its sha256 differs from the manifest's "
                                   "(data.verify): the shard is damaged or was changed; prepare the corpus again "
                                   "(python -m data.prepare)")

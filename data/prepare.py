@@ -36,8 +36,7 @@ from data import corpus_format
 from data.chat import ChatTemplate, Skip, template_file
 from data.formats import (FORMATS, Documents, FileStats, Matched, Task, detect_format, expand_inputs, json_rows,
                           plan_tasks, read_task)
-from data.manifest import (FORMAT_VERSION, MANIFEST, SPLITS, content_hash, is_prepared_file, lengths_name,
-                           shard_digests, shard_name)
+from data.manifest import FORMAT_VERSION, MANIFEST, SPLITS, corpus_digests, is_prepared_file, lengths_name, shard_name
 from data.sources import held_out
 from data.tokenizer import Tokenizer, load_tokenizer
 
@@ -173,9 +172,7 @@ class SplitWriter:
             os.rename(os.path.join(self.directory, old), os.path.join(self.directory, new))
         lengths = np.frombuffer(self.lengths, dtype=np.int64) if self.lengths else np.zeros(0, np.int64)
         np.save(os.path.join(self.directory, lengths_name(self.split)), lengths)
-        sizes, hashes = shard_digests(self.directory, names)
-        return {"documents": len(lengths), "tokens": int(lengths.sum()), "shards": names, "shard_bytes": sizes,
-                "shard_sha256": hashes}
+        return {"documents": len(lengths), "tokens": int(lengths.sum()), "shards": names}
 
 
 class Progress:
@@ -323,6 +320,9 @@ def _write(tmp: str, inputs: Matched, tok: Tokenizer, opts: Options, progress: b
         if not any(stats[f].documents for f in matched):
             raise ConfigError(f"--input: {pattern!r} matches {len(matched)} file(s) but yields no document")
     splits = {split: writers[split].close() for split in SPLITS}
+    whole, per_split = corpus_digests(tmp, {s: splits[s]["shards"] for s in SPLITS})  # every byte read once
+    for split in SPLITS:
+        splits[split].update(per_split[split])
     manifest = {
         "format_version": FORMAT_VERSION,
         "tokenizer": tok.describe(),
@@ -334,7 +334,7 @@ def _write(tmp: str, inputs: Matched, tok: Tokenizer, opts: Options, progress: b
         "shard_docs": opts.shard_docs,
         "inputs": [stats[f].to_manifest() for f in files],
         "splits": splits,
-        "content_hash": content_hash(tmp, {s: splits[s]["shards"] for s in SPLITS}),
+        "content_hash": whole,
     }
     with open(os.path.join(tmp, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=2)
