@@ -22,7 +22,6 @@ from typing import Callable
 
 import grain
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from absl import flags
 from jax.experimental import multihost_utils
@@ -35,7 +34,7 @@ from model.transformer import param_shapes
 from trainer.state import TrainState, frozen_base
 from ops.library_log import LibraryLog, library_log_path
 from trainer.object_store import manager_options
-from trainer.tiers import LocalTier, local_steps, this_process_dir
+from trainer.tiers import LocalTier, everywhere, local_steps, this_process_dir
 
 def _get(cfg: Config, key: str) -> object:
     for name in key.split("."):
@@ -88,7 +87,7 @@ def read_run_dir(run_dir: str, local_dir: str | None = None) -> RunDir:
     if storage.exists(path):
         text = storage.read_text(path)
     steps = local_steps(local_dir)
-    local = local_dir is not None and not _everywhere(not steps)
+    local = local_dir is not None and not everywhere(not steps)
     saved = load_config(path) if (checkpoints or local) and text is not None else None
     return RunDir(run_dir, checkpoints, text, saved, steps, local)
 
@@ -201,13 +200,6 @@ def _tier_note(found: RunDir) -> str:
         return ""
     held = f"step(s) {', '.join(map(str, found.local_steps))}" if found.local_steps else "steps on other processes"
     return f" (the local tier's {held}, checkpoint.local_dir)"
-
-
-def _everywhere(ok: bool) -> bool:
-    """True only if `ok` holds on every process."""
-    if jax.process_count() == 1:
-        return ok
-    return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
 
 
 class NoReadableCheckpoint(ConfigError):
@@ -347,7 +339,7 @@ class Checkpointer:
                 reason = _why(e)
             if state is not None and not damaged and reason == "":
                 self.library_log.stop(collect=False)  # the first read was clean: nothing failed to collect
-            if not _everywhere(state is not None):  # one process's shards may be the damaged ones
+            if not everywhere(state is not None):  # one process's shards may be the damaged ones
                 damaged[step] = reason or "on another process"
                 continue
             self._warn_moved(damaged, f"resuming from step {step} instead", warn)

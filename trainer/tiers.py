@@ -98,7 +98,8 @@ def check_local_dir(cfg: Config) -> None:
     check_writable(cfg.checkpoint.local_dir, "checkpoint.local_dir")
 
 
-def _everywhere(ok: bool) -> bool:
+def everywhere(ok: bool) -> bool:
+    """True only if `ok` holds on every process (trainer.checkpoint agrees on its reads with it too)."""
     if jax.process_count() == 1:
         return ok
     return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
@@ -181,7 +182,7 @@ class LocalTier:
             state = restored["train"]
         except Exception as e:  # a peer gone, a fetch cut short, unreadable files: the persistent tier remains
             reason = self._log.failure or f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        if not _everywhere(state is not None):
+        if not everywhere(state is not None):
             log(f"warning: local checkpoint step {step} cannot be restored on every process ({reason or 'on another process'}); "
                 f"using the persistent tier")
             return None
