@@ -51,10 +51,14 @@ def plain():
     return outputs([])
 
 
-def test_mtp_loss_coef_0_gives_the_plain_models_loss_and_gradients(plain):
+@pytest.fixture(scope="module")
+def weighted():
+    return outputs(["model.mtp_depth=2", "model.mtp_loss_coef=0.3"])
+
+
+def test_mtp_loss_coef_0_gives_the_plain_models_loss_and_gradients(plain, weighted):
     loss0, grads0, _, params0, _ = plain
     loss, grads, aux, params, _ = outputs(["model.mtp_depth=2", "model.mtp_loss_coef=0"])
-    weighted = outputs(["model.mtp_depth=2", "model.mtp_loss_coef=0.3"])
     # The modules are really there and really trained with a weight: the variants differ.
     assert abs(weighted[0] - loss0) > 0.1 and np.abs(weighted[1]["mtp"][0]["eh_proj"]).max() > 0
     # The main parameters are created first, so both models start from the same ones.
@@ -72,6 +76,19 @@ def direct_mtp_loss(cfg, params: dict) -> float:  # noqa: ANN001 (a ModelConfig)
     """The mean over depths of each depth's mean cross-entropy, computed as DeepSeek-V3 writes it:
     each document alone, its sequence cut by one more token at each depth."""
     model = transformer_from_params(cfg, params)
+
+    @jax.jit  # one program per document length, not one per operation as eager dispatch compiles
+    def per_depth(doc: jax.Array) -> list[jax.Array]:
+        n, h, out = doc.shape[1], model.features(doc[:, :-1]), []  # the main model's normed hidden states
+        for k, module in enumerate(model.mtp, start=1):
+            length = n - 1 - k  # positions whose token k + 1 ahead is in the document
+            pos = jnp.arange(length)[None]
+            h = module(h[:, :length], model.embed(doc[:, k:k + length]), TokenInputs(pos))[0]
+            logits = model.logits(module.norm(h))
+            out.append(optax.softmax_cross_entropy_with_integer_labels(
+                logits.astype(jnp.float32), doc[:, k + 1:k + 1 + length])[0])
+        return out
+
     tokens = batch()["tokens"]
     losses = {k: [] for k in range(1, cfg.mtp_depth + 1)}
     for row, docs in enumerate(DOCS):
@@ -80,19 +97,13 @@ def direct_mtp_loss(cfg, params: dict) -> float:  # noqa: ANN001 (a ModelConfig)
             doc, start = jnp.asarray(tokens[row, start:start + n][None]), start + n
             if seg == 0:
                 continue
-            h = model.features(doc[:, :-1])  # the main model's normed hidden states
-            for k, module in enumerate(model.mtp, start=1):
-                length = n - 1 - k  # positions whose token k + 1 ahead is in the document
-                pos = jnp.arange(length)[None]
-                h = module(h[:, :length], model.embed(doc[:, k:k + length]), TokenInputs(pos))[0]
-                logits = model.logits(module.norm(h))
-                losses[k] += list(np.asarray(optax.softmax_cross_entropy_with_integer_labels(
-                    logits.astype(jnp.float32), doc[:, k + 1:k + 1 + length]))[0])
+            for k, depth_losses in enumerate(per_depth(doc), start=1):
+                losses[k] += list(np.asarray(depth_losses))
     return float(np.mean([np.mean(v) for v in losses.values()]))
 
 
-def test_mtp_loss_equals_each_document_computed_alone(plain):
-    loss, _, (count, (lm, mtp)), params, cfg = outputs(["model.mtp_depth=2", "model.mtp_loss_coef=0.3"])
+def test_mtp_loss_equals_each_document_computed_alone(plain, weighted):
+    loss, _, (count, (lm, mtp)), params, cfg = weighted
     direct = direct_mtp_loss(cfg.model, params)
     assert abs(direct - float(mtp / count)) <= 1e-5 * direct
     np.testing.assert_allclose(loss, float(lm / count) + 0.3 * direct, rtol=1e-6)
