@@ -8,6 +8,7 @@ import importlib.util
 import os
 import pathlib
 import shutil
+import signal
 import sys
 import tempfile
 from types import ModuleType
@@ -70,6 +71,13 @@ set_default_flags()
 # step. Everything imported so far is kept out of the collector's passes for good, and the young
 # generation is collected less often.
 gc.freeze()
+
+# A suite started in the background (`make test &`, nohup) inherits SIGINT ignored, and so would
+# every process a test starts: the tests that press Ctrl-C on a train.py or plan.py would see it
+# ignored, as the commands rightly keep a signal their parent ignored. A caught signal is reset to
+# the default in a child that execs.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 gc.set_threshold(50_000, 20, 100)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
