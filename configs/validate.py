@@ -118,10 +118,10 @@ def _check_model(cfg: Config) -> None:
         "model.loss_chunk",
         f"{m.loss_chunk} must be 0 (off) or divide model.seq_len={m.seq_len}",
     )
-    _require(m.attention_chunk == 0 or m.seq_len % m.attention_chunk == 0, "model.attention_chunk",
-             f"{m.attention_chunk} must be 0 (off) or divide model.seq_len={m.seq_len}")
+    _require(m.attention_chunk <= 0 or m.seq_len % m.attention_chunk == 0, "model.attention_chunk",
+             f"{m.attention_chunk} must be 0 (off), -1 (auto) or divide model.seq_len={m.seq_len}")
     # A kernel's `chunks` (model/attn_kernels), named here: the configs cannot import the model.
-    _require(m.attention_chunk == 0 or m.attention == "xla", "model.attention_chunk",
+    _require(m.attention_chunk <= 0 or m.attention == "xla", "model.attention_chunk",
              f"chunks model.attention=xla only (model.attention={m.attention} never forms the scores); set 0")
 
 

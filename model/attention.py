@@ -81,6 +81,20 @@ def masked_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
     return out.reshape(b, kv, t, g, dv).transpose(0, 2, 1, 3, 4).reshape(b, t, h, dv)
 
 
+# model.attention_chunk=-1: the query block once a sequence is long enough for whole [T, T]
+# scores to outweigh the rest of a layer's activations (at 512 tokens they are most of the tiny
+# preset's step memory); a multiple of every power-of-two sequence split up to 128.
+AUTO_CHUNK, AUTO_FROM = 128, 512
+
+
+def query_chunk(chunk: int, length: int) -> int:
+    """Queries at a time for `length` queries under `model.attention_chunk=chunk`: itself, or for
+    -1 (auto) AUTO_CHUNK once `length` reaches AUTO_FROM and is a multiple of it; 0: all."""
+    if chunk >= 0:
+        return chunk
+    return AUTO_CHUNK if length >= AUTO_FROM and length % AUTO_CHUNK == 0 else 0
+
+
 def chunked_attention(q: Array, k: Array, v: Array, q_in: TokenInputs, k_in: TokenInputs, chunk: int) -> Array:
     """`masked_attention` for `chunk` queries at a time (a `lax.map` over the query blocks), each
     block against every key: the same sums, but no [batch, heads, length, length] scores, only
@@ -185,8 +199,8 @@ def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, in
 def gathered_attention(q: Array, k: Array, v: Array, positions: Array, segment_ids: Array | None,
                        chunk: int = 0) -> Array:
     """`masked_attention` on global arrays with keys, values and what masks them whole along
-    `length` and queries as they come (`chunk` > 0 queries at a time when it is less than the
-    length): the xla kernel as the layers call it."""
+    `length` and queries as they come (`query_chunk(chunk, length)` queries at a time when it is
+    less than the length): the xla kernel as the layers call it."""
     # Under a sequence split XLA gathers the keys and values over it (the all-gather strategy)
     # and each device scores only its own queries; without one this changes nothing.
     whole = lambda a, axes: nn.with_logical_constraint(a, axes)  # noqa: E731
@@ -194,6 +208,7 @@ def gathered_attention(q: Array, k: Array, v: Array, positions: Array, segment_i
     v = whole(v, ("batch", None, "kv_heads", "head_dim"))
     k_pos = whole(positions, ("batch", None))
     k_seg = None if segment_ids is None else whole(segment_ids, ("batch", None))
+    chunk = query_chunk(chunk, q.shape[1])
     if 0 < chunk < q.shape[1]:
         return chunked_attention(q, k, v, TokenInputs(positions, segment_ids), TokenInputs(k_pos, k_seg), chunk)
     return masked_attention(q, k, v, block_mask(positions, k_pos, segment_ids, k_seg))

@@ -16,7 +16,7 @@ import pytest
 from bench.procs import TINY
 from configs import load_config
 
-from model.attention import splash_attention, xla_attention
+from model.attention import query_chunk, splash_attention, xla_attention
 from planner.hlo import collectives
 from sharding import activation_rules
 from sharding.context import balanced_order
@@ -273,7 +273,8 @@ def test_the_sequence_split_scores_only_its_own_queries():
     worth of the whole [16, 16, 512, 512] scores that a device scoring every query would hold
     (every query was gathered to every device when the query heads' group was the major part of
     the merged query dim)."""
-    split, rows = _step_temps(["mesh.data=1", "mesh.context=8"]), _step_temps(["mesh.data=8"])
+    whole = ["model.attention_chunk=0"]  # every query at once: the scores this test is about
+    split, rows = _step_temps(["mesh.data=1", "mesh.context=8", *whole]), _step_temps(["mesh.data=8", *whole])
     whole_scores = 16 * 16 * 512 * 512 * 4
     assert split <= 1.25 * rows and split < 8 * whole_scores, (split, rows)
 
@@ -284,4 +285,16 @@ def test_query_blocks_under_the_sequence_split_stay_on_their_devices():
     gathered keys). Contiguous blocks put a whole block on one device and held 4.4x."""
     split = _step_temps(["mesh.data=1", "mesh.context=8", "model.attention_chunk=64"])
     rows = _step_temps(["mesh.data=8", "model.attention_chunk=64"])
-    assert split <= 2 * rows and split < _step_temps(["mesh.data=1", "mesh.context=8"]) / 4, (split, rows)
+    unchunked = _step_temps(["mesh.data=1", "mesh.context=8", "model.attention_chunk=0"])
+    assert split <= 2 * rows and split < unchunked / 4, (split, rows, unchunked)
+
+
+def test_by_default_a_long_sequence_is_scored_a_block_of_queries_at_a_time():
+    """`model.attention_chunk=-1` (the default) at 512 tokens runs 128 queries at a time: data=8's
+    temporaries are those of an explicit 128 and under half of every query at once; at 256 tokens
+    (and at any length not a multiple of 128) every query is scored at once, as `0` does."""
+    auto, explicit = _step_temps(["mesh.data=8"]), _step_temps(["mesh.data=8", "model.attention_chunk=128"])
+    whole = _step_temps(["mesh.data=8", "model.attention_chunk=0"])
+    assert auto == explicit and auto < whole / 2, (auto, explicit, whole)
+    assert [query_chunk(-1, t) for t in (256, 384, 512, 520, 8192)] == [0, 0, 128, 0, 128]
+    assert query_chunk(0, 8192) == 0 and query_chunk(64, 512) == 64

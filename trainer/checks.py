@@ -18,6 +18,7 @@ import jax
 import pipeline
 from configs import Config, ConfigError
 from model import attn_kernels, stack_layers
+from model.attention import query_chunk
 from model.moe import megablox_tile
 from sharding.hardware import check_quant, hardware_of_kind
 from sharding import Rules, axes_size, logical_to_spec, mesh_axes, resolve_mesh_shape
@@ -86,12 +87,14 @@ def check_context(cfg: Config, sizes: dict[str, int], act_rules: Rules) -> None:
     if mesh_axes("length", act_rules) != ("context",):
         raise ConfigError(f"sharding.activations.length: must be 'context' when mesh.context={c} > 1 "
                           f"(got {mesh_axes('length', act_rules) or None})")
-    if m.attention_chunk and cfg.context.strategy == "ring":
+    if m.attention_chunk > 0 and cfg.context.strategy == "ring":
         raise ConfigError(f"model.attention_chunk={m.attention_chunk}: the ring (context.strategy=ring) scores "
                           "its own key blocks; set 0")
-    if m.attention_chunk % c:
-        raise ConfigError(f"model.attention_chunk={m.attention_chunk}: each query block is spread over the sequence "
-                          f"split, so it must be a multiple of mesh.context={c}")
+    chunk = query_chunk(m.attention_chunk, m.seq_len) if kernel.chunks and cfg.context.strategy != "ring" else 0
+    if chunk % c:
+        auto = f" (-1 runs {chunk} queries at a time at this length)" if m.attention_chunk < 0 else ""
+        raise ConfigError(f"model.attention_chunk={m.attention_chunk}{auto}: each query block is spread over the "
+                          f"sequence split, so it must be a multiple of mesh.context={c}; set one, or 0")
     kernel.check_split(cfg, c)
     parts = 2 * c if cfg.context.load_balance else c
     if m.seq_len % parts:

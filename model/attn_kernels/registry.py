@@ -51,7 +51,7 @@ class Options:
     """The config's knobs a kernel reads when the layers call it."""
 
     max_documents: int = 0  # model.max_documents: cudnn's packed layout bound (0: a dense mask)
-    chunk: int = 0  # model.attention_chunk: queries at a time (0: all)
+    chunk: int = 0  # model.attention_chunk: queries at a time (0: all; -1: model/attention.py query_chunk)
 
 
 @dataclasses.dataclass(frozen=True)
