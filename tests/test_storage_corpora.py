@@ -23,6 +23,7 @@ from conftest import stdlib_glob
 from data.corpus_cache import local_corpus
 from data.manifest import MANIFEST
 from data.prepare import prepare
+from train import main as train_main
 
 BUCKETS = ["s3_bucket", "gcs_bucket"]
 
@@ -81,3 +82,93 @@ def test_prepare_reads_and_writes_a_bucket(request: pytest.FixtureRequest, tmp_p
     with pytest.raises(ConfigError, match=r"did not write \(notes.md\)"):
         prepare([f"{root}/in/a.jsonl"], f"{root}/mine", progress=False, overwrite=True)
     assert storage.listdir(f"{root}/mine") == ["notes.md"]
+
+
+
+def train(run_dir: str, data: str, cache: str = "") -> list[float]:
+    """The losses of 3 tiny steps on the prepared corpus `data` names (`data.path=...` or
+    `data.mixture=...`), a bucket's copied into `cache`."""
+    # tests/test_storage.py's horizon and the preset's mesh: the suite's one compiled step.
+    overrides = [f"run.dir={run_dir}", "data.source=prepared", "data.path=", data, "train.steps=3", "train.log_every=1",
+                 "optim.decay_steps=12", f"data.cache_dir={cache}"]
+    return [r["loss"] for r in trainer.run(load_config(TINY, overrides)) if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def on_disk(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The references on local disk: the json package's corpus alone, and mixed 0.7/0.3 with the
+    email package's; their losses."""
+    root = tmp_path_factory.mktemp("corpora")
+    for package in ("json", "email"):
+        prepare([stdlib_glob(package)], str(root / package), progress=False, eval_fraction=0.2)
+    return {"email": str(root / "email"), "one": train(str(root / "one"), f"data.path={root / 'json'}"),
+            "mix": train(str(root / "mix"), f"data.mixture={root / 'json'}:0.7,{root / 'email'}:0.3")}
+
+
+@pytest.mark.parametrize("bucket", BUCKETS)
+def test_a_run_trains_from_a_corpus_on_a_bucket_through_the_hosts_cache(
+        request: pytest.FixtureRequest, capfd: pytest.CaptureFixture, tmp_path: pathlib.Path, bucket: str,
+        on_disk: dict) -> None:
+    """prepare -> the bucket -> train: the first run downloads the corpus into data.cache_dir, a
+    second (the corpus in a mixture with a local one) reads that copy without a download; both
+    train the losses of the same corpora on local disk."""
+    root = fresh(request, bucket)
+    corpus = f"{root}/json"
+    prepare([stdlib_glob("json")], corpus, progress=False, eval_fraction=0.2)
+    cache = tmp_path / "cache"
+    capfd.readouterr()
+    first = train(str(tmp_path / "one"), f"data.path={corpus}", str(cache))
+    out = capfd.readouterr().err
+    copy = cache / manifest(corpus)["content_hash"]
+    assert f"download {corpus}: " in out and f"data: {corpus} downloaded to {copy}" in out, out
+    assert sorted(os.listdir(cache)) == [copy.name, copy.name + ".lock"] and files(str(copy)) == files(corpus)
+    assert first == on_disk["one"] and len(first) == 3
+    mixed = train(str(tmp_path / "mix"), f"data.mixture={corpus}:0.7,{on_disk['email']}:0.3", str(cache))
+    out = capfd.readouterr().err
+    assert f"data: {corpus} read from this host's copy {copy}" in out and "download" not in out, out
+    assert mixed == on_disk["mix"] and mixed != first
+
+
+@pytest.mark.parametrize("bucket", BUCKETS)
+def test_a_damaged_copy_is_downloaded_again_and_a_damaged_download_refused(
+        request: pytest.FixtureRequest, capfd: pytest.CaptureFixture, tmp_path: pathlib.Path, bucket: str) -> None:
+    """A truncated shard in the cache (found by its size), a changed byte (found under
+    data.verify) or a killed download's leftovers: downloaded again. A shard on the bucket that
+    differs from the manifest is one line naming it, and leaves no copy behind."""
+    corpus = f"{fresh(request, bucket)}/corpus"
+    prepare([stdlib_glob("json")], corpus, progress=False, eval_fraction=0.2, shard_docs=2)
+    cache = str(tmp_path / "cache")
+    copy = local_corpus(corpus, "data.path", cache, False)
+    shard = manifest(corpus)["splits"]["train"]["shards"][1]
+    whole = files(copy)
+    assert files(corpus) == whole and copy == os.path.join(cache, manifest(corpus)["content_hash"])
+    capfd.readouterr()
+
+    def again(verify: bool) -> str:
+        assert local_corpus(corpus, "data.path", cache, verify) == copy
+        return capfd.readouterr().err
+
+    with open(os.path.join(copy, shard), "r+b") as f:
+        f.truncate(100)
+    assert f"{copy}/{shard}: 100 bytes, the manifest says {len(whole[shard])}" in again(False)
+    assert files(copy) == whole
+    with open(os.path.join(copy, shard), "r+b") as f:
+        f.seek(50)
+        f.write(bytes([whole[shard][50] ^ 1]))
+    assert "download" not in again(False), "without data.verify only sizes are checked"
+    assert f"{copy}/{shard}: its sha256 differs from the manifest's" in again(True)
+    assert files(copy) == whole
+    os.rename(copy, copy + ".partial-1")  # a download killed before its rename
+    assert "downloaded to" in again(False) and not os.path.exists(copy + ".partial-1")
+    storage.write_bytes(f"{corpus}/{shard}", whole[shard][:50] + bytes([whole[shard][50] ^ 1]) + whole[shard][51:])
+    other = str(tmp_path / "other")
+    with pytest.raises(ConfigError, match=rf"^{corpus}/{shard}: its sha256 as downloaded differs from the manifest's"):
+        local_corpus(corpus, "data.path", other, False)
+    assert sorted(os.listdir(other)) == [manifest(corpus)["content_hash"] + ".lock"], "no copy left behind"
+    capfd.readouterr()
+    empty = f"{corpus}-not-prepared"
+    code = train_main(["--config", TINY, f"run.dir={tmp_path / 'run'}", "data.source=prepared", f"data.path={empty}"])
+    out = capfd.readouterr()
+    assert code == 2 and (out.out + out.err).strip() == (
+        f"error: data.path: {empty!r} is not a prepared corpus (no manifest.json); run python -m data.prepare "
+        f"--output {empty}"), out
