@@ -189,3 +189,17 @@ def test_a_sweep_on_a_bucket_runs_logs_summarizes_and_resumes(s3_bucket: str, tm
     path.write_text(path.read_text().replace(s3_bucket, "s3://no-such-bucket"))
     assert train_cli.main(args) == 2
     assert capsys.readouterr().err.startswith(f"error: {path}: dir=s3://no-such-bucket/")
+
+
+def test_plan_dumps_its_hlo_to_a_bucket(s3_bucket: str, capsys: pytest.CaptureFixture) -> None:
+    """--dump-hlo on the bucket: the compiled program's HLO as one object (the compile measured
+    in this process, on its fake devices, as plan.py's child measures it); a missing bucket
+    refused before anything compiles, exit 2."""
+    dump = f"{s3_bucket}/{uuid.uuid4().hex[:8]}/hlo"
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), ["mesh.data=8"])
+    plan_cli.measure(cfg, plan_cli.HARDWARE["h100"], None, 8, "", dump)
+    (name,) = storage.listdir(dump)
+    assert name == "h100_8_data8_none.hlo" and storage.read_text(f"{dump}/{name}").startswith("HloModule ")
+    assert plan_cli.main(["--config", "tiny", "--devices", "8", "--dump-hlo", "s3://no-such-bucket/hlo"]) == 2
+    assert capsys.readouterr().err == (f"error: --dump-hlo=s3://no-such-bucket/hlo: bucket no-such-bucket does not "
+                                       f"exist at {storage.s3_endpoint()}\n")
