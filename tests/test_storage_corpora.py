@@ -172,3 +172,34 @@ def test_a_damaged_copy_is_downloaded_again_and_a_damaged_download_refused(
     assert code == 2 and (out.out + out.err).strip() == (
         f"error: data.path: {empty!r} is not a prepared corpus (no manifest.json); run python -m data.prepare "
         f"--output {empty}"), out
+
+
+def test_the_processes_of_a_host_take_turns_and_copy_once(s3_bucket: str, tmp_path: pathlib.Path) -> None:
+    """While one process of this host holds the corpus's lock and copies it, another waits, then
+    reads that copy without downloading (a second Python process; the first is this one)."""
+    import fcntl
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from data import corpus_cache
+
+    corpus = f"{s3_bucket}/{uuid.uuid4().hex[:8]}/json"
+    prepare([stdlib_glob("json")], corpus, progress=False)
+    raw, found = corpus_cache._remote_manifest(corpus, "data.path")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    target = str(cache / found["content_hash"])
+    code = f"from data.corpus_cache import local_corpus; print(local_corpus({corpus!r}, 'data.path', {str(cache)!r}, False))"
+    with open(target + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        other = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True)
+        try:
+            assert other.stderr.readline().startswith(f"data: waiting for another process of this host to copy {corpus}")
+            corpus_cache._download(corpus, target, raw, found)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+        out, err = other.communicate(timeout=60)
+    assert other.returncode == 0 and out.strip() == target, err
+    assert err == f"data: {corpus} read from this host's copy {target}\n", err
