@@ -36,12 +36,12 @@ def default_cache_dir() -> str:
     return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "meshlm", "corpora")
 
 
-def local_corpus(url: str, key: str, cache_dir: str, verify: bool) -> str:
+def local_corpus(url: str, raw: bytes, cache_dir: str, verify: bool) -> str:
     """The local directory holding a verified copy of the prepared corpus at the bucket prefix
-    `url`: this host's cached copy, downloaded first when there is none or it is damaged. `key`
-    names the setting that pointed here. Raises ConfigError (one line) for a prefix that holds no
-    corpus, an unwritable cache or a download that differs from its manifest."""
-    raw, manifest = _remote_manifest(url, key)
+    `url`, whose manifest's bytes (`remote_manifest`) are `raw`: this host's cached copy,
+    downloaded first when there is none or it is damaged. Raises ConfigError (one line) for an
+    unwritable cache or a download that differs from its manifest."""
+    manifest = json.loads(raw)
     root = os.path.abspath(os.path.expanduser(cache_dir)) if cache_dir else default_cache_dir()
     try:
         os.makedirs(root, exist_ok=True)
@@ -60,8 +60,10 @@ def local_corpus(url: str, key: str, cache_dir: str, verify: bool) -> str:
     return target
 
 
-def _remote_manifest(url: str, key: str) -> tuple[bytes, dict]:
-    """(the manifest's bytes, its value) at `url`. Raises ConfigError naming `key`."""
+def remote_manifest(url: str, key: str) -> tuple[bytes, dict]:
+    """(the manifest's bytes, its value) of the prepared corpus at the bucket prefix `url`, read
+    before any download so that a corpus made for another tokenizer or objective costs none.
+    Raises ConfigError naming `key` for a prefix that holds no corpus."""
     try:
         raw = storage.read_bytes(storage.join(url, MANIFEST))
     except FileNotFoundError:
@@ -71,9 +73,10 @@ def _remote_manifest(url: str, key: str) -> tuple[bytes, dict]:
         manifest = json.loads(raw)
         splits = {split: manifest["splits"][split]["shards"] for split in SPLITS}
         assert isinstance(manifest["content_hash"], str) and all(isinstance(s, list) for s in splits.values())
+        assert isinstance(manifest["tokenizer"]["fingerprint"], str)
     except (ValueError, KeyError, TypeError, AssertionError):
-        raise ConfigError(f"{storage.join(url, MANIFEST)}: unreadable manifest, or one without its splits' shards "
-                          "and content_hash; prepare it again") from None
+        raise ConfigError(f"{storage.join(url, MANIFEST)}: unreadable manifest, or one without its tokenizer, "
+                          "splits' shards and content_hash; prepare it again") from None
     return raw, manifest
 
 

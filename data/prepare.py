@@ -463,5 +463,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(guarded(main, "--output is as it was (a corpus is written aside and swapped in whole; on a bucket, "
-                           "uploaded with its manifest last); run the same command again"))
+    sys.exit(guarded(main, "--output is as it was (a corpus is written aside and swapped in whole), or on a bucket "
+                           "cut short mid-upload holds no manifest.json and is no corpus; run the same command again"))

@@ -15,7 +15,7 @@ import numpy as np
 import storage
 from configs.schema import ConfigError, DataConfig
 from data.chat import decode_sequence
-from data.corpus_cache import local_corpus
+from data.corpus_cache import local_corpus, remote_manifest
 from data.manifest import lengths_name, read_manifest, verify_shards
 from data.packing import span_from_docs
 from data.shards import Shards
@@ -62,12 +62,19 @@ def open_manifest(path: str, tokenizer: Tokenizer, fmt: str, data: DataConfig, k
     bucket is read from this host's copy in `data.cache_dir` (data.corpus_cache: downloaded and
     checked first when there is none). Raises ConfigError naming the key or file."""
     if storage.is_remote(path):
-        directory = local_corpus(path, key, data.cache_dir, data.verify)  # its own checks, data.verify's too
-        manifest = read_manifest(directory, key)
-    else:
-        directory, manifest = path, read_manifest(path, key)
-        if data.verify:
-            verify_shards(directory, manifest)
+        raw, manifest = remote_manifest(path, key)
+        _check_made_for(manifest, path, tokenizer, fmt, key)  # before a download
+        directory = local_corpus(path, raw, data.cache_dir, data.verify)  # its own checks, data.verify's too
+        return directory, read_manifest(directory, key)
+    manifest = read_manifest(path, key)
+    if data.verify:
+        verify_shards(path, manifest)
+    _check_made_for(manifest, path, tokenizer, fmt, key)
+    return path, manifest
+
+
+def _check_made_for(manifest: dict, path: str, tokenizer: Tokenizer, fmt: str, key: str) -> None:
+    """The corpus at `path` was prepared with `tokenizer` and for corpus format `fmt`."""
     theirs, ours = manifest["tokenizer"], tokenizer.describe()
     if theirs["fingerprint"] != ours["fingerprint"]:
         raise ConfigError(
@@ -79,7 +86,6 @@ def open_manifest(path: str, tokenizer: Tokenizer, fmt: str, data: DataConfig, k
     if prepared_for != fmt:
         raise ConfigError(f"{key}: {path!r} was prepared with --objective {prepared_for}, the config has "
                           f"train.objective={fmt}")
-    return directory, manifest
 
 
 def open_corpus(

@@ -20,8 +20,11 @@ import trainer
 from bench.procs import TINY
 from configs import ConfigError, load_config
 from conftest import stdlib_glob
-from data.corpus_cache import local_corpus
+from data.corpus_cache import local_corpus, remote_manifest
+from configs.schema import DataConfig
 from data.manifest import MANIFEST
+from data.prepared import open_manifest
+from data.tokenizer import ByteTokenizer
 from data.prepare import prepare
 from train import main as train_main
 
@@ -48,6 +51,11 @@ def manifest(directory: str) -> dict:
     return json.loads(storage.read_text(storage.join(directory, MANIFEST)))
 
 
+def copy_of(corpus: str, cache: str, verify: bool = False) -> str:
+    """This host's copy of the prepared corpus on a bucket, in the cache folder `cache`."""
+    return local_corpus(corpus, remote_manifest(corpus, "data.path")[0], cache, verify)
+
+
 @pytest.mark.parametrize("bucket", BUCKETS)
 def test_prepare_reads_and_writes_a_bucket(request: pytest.FixtureRequest, tmp_path: pathlib.Path, bucket: str) -> None:
     """Inputs on the bucket (one gzipped, streamed) prepared into the bucket: the files of the
@@ -70,7 +78,7 @@ def test_prepare_reads_and_writes_a_bucket(request: pytest.FixtureRequest, tmp_p
 
     storage.remove(f"{out}/{MANIFEST}")  # an upload cut short before its last object
     with pytest.raises(ConfigError, match="is not a prepared corpus"):
-        local_corpus(out, "data.path", str(tmp_path / "cache"), False)
+        copy_of(out, str(tmp_path / "cache"))
     only_a = prepare([f"{root}/in/a.jsonl"], out, progress=False, shard_docs=16, eval_fraction=0.2)
     with pytest.raises(ConfigError, match="other inputs.*--overwrite"):
         prepare([f"{root}/in/b.jsonl.gz"], out, progress=False)
@@ -134,18 +142,19 @@ def test_a_damaged_copy_is_downloaded_again_and_a_damaged_download_refused(
         request: pytest.FixtureRequest, capfd: pytest.CaptureFixture, tmp_path: pathlib.Path, bucket: str) -> None:
     """A truncated shard in the cache (found by its size), a changed byte (found under
     data.verify) or a killed download's leftovers: downloaded again. A shard on the bucket that
-    differs from the manifest is one line naming it, and leaves no copy behind."""
+    differs from the manifest is one line naming it, and leaves no copy behind; a corpus made for
+    another objective, or a prefix without a manifest, is refused before any download."""
     corpus = f"{fresh(request, bucket)}/corpus"
     prepare([stdlib_glob("json")], corpus, progress=False, eval_fraction=0.2, shard_docs=2)
     cache = str(tmp_path / "cache")
-    copy = local_corpus(corpus, "data.path", cache, False)
+    copy = copy_of(corpus, cache)
     shard = manifest(corpus)["splits"]["train"]["shards"][1]
     whole = files(copy)
     assert files(corpus) == whole and copy == os.path.join(cache, manifest(corpus)["content_hash"])
     capfd.readouterr()
 
     def again(verify: bool) -> str:
-        assert local_corpus(corpus, "data.path", cache, verify) == copy
+        assert copy_of(corpus, cache, verify) == copy
         return capfd.readouterr().err
 
     with open(os.path.join(copy, shard), "r+b") as f:
@@ -163,8 +172,13 @@ def test_a_damaged_copy_is_downloaded_again_and_a_damaged_download_refused(
     storage.write_bytes(f"{corpus}/{shard}", whole[shard][:50] + bytes([whole[shard][50] ^ 1]) + whole[shard][51:])
     other = str(tmp_path / "other")
     with pytest.raises(ConfigError, match=rf"^{corpus}/{shard}: its sha256 as downloaded differs from the manifest's"):
-        local_corpus(corpus, "data.path", other, False)
+        copy_of(corpus, other)
     assert sorted(os.listdir(other)) == [manifest(corpus)["content_hash"] + ".lock"], "no copy left behind"
+    third = str(tmp_path / "third")
+    with pytest.raises(ConfigError, match=rf"^data.path: '{corpus}' was prepared with --objective lm, the config has "
+                                          "train.objective=sft"):
+        open_manifest(corpus, ByteTokenizer(), "sft", DataConfig(cache_dir=third))
+    assert not os.path.exists(third), "a corpus made for another objective is refused before any download"
     capfd.readouterr()
     empty = f"{corpus}-not-prepared"
     code = train_main(["--config", TINY, f"run.dir={tmp_path / 'run'}", "data.source=prepared", f"data.path={empty}"])
@@ -186,11 +200,12 @@ def test_the_processes_of_a_host_take_turns_and_copy_once(s3_bucket: str, tmp_pa
 
     corpus = f"{s3_bucket}/{uuid.uuid4().hex[:8]}/json"
     prepare([stdlib_glob("json")], corpus, progress=False)
-    raw, found = corpus_cache._remote_manifest(corpus, "data.path")
+    raw, found = corpus_cache.remote_manifest(corpus, "data.path")
     cache = tmp_path / "cache"
     cache.mkdir()
     target = str(cache / found["content_hash"])
-    code = f"from data.corpus_cache import local_corpus; print(local_corpus({corpus!r}, 'data.path', {str(cache)!r}, False))"
+    code = (f"from data.corpus_cache import local_corpus; print(local_corpus({corpus!r}, {raw!r}, {str(cache)!r}, "
+            "False))")
     with open(target + ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         other = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
