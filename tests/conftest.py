@@ -162,7 +162,7 @@ FILE_SECONDS = {
     "test_pipeline": 111, "test_mtp": 77, "test_tiers": 76, "test_distributed": 73, "test_lora_post": 71,
     "test_faults": 68, "test_deepseek_routing": 66, "test_lora": 60, "test_lora_dropout": 50,
     "test_eval_run": 47, "test_bench_step": 46, "test_moe": 45, "test_train": 44, "test_post_training": 39,
-    "test_cli": 35, "test_context": 34, "test_storage": 42, "test_storage_tools": 24, "test_storage_corpora": 27, "test_plan": 33, "test_generate": 27, "test_optimizers": 27,
+    "test_cli": 35, "test_context": 34, "test_storage": 42, "test_storage_tools": 24, "test_storage_corpora": 32, "test_plan": 33, "test_generate": 27, "test_optimizers": 27,
     "test_post_combos": 26, "test_data_run": 25, "test_quant": 25, "test_mla": 22, "test_pipeline_train": 21,
     "test_accumulation": 19, "test_lock": 17, "test_observe": 16, "test_hf_moe": 15, "test_hf": 15,
     "test_harness": 15, "test_hf_deepseek": 15, "test_loss": 12, "test_lora_mla": 11, "test_trackers": 10,

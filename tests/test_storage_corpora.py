@@ -93,6 +93,19 @@ def test_prepare_reads_and_writes_a_bucket(request: pytest.FixtureRequest, tmp_p
 
 
 
+def test_worker_processes_read_text_files_from_a_bucket(s3_bucket: str, tmp_path: pathlib.Path) -> None:
+    """Text files are read by the tokenizing workers themselves (jsonl and parquet by the main
+    process): with 2 workers reading from the bucket, the corpus of the same files on disk."""
+    root = f"{s3_bucket}/{uuid.uuid4().hex[:8]}"
+    for i in range(3):
+        (tmp_path / f"{i}.txt").write_bytes(lines(5, i))
+        storage.copy_file(str(tmp_path / f"{i}.txt"), f"{root}/in/{i}.txt")
+    local = prepare([str(tmp_path / "*.txt")], str(tmp_path / "out"), progress=False)
+    remote = prepare([f"{root}/in/*.txt"], f"{root}/out", progress=False, workers=2)
+    assert remote["content_hash"] == local["content_hash"] and files(f"{root}/out") == files(str(tmp_path / "out"))
+    assert remote["splits"]["train"]["documents"] == 3
+
+
 def train(run_dir: str, data: str, cache: str = "") -> list[float]:
     """The losses of 3 tiny steps on the prepared corpus `data` names (`data.path=...` or
     `data.mixture=...`), a bucket's copied into `cache`."""
