@@ -7,7 +7,8 @@ folder named by the manifest's content hash: a corpus prepared again (other byte
 folder, the same corpus named by another URL shares one. The download goes into a `.partial-PID`
 sibling, is checked against the manifest (every shard's size and sha256, and the content hash
 over all the files) and renamed into place with the manifest written last, so a folder with a
-manifest is a whole, verified copy. A later run reuses it after the cheap checks of any prepared
+manifest is a whole, verified copy; `downloaded_from.txt` beside it names the URL, so that a shard
+found damaged mid-run says to delete the copy rather than to prepare the corpus again. A later run reuses it after the cheap checks of any prepared
 corpus (every file there, every shard's size, the lengths files; with `data.verify` every shard's
 sha256 too) and downloads it again if they fail. The processes of one host take turns through a
 lock file beside the folder: one downloads, the others wait and read its copy. The cache should be
@@ -29,6 +30,7 @@ import storage
 from configs.schema import ConfigError
 from data.manifest import MANIFEST, SPLITS, corpus_digests, read_manifest, verify_shards
 from data.publish import corpus_files
+from data.shards import SOURCE
 
 
 def default_cache_dir() -> str:
@@ -123,6 +125,8 @@ def _download(url: str, target: str, raw: bytes, manifest: dict) -> None:
         names = corpus_files(manifest)
         storage.copy_files([(storage.join(url, n), os.path.join(partial, n)) for n in names], f"download {url}")
         _check_download(url, partial, manifest)
+        with open(os.path.join(partial, SOURCE), "w") as f:  # what a damaged shard's error names (data.shards)
+            f.write(url + "\n")
         with open(os.path.join(partial, MANIFEST), "wb") as f:
             f.write(raw)
         if os.path.exists(target):

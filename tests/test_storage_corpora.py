@@ -23,6 +23,7 @@ from conftest import stdlib_glob
 from data.corpus_cache import local_corpus, remote_manifest
 from configs.schema import DataConfig
 from data.manifest import MANIFEST
+from data.shards import SOURCE, Shards
 from data.prepared import open_manifest
 from data.tokenizer import ByteTokenizer
 from data.prepare import prepare
@@ -43,8 +44,10 @@ def lines(n: int, seed: int) -> bytes:
 
 
 def files(directory: str) -> dict[str, bytes]:
-    """Every file of a prepared corpus, local or on a bucket, but its manifest."""
-    return {n: storage.read_bytes(storage.join(directory, n)) for n in storage.listdir(directory) if n != MANIFEST}
+    """Every file of a prepared corpus, local or on a bucket, but its manifest (and a host's
+    copy's note of where it came from)."""
+    return {n: storage.read_bytes(storage.join(directory, n)) for n in storage.listdir(directory)
+            if n not in (MANIFEST, SOURCE)}
 
 
 def manifest(directory: str) -> dict:
@@ -143,6 +146,7 @@ def test_a_run_trains_from_a_corpus_on_a_bucket_through_the_hosts_cache(
     copy = cache / manifest(corpus)["content_hash"]
     assert f"download {corpus}: " in out and f"data: {corpus} downloaded to {copy}" in out, out
     assert sorted(os.listdir(cache)) == [copy.name, copy.name + ".lock"] and files(str(copy)) == files(corpus)
+    assert (copy / SOURCE).read_text() == corpus + "\n"
     assert first == on_disk["one"] and len(first) == 3
     mixed = train(str(tmp_path / "mix"), f"data.mixture={corpus}:0.7,{on_disk['email']}:0.3", str(cache))
     out = capfd.readouterr().err
@@ -172,11 +176,15 @@ def test_a_damaged_copy_is_downloaded_again_and_a_damaged_download_refused(
 
     with open(os.path.join(copy, shard), "r+b") as f:
         f.truncate(100)
+    with pytest.raises(ConfigError, match=rf"unreadable shard .*; it is this host's copy of {corpus}: delete {copy} and "
+                                          "the next run downloads it again$"):
+        Shards(copy, [shard])  # the run's reader, had the sizes not been checked first: what to do names the copy
     assert f"{copy}/{shard}: 100 bytes, the manifest says {len(whole[shard])}" in again(False)
     assert files(copy) == whole
+    middle = len(whole[shard]) // 3  # inside a record (tests/test_damaged_corpus.py)
     with open(os.path.join(copy, shard), "r+b") as f:
-        f.seek(50)
-        f.write(bytes([whole[shard][50] ^ 1]))
+        f.seek(middle)
+        f.write(bytes([whole[shard][middle] ^ 0xFF]))
     assert "download" not in again(False), "without data.verify only sizes are checked"
     assert f"{copy}/{shard}: its sha256 differs from the manifest's" in again(True)
     assert files(copy) == whole
