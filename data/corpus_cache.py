@@ -28,6 +28,7 @@ from typing import Iterator
 
 import storage
 from configs.schema import ConfigError
+from configs.writable import check_writable
 from data.manifest import MANIFEST, SPLITS, corpus_digests, read_manifest, verify_shards
 from data.publish import corpus_files
 from data.shards import SOURCE
@@ -45,10 +46,8 @@ def local_corpus(url: str, raw: bytes, cache_dir: str, verify: bool) -> str:
     unwritable cache or a download that differs from its manifest."""
     manifest = json.loads(raw)
     root = os.path.abspath(os.path.expanduser(cache_dir)) if cache_dir else default_cache_dir()
-    try:
-        os.makedirs(root, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"data.cache_dir={root}: cannot hold a copy of {url} ({e.strerror})") from None
+    check_writable(root, "data.cache_dir")
+    os.makedirs(root, exist_ok=True)
     target = os.path.join(root, manifest["content_hash"])
     with _host_lock(target, url):
         damage = _damage(target, raw, verify)
@@ -65,7 +64,12 @@ def local_corpus(url: str, raw: bytes, cache_dir: str, verify: bool) -> str:
 def remote_manifest(url: str, key: str) -> tuple[bytes, dict]:
     """(the manifest's bytes, its value) of the prepared corpus at the bucket prefix `url`, read
     before any download so that a corpus made for another tokenizer or objective costs none.
-    Raises ConfigError naming `key` for a prefix that holds no corpus."""
+    Raises ConfigError naming `key` for a missing, denied or unreachable bucket (one listing
+    request, no retries: storage.check_bucket) or a prefix that holds no corpus."""
+    try:
+        storage.check_bucket(url)
+    except storage.StorageError as e:
+        raise ConfigError(f"{key}={e}") from None
     try:
         raw = storage.read_bytes(storage.join(url, MANIFEST))
     except FileNotFoundError:

@@ -202,11 +202,22 @@ def test_a_damaged_copy_is_downloaded_again_and_a_damaged_download_refused(
     assert not os.path.exists(third), "a corpus made for another objective is refused before any download"
     capfd.readouterr()
     empty = f"{corpus}-not-prepared"
-    code = train_main(["--config", TINY, f"run.dir={tmp_path / 'run'}", "data.source=prepared", f"data.path={empty}"])
+    code = train_main(["--config", TINY, f"run.dir={tmp_path / 'run'}", "data.source=prepared",
+                       f"data.cache_dir={tmp_path / 'unused'}", f"data.path={empty}"])
     out = capfd.readouterr()
     assert code == 2 and (out.out + out.err).strip() == (
         f"error: data.path: {empty!r} is not a prepared corpus (no manifest.json); run python -m data.prepare "
         f"--output {empty}"), out
+    kind = corpus.split("://")[0]
+    missing = f"{kind}://no-such-bucket-{uuid.uuid4().hex[:6]}/corpus"
+    code = train_main(["--config", TINY, f"run.dir={tmp_path / 'run'}", "data.source=prepared",
+                       f"data.cache_dir={tmp_path / 'unused'}", f"data.mixture={missing}:0.5,{corpus}:0.5"])
+    out = capfd.readouterr()
+    assert code == 2 and (out.out + out.err).strip().splitlines()[-1] == (
+        f"error: data.mixture={missing}: bucket {missing.split('/')[2]} does not exist at "
+        f"{os.environ['AWS_ENDPOINT_URL' if kind == 's3' else 'STORAGE_EMULATOR_HOST']}"), out
+    with pytest.raises(ConfigError, match=r"^data.cache_dir=/proc/meshlm: /proc is not a writable directory"):
+        local_corpus(corpus, remote_manifest(corpus, "data.path")[0], "/proc/meshlm", False)
 
 
 def test_the_processes_of_a_host_take_turns_and_copy_once(s3_bucket: str, tmp_path: pathlib.Path) -> None:
