@@ -1,8 +1,9 @@
 """Prepared corpora on object stores (docs/storage.md), against the real servers of
 tests/storage_servers.py: `data.prepare` reading its inputs from a bucket and writing its output
 there (the same bytes as on local disk, the manifest last), and runs training from such a corpus
-through this host's cache (downloaded once, reused, downloaded again when damaged) with the
-losses of the same corpus on local disk, alone and in a mixture."""
+through this host's cache (downloaded once, reused, downloaded again when damaged, one process
+of a host at a time) with the losses of the same corpus on local disk, alone and in a mixture;
+a missing bucket, a prefix without a corpus and an unwritable cache refused with one line."""
 
 from __future__ import annotations
 
@@ -19,14 +20,14 @@ import storage
 import trainer
 from bench.procs import TINY
 from configs import ConfigError, load_config
+from configs.schema import DataConfig
 from conftest import stdlib_glob
 from data.corpus_cache import local_corpus, remote_manifest
-from configs.schema import DataConfig
 from data.manifest import MANIFEST
-from data.shards import SOURCE, Shards
-from data.prepared import open_manifest
-from data.tokenizer import ByteTokenizer
 from data.prepare import prepare
+from data.prepared import open_manifest
+from data.shards import SOURCE, Shards
+from data.tokenizer import ByteTokenizer
 from train import main as train_main
 
 BUCKETS = ["s3_bucket", "gcs_bucket"]
@@ -63,7 +64,8 @@ def copy_of(corpus: str, cache: str, verify: bool = False) -> str:
 def test_prepare_reads_and_writes_a_bucket(request: pytest.FixtureRequest, tmp_path: pathlib.Path, bucket: str) -> None:
     """Inputs on the bucket (one gzipped, streamed) prepared into the bucket: the files of the
     same inputs prepared on local disk. An upload cut short (no manifest) is no corpus and is
-    replaced without --overwrite; a corpus of other inputs needs it, and its extra shards go."""
+    replaced without --overwrite; a corpus of other inputs needs it, and its extra shards go; a
+    prefix holding other files is refused, even with --overwrite."""
     root = fresh(request, bucket)
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "a.jsonl").write_bytes(lines(40, 0))
@@ -93,7 +95,6 @@ def test_prepare_reads_and_writes_a_bucket(request: pytest.FixtureRequest, tmp_p
     with pytest.raises(ConfigError, match=r"did not write \(notes.md\)"):
         prepare([f"{root}/in/a.jsonl"], f"{root}/mine", progress=False, overwrite=True)
     assert storage.listdir(f"{root}/mine") == ["notes.md"]
-
 
 
 def test_worker_processes_read_text_files_from_a_bucket(s3_bucket: str, tmp_path: pathlib.Path) -> None:
