@@ -60,7 +60,7 @@ import jax
 from jax.sharding import AbstractMesh
 
 import storage
-from configs import Config, ConfigError, check_output, check_writable, guarded, load_config, on_interrupt
+from configs import Config, ConfigError, check_output, guarded, load_config, on_interrupt
 from configs.schema import MESH_AXES, REMAT_POLICIES
 from model import attn_kernels
 from ops.xla_env import set_cpu_collective_env, set_default_flags
@@ -79,7 +79,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", help="a YAML preset (a path, or a name in configs/)")
     parser.add_argument("--devices", type=int, help="how many devices to plan for")
     parser.add_argument("--hardware", default="h100", choices=sorted(HARDWARE))
-    parser.add_argument("--dump-hlo", default="", help="write each compiled program's HLO text into this folder")
+    parser.add_argument("--dump-hlo", default="", help="write each compiled program's HLO text into this folder (or gs:// s3:// prefix)")
     parser.add_argument("--topology", default="", help="TPU slice shape, e.g. 4x4x4 (default: from --devices)")
     parser.add_argument("--search", action="store_true", help="try every valid layout and remat policy")
     parser.add_argument("--remat", default=",".join(DEFAULT_REMATS), help="policies --search tries, in order")
@@ -149,11 +149,10 @@ def measure(cfg: Config, hw: Hardware, target: Hardware | None, n: int, topology
         return {"out_of_memory": " ".join(lines)[:300]}
     side = program.compile_side()  # the objective's own program besides the step (GRPO's rollout decoding)
     text = compiled.as_text()
-    if dump:
-        os.makedirs(dump, exist_ok=True)
+    if dump:  # a local folder or a bucket prefix: one file (object) per compile
+        storage.makedirs(dump)
         layout = "_".join(f"{a}{s}" for a, s in program.spec.layout.sizes.items() if s > 1) or "1"
-        with open(os.path.join(dump, f"{hw.name}_{n}_{layout}_{cfg.model.remat}.hlo"), "w") as f:
-            f.write(text)
+        storage.write_text(storage.join(dump, f"{hw.name}_{n}_{layout}_{cfg.model.remat}.hlo"), text)
     nodes = node_of(list(program.mesh.devices.flat), target, hw.devices_per_node or n)
     ops, unknown = collectives(text, program.spec.layout.sizes, nodes)
     if unknown:
@@ -271,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.devices is None or args.devices <= 0:
             raise ConfigError(f"--devices: a positive device count is required, got {args.devices}")
         check_output(args.out or "", "--out", file=True)  # a local file, or a bucket that answers
-        check_writable(args.dump_hlo, "--dump-hlo")
+        check_output(args.dump_hlo, "--dump-hlo")  # a local folder, or a bucket that answers
         remats = [r.strip() for r in args.remat.split(",") if r.strip()]
         for r in remats:
             if r not in REMAT_POLICIES:
@@ -306,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
               f"for {args.devices} fake CPU devices: memory, traffic and time below are CPU figures, not {hw.name}'s",
               flush=True)
     child_spec = Child(args.config, args.devices, hw, target, args.topology,
-                       os.path.abspath(args.dump_hlo) if args.dump_hlo else "")
+                       storage.absolute(args.dump_hlo) if args.dump_hlo else "")
     measure_jobs = lambda jobs: run_child(child_spec, jobs)  # noqa: E731
     sizing = Heartbeat("sizing the parameters and optimizer state", sum(r["cfg"] is not None for r in rows))
 

@@ -6,7 +6,7 @@ A sweep file (YAML, see configs/sweeps/):
     overrides: {train.steps: 20}     # for every point (a mapping, or a list of "key=value")
     grid: {optim.lr: [1e-3, 3e-3]}   # cartesian product over the keys
     zip: {model.d_model: [64, 128], model.d_ff: [128, 256]}  # equal-length lists, taken together
-    dir: runs/sweeps/lr              # root; each point runs in dir/<its overrides>
+    dir: runs/sweeps/lr              # root (or gs:// s3://); each point runs in dir/<its overrides>
     slurm: ["--time=01:00:00"]       # extra #SBATCH lines for --emit slurm
 
 `python train.py --sweep FILE [key=value ...]` checks every point with the config loader (so a
@@ -23,6 +23,7 @@ import csv
 import dataclasses
 import difflib
 import hashlib
+import io
 import itertools
 import json
 import os
@@ -35,7 +36,8 @@ from typing import Any
 
 import yaml
 
-from configs import Config, ConfigError, load_config
+import storage
+from configs import Config, ConfigError, check_output, load_config
 from configs.load import resolve_preset
 from ops.goodput import read_summary
 from ops.observe import last_value, read_metrics
@@ -158,7 +160,7 @@ def load_sweep(path: str, cli_overrides: list[str] | tuple[str, ...] = ()) -> Sw
         if name in names:
             raise ConfigError(f"{path}: points {names[name]} and {index} get the same directory name {name!r}")
         names[name] = index
-        run_dir = os.path.join(root, name)
+        run_dir = storage.join(root, name)
         try:
             cfg = load_config(base, [*common, *(f"{k}={v}" for k, v in values.items()), f"run.dir={run_dir}"])
         except ConfigError as e:
@@ -180,8 +182,9 @@ def finished(point: Point) -> bool:
 def _run_point(sweep: Sweep, point: Point) -> tuple[int, bool]:
     """Runs one point in its own process (own session: a terminal's Ctrl-C reaches the sweep,
     which passes it on once), its output shown and appended to run_dir/train.log. Returns its
-    exit status and whether the sweep was asked to stop meanwhile."""
-    os.makedirs(point.run_dir, exist_ok=True)
+    exit status and whether the sweep was asked to stop meanwhile. On a bucket, train.log is
+    rewritten whole every few seconds and at the point's end (storage.AppendLog)."""
+    storage.makedirs(point.run_dir)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         command(sweep, point), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -196,13 +199,14 @@ def _run_point(sweep: Sweep, point: Point) -> tuple[int, bool]:
         proc.send_signal(signum)  # the trainer checkpoints and exits; the sweep then stops
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    log = storage.AppendLog(storage.join(point.run_dir, "train.log"), storage.REMOTE_FLUSH_S)
     try:
-        with open(os.path.join(point.run_dir, "train.log"), "a") as log:
-            for line in proc.stdout:
-                sys.stdout.write(line)
-                log.write(line)
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            log.append(line.rstrip("\n"))
         return proc.wait(), stopped
     finally:
+        log.flush()
         for s, handler in previous.items():
             signal.signal(s, handler)
 
@@ -224,7 +228,7 @@ def run_sweep(sweep: Sweep) -> int:
             summarize(sweep, failed)
             return code
         if code != 0:
-            print(f"{head}: FAILED (exit {code}); see {os.path.join(point.run_dir, 'train.log')}", flush=True)
+            print(f"{head}: FAILED (exit {code}); see {storage.join(point.run_dir, 'train.log')}", flush=True)
             failed.append(point)
     print(summarize(sweep, failed), flush=True)
     if failed:
@@ -301,13 +305,14 @@ def _row(point: Point, failed: bool) -> dict[str, Any]:
 
 def summarize(sweep: Sweep, failed: list[Point] = ()) -> str:
     """Writes dir/summary.csv, dir/summary.md and dir/loss_curves.png; returns the Markdown."""
-    os.makedirs(sweep.dir, exist_ok=True)
+    storage.makedirs(sweep.dir)
     failed_names = {p.name for p in failed}
     rows = [_row(p, p.name in failed_names) for p in sweep.points]
-    with open(os.path.join(sweep.dir, "summary.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows({k: "" if v is None else v for k, v in r.items()} for r in rows)
+    table_csv = io.StringIO(newline="")
+    writer = csv.DictWriter(table_csv, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows({k: "" if v is None else v for k, v in r.items()} for r in rows)
+    storage.write_text(storage.join(sweep.dir, "summary.csv"), table_csv.getvalue())
     with_eval = any(r["eval_loss"] is not None for r in rows)
     header = ["point", "status", "step", "final loss", *(["eval loss"] if with_eval else [])]
     header += ["tokens/s", "MFU", "goodput"]
@@ -319,9 +324,8 @@ def summarize(sweep: Sweep, failed: list[Point] = ()) -> str:
         table.append(f"| {' | '.join(cells)} |")
     intro = f"# Sweep {sweep.path}\n\nbase `{sweep.base}`, run directories under `{sweep.dir}`\n\n"
     markdown = intro + "\n".join(table)
-    with open(os.path.join(sweep.dir, "summary.md"), "w") as f:
-        f.write(markdown + "\n")
-    plot_runs([p.run_dir for p in sweep.points], os.path.join(sweep.dir, "loss_curves.png"),
+    storage.write_text(storage.join(sweep.dir, "summary.md"), markdown + "\n")
+    plot_runs([p.run_dir for p in sweep.points], storage.join(sweep.dir, "loss_curves.png"),
               labels=[p.name for p in sweep.points], title=f"sweep {os.path.basename(sweep.path)}")
     return markdown
 
@@ -334,6 +338,11 @@ def main(path: str | None, config: str | None, overrides: list[str], emit: str |
         if config:
             raise ConfigError("--sweep takes the config from the sweep file's base:, not --config")
         sweep = load_sweep(path, overrides)
+        if storage.is_remote(sweep.dir):
+            if emit:
+                raise ConfigError(f"{path}: dir={sweep.dir}: --emit slurm writes a batch script and its logs for "
+                                  "sbatch, which reads a shared filesystem; give the sweep a local dir")
+            check_output(sweep.dir, f"{path}: dir")  # its bucket answers, before any point runs
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

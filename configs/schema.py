@@ -251,6 +251,8 @@ class DataConfig:
     """Grain read threads."""
     verify: bool = False
     """prepared corpora: check every shard's sha256 against the manifest at start (reads every byte once; sizes are always checked)."""
+    cache_dir: str = ""
+    """prepared corpora on a bucket: this host's local copies, one folder per content hash ("": ~/.cache/meshlm/corpora)."""
     prefetch: Annotated[int, Range(ge=0)] = 4
     """Grain prefetch buffer, in batches."""
     workers: Annotated[int, Range(ge=0, hint="0: threads only")] = 0

@@ -6,6 +6,9 @@ and `parquet` (one row is one document, column `field`). The main process cuts t
 turns a task into `Documents` (texts, their split keys, per-file bad-data counts). So the output
 depends only on the inputs, never on how many workers parsed them.
 
+The files may be on a `gs://` or `s3://` bucket (their globs too): they are listed and streamed
+through the path layer (storage), never copied whole.
+
 Text and JSONL files may be compressed (`.gz`, `.bz2`, `.xz`: the format is that of the name
 without the suffix); a compressed file that does not decompress is an error naming it.
 
@@ -25,6 +28,7 @@ import lzma
 import os
 from typing import Any, BinaryIO, Iterator, NamedTuple
 
+import storage
 from configs.schema import ConfigError
 
 FORMATS = ("text", "jsonl", "parquet")
@@ -112,17 +116,20 @@ class Documents:
 class Matched(NamedTuple):
     """The files the --input globs match, as one value."""
 
-    files: list[str]  # every matching file, as sorted absolute paths
+    files: list[str]  # every matching file, as sorted absolute paths (or URLs)
     by_pattern: dict[str, list[str]]  # the files of each pattern
 
 
 def expand_inputs(patterns: list[str]) -> Matched:
-    """(all matching files as sorted absolute paths, the files of each pattern).
-    Raises ConfigError naming a pattern that matches no file."""
+    """(all matching files as sorted absolute paths or URLs, the files of each pattern; a
+    pattern may be on a `gs://` or `s3://` bucket). Raises ConfigError naming a pattern that matches no file."""
     by_pattern = {}
     for pattern in patterns:
-        matches = glob.glob(os.path.expanduser(pattern), recursive=True)
-        files = sorted({os.path.abspath(f) for f in matches if os.path.isfile(f)})
+        if storage.is_remote(pattern):  # the bucket's listing; each match a full URL
+            files = storage.glob_files(pattern)
+        else:
+            matches = glob.glob(os.path.expanduser(pattern), recursive=True)
+            files = sorted({os.path.abspath(f) for f in matches if os.path.isfile(f)})
         if not files:
             raise ConfigError(f"--input: no file matches {pattern!r}")
         by_pattern[pattern] = files
@@ -149,8 +156,9 @@ def extension(path: str) -> str:
 
 
 def open_input(path: str) -> tuple[BinaryIO, BinaryIO]:
-    """(the decompressed stream, the raw file under it, whose position counts compressed bytes)."""
-    raw = open(path, "rb")
+    """(the decompressed stream, the raw file under it, whose position counts compressed bytes).
+    A file on a bucket is streamed through the path layer, block by block."""
+    raw = storage.open_file(path)
     wrap = COMPRESSED.get(os.path.splitext(path.lower())[1])
     return (wrap(raw) if wrap else raw), raw
 
@@ -181,7 +189,7 @@ def plan_tasks(files: list[str], fmt: str, field: str) -> Iterator[Task]:
         size = 0
         for path in files:
             batch.append(path)
-            size += os.path.getsize(path)
+            size += storage.size(path)
             if size >= TEXT_TASK_BYTES or len(batch) >= 256:
                 yield Task("text", batch, size=size)
                 batch, size = [], 0
@@ -225,7 +233,7 @@ def _parquet_tasks(path: str, field: str) -> Iterator[Task]:
     except ImportError:
         raise ConfigError("--format parquet: needs the `pyarrow` package (pip install 'meshlm[data]')") from None
     try:
-        pf = pq.ParquetFile(path)
+        pf = pq.ParquetFile(storage.open_file(path) if storage.is_remote(path) else path)
     except (OSError, pa.ArrowException) as e:
         raise ConfigError(f"{path}: not a readable parquet file ({e})") from None
     schema = pf.schema_arrow
@@ -236,7 +244,7 @@ def _parquet_tasks(path: str, field: str) -> Iterator[Task]:
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or is_view(kind)):
         raise ConfigError(f"{path}: column {field!r} holds {kind}, not strings; give --field")
     rows_total = max(pf.metadata.num_rows, 1)
-    bytes_per_row = os.path.getsize(path) / rows_total
+    bytes_per_row = storage.size(path) / rows_total
     row = 1
     pending = Task("parquet", [path], payload=[])
     for batch in pf.iter_batches(batch_size=PARQUET_TASK_ROWS, columns=[field]):

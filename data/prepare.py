@@ -7,7 +7,9 @@ Documents are read in a fixed order (sorted files, in-file order) and tokenized 
 byte-identical whatever the worker count and on every rerun. A document goes to the eval split
 by a hash of its content (data.sources.held_out), independent of order. Everything is written to
 a hidden sibling directory and renamed into place at the end: a crash never leaves a directory
-that looks complete. The contract of the output is in data.manifest.
+that looks complete. `--input` and `--output` may be on a `gs://` or `s3://` bucket: inputs are
+streamed through the path layer, and a bucket output is written locally then uploaded with its
+manifest last (data.publish). The contract of the output is in data.manifest.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 import time
 from collections import deque
 from typing import Iterator
@@ -29,14 +32,15 @@ from typing import Iterator
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 
-from configs.interrupt import guarded
-from configs.schema import ConfigError
-from configs.writable import check_writable
+import storage
+from configs import ConfigError, guarded, on_interrupt
+from configs import check_output as check_destination
 from data import corpus_format
 from data.chat import ChatTemplate, Skip, template_file
 from data.formats import (FORMATS, Documents, FileStats, Matched, Task, detect_format, expand_inputs, json_rows,
                           plan_tasks, read_task)
 from data.manifest import FORMAT_VERSION, MANIFEST, SPLITS, corpus_digests, is_prepared_file, lengths_name, shard_name
+from data.publish import publish
 from data.sources import held_out
 from data.tokenizer import Tokenizer, load_tokenizer
 
@@ -206,24 +210,26 @@ class Progress:
 
 def check_output(output: str, files: list[str], overwrite: bool) -> None:
     """Refuses a non-empty output directory unless it is a previous output of the same inputs or
-    --overwrite is given. Never replaces files that prepare did not write, even with --overwrite."""
-    check_writable(output, "--output")
-    if not os.path.exists(output):
+    --overwrite is given. Never replaces files that prepare did not write, even with --overwrite.
+    On a bucket, a prefix of prepared files without a manifest (an upload cut short) holds no
+    corpus and is replaced."""
+    check_destination(output, "--output")  # a writable directory, or a bucket that answers
+    remote = storage.is_remote(output)
+    if not remote and not os.path.exists(output):
         return
-    if not os.path.isdir(output):
+    if not remote and not os.path.isdir(output):
         raise ConfigError(f"--output: {output!r} exists and is not a directory")
-    names = sorted(os.listdir(output))
+    names = storage.listdir(output)
     foreign = [n for n in names if not is_prepared_file(n)]
     if foreign:
         raise ConfigError(
             f"--output: {output!r} holds files that data.prepare did not write ({foreign[0]}"
             f"{', ...' if len(foreign) > 1 else ''}); choose a new or empty directory"
         )
-    if not names or overwrite:
+    if not names or overwrite or (remote and MANIFEST not in names):
         return
     try:
-        with open(os.path.join(output, MANIFEST)) as f:
-            previous = [entry["path"] for entry in json.load(f)["inputs"]]
+        previous = [entry["path"] for entry in json.loads(storage.read_text(storage.join(output, MANIFEST)))["inputs"]]
     except (OSError, ValueError, KeyError, TypeError):
         previous = None
     if previous != files:
@@ -281,8 +287,10 @@ def prepare(inputs: list[str], output: str, progress: bool = True, **options: ob
     opts.validate()
     tok = load_tokenizer(opts.tokenizer, "--tokenizer")
     template = _chat_template(opts)
-    output = os.path.abspath(output)
+    output = storage.absolute(output)
     check_output(output, files, opts.overwrite)
+    if storage.is_remote(output):
+        return _prepare_to_bucket(matched, output, tok, opts, progress, template)
     parent, base = os.path.split(output)
     os.makedirs(parent, exist_ok=True)
     _remove_stale(parent, base, progress)
@@ -297,12 +305,26 @@ def prepare(inputs: list[str], output: str, progress: bool = True, **options: ob
     return manifest
 
 
+def _prepare_to_bucket(matched: Matched, url: str, tok: Tokenizer, opts: Options, progress: bool,
+                       template: ChatTemplate | None) -> dict:
+    """Prepares into a local temporary directory (the corpus's size on local disk, for the
+    upload's time), then uploads it to `url` with its manifest last (data.publish)."""
+    tmp = tempfile.mkdtemp(prefix="meshlm-prepare-")
+    with on_interrupt(lambda: shutil.rmtree(tmp, ignore_errors=True)):
+        try:
+            manifest = _write(tmp, matched, tok, opts, progress, template)
+            publish(tmp, url, manifest, progress)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return manifest
+
+
 def _write(tmp: str, inputs: Matched, tok: Tokenizer, opts: Options, progress: bool,
            template: ChatTemplate | None = None) -> dict:
     files, by_pattern = inputs
     writers = {split: SplitWriter(tmp, split, opts.shard_docs) for split in SPLITS}
     stats = {path: FileStats(path) for path in files}
-    bar = Progress(sum(os.path.getsize(f) for f in files)) if progress else None
+    bar = Progress(sum(storage.size(f) for f in files)) if progress else None
     tasks = plan_tasks(files, opts.fmt, opts.field)
     for chunk in run_tasks(tasks, opts, opts.workers):
         offsets = np.concatenate([[0], np.cumsum(chunk.lengths)])
@@ -414,7 +436,7 @@ def report(manifest: dict, output: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.split("\n")[0])
     p.add_argument("--input", action="append", required=True, help="glob of input files (repeatable)")
-    p.add_argument("--output", required=True, help="directory to write (created; see --overwrite)")
+    p.add_argument("--output", required=True, help="directory or gs:// s3:// prefix to write (see --overwrite)")
     p.add_argument("--format", choices=FORMATS, help="default: from the file extensions (.jsonl, .parquet, else text)")
     p.add_argument("--field", default="text", help="jsonl key / parquet column holding the text (default: text)")
     p.add_argument("--tokenizer", default="byte", help="'byte', a tokenizer.json or a SentencePiece .model")
@@ -441,5 +463,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(guarded(main, "--output is as it was (a corpus is written aside and swapped in whole); run the same "
-                           "command again"))
+    sys.exit(guarded(main, "--output is as it was (a corpus is written aside and swapped in whole), or on a bucket "
+                           "cut short mid-upload holds no manifest.json and is no corpus; run the same command again"))

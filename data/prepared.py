@@ -3,7 +3,7 @@
 Each record is one document's token ids as little-endian uint32 without the end-of-document
 token; `<split>.lengths.npy` holds every record's length, so the packing plan needs no reads.
 The manifest names the tokenizer; a corpus prepared with another tokenizer than the config's
-is refused.
+is refused. A corpus on a bucket is read from this host's local copy (data.corpus_cache).
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ import os
 
 import numpy as np
 
-from configs.schema import ConfigError
+import storage
+from configs.schema import ConfigError, DataConfig
 from data.chat import decode_sequence
+from data.corpus_cache import local_corpus, remote_manifest
 from data.manifest import lengths_name, read_manifest, verify_shards
 from data.packing import span_from_docs
 from data.shards import Shards
@@ -53,25 +55,37 @@ class ArrayRecordDocuments:
         return span_from_docs(self, self.offsets, start, stop)
 
 
-def open_manifest(directory: str, tokenizer: Tokenizer, fmt: str, key: str = "data.path", verify: bool = False) -> dict:
-    """The manifest of a prepared directory after checking it was prepared with this tokenizer
-    and for this corpus format (the manifest's `objective`, `train.objective`), its shards'
-    sizes, and with `verify` (data.verify) their bytes. Raises ConfigError naming the key or file."""
-    manifest = read_manifest(directory, key)
-    if verify:
-        verify_shards(directory, manifest)
+def open_manifest(path: str, tokenizer: Tokenizer, fmt: str, data: DataConfig, key: str = "data.path") -> tuple[str, dict]:
+    """(the local directory, the manifest) of the prepared corpus at `path` after checking it was
+    prepared with this tokenizer and for this corpus format (the manifest's `objective`,
+    `train.objective`), its shards' sizes, and with `data.verify` their bytes. A corpus on a
+    bucket is read from this host's copy in `data.cache_dir` (data.corpus_cache: downloaded and
+    checked first when there is none). Raises ConfigError naming the key or file."""
+    if storage.is_remote(path):
+        raw, manifest = remote_manifest(path, key)
+        _check_made_for(manifest, path, tokenizer, fmt, key)  # before a download
+        directory = local_corpus(path, raw, data.cache_dir, data.verify)  # its own checks, data.verify's too
+        return directory, read_manifest(directory, key)
+    manifest = read_manifest(path, key)
+    if data.verify:
+        verify_shards(path, manifest)
+    _check_made_for(manifest, path, tokenizer, fmt, key)
+    return path, manifest
+
+
+def _check_made_for(manifest: dict, path: str, tokenizer: Tokenizer, fmt: str, key: str) -> None:
+    """The corpus at `path` was prepared with `tokenizer` and for corpus format `fmt`."""
     theirs, ours = manifest["tokenizer"], tokenizer.describe()
     if theirs["fingerprint"] != ours["fingerprint"]:
         raise ConfigError(
-            f"data.tokenizer={ours['path'] or 'byte'}: {directory!r} was prepared with tokenizer "
+            f"data.tokenizer={ours['path'] or 'byte'}: {path!r} was prepared with tokenizer "
             f"{theirs['fingerprint']!r} (from {theirs.get('path') or 'byte'}), this config's is "
             f"{ours['fingerprint']!r}; set data.tokenizer to the corpus's or prepare it again with this one"
         )
     prepared_for = manifest.get("objective", "lm")
     if prepared_for != fmt:
-        raise ConfigError(f"{key}: {directory!r} was prepared with --objective {prepared_for}, the config has "
+        raise ConfigError(f"{key}: {path!r} was prepared with --objective {prepared_for}, the config has "
                           f"train.objective={fmt}")
-    return manifest
 
 
 def open_corpus(

@@ -17,6 +17,8 @@ import numpy as np
 from configs.schema import ConfigError
 
 AGAIN = "prepare the corpus again (python -m data.prepare)"
+# Beside the shards of a host's copy of a corpus on a bucket (data.corpus_cache): the corpus's URL.
+SOURCE = "downloaded_from.txt"
 
 
 def _reason(e: BaseException) -> str:
@@ -44,7 +46,7 @@ class Shards:
         try:
             self.source = grain.sources.ArrayRecordDataSource(self.paths)
         except Exception as e:  # noqa: BLE001 (Riegeli's own errors: one line naming the shard instead)
-            raise ConfigError(f"{self._unreadable()}: unreadable shard ({_reason(e)}); {AGAIN}") from None
+            raise ConfigError(f"{self._unreadable()}: unreadable shard ({_reason(e)}); {self._again()}") from None
 
     def __len__(self) -> int:
         return len(self.source)
@@ -54,7 +56,19 @@ class Shards:
             return self.source[index]
         except Exception as e:  # noqa: BLE001
             raise ConfigError(f"{self._holding(index)}: record unreadable ({_reason(e)}); the shard is damaged; "
-                              f"{AGAIN}") from None
+                              f"{self._again()}") from None
+
+    def _again(self) -> str:
+        """What to do about a damaged shard: prepare the corpus again, or for this host's copy of
+        a corpus on a bucket (whose content the same corpus prepared again would share), delete
+        the copy so that the next run downloads it again."""
+        folder = os.path.dirname(self.paths[0]) if self.paths else ""
+        try:
+            with open(os.path.join(folder, SOURCE)) as f:
+                url = f.read().strip()
+        except OSError:
+            return AGAIN
+        return f"it is this host's copy of {url}: delete {folder} and the next run downloads it again"
 
     def _each(self) -> tuple[list[int], str | None]:
         """Each shard opened alone: the record counts of those that open, up to the first that

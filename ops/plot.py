@@ -12,18 +12,21 @@ directly, so it needs no display and leaves pyplot's global state alone.
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+import storage
 from ops.observe import read_metrics
 
 
 def plot_runs(run_dirs: list[str], out: str, labels: list[str] | None = None, title: str = "") -> int:
     """Draws every run that has a logged loss into `out` (PNG). Returns how many it drew."""
-    labels = labels or [os.path.basename(os.path.normpath(d)) or d for d in run_dirs]
+    labels = labels or [storage.basename(d) if storage.is_remote(d) else os.path.basename(os.path.normpath(d)) or d
+                        for d in run_dirs]
     fig = Figure(figsize=(8, 5), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -48,8 +51,13 @@ def plot_runs(run_dirs: list[str], out: str, labels: list[str] | None = None, ti
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
         fig.tight_layout()
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        fig.savefig(out)
+        if storage.is_remote(out):  # one object, written whole
+            png = io.BytesIO()
+            fig.savefig(png, format="png")
+            storage.write_bytes(out, png.getvalue())
+        else:
+            os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+            fig.savefig(out)
     return drawn
 
 

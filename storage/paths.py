@@ -23,7 +23,7 @@ import os
 import shutil
 import tempfile
 import urllib.parse
-from typing import Any
+from typing import Any, BinaryIO
 
 REMOTE_SCHEMES = ("gs", "s3")
 
@@ -160,6 +160,19 @@ def read_text(path: str | os.PathLike) -> str:
         return read_bytes(path).decode()
     with open(path) as f:
         return f.read()
+
+
+def open_file(path: str | os.PathLike) -> BinaryIO:
+    """A binary file open for reading: open() for a local path; for a URL fsspec's file, which
+    fetches blocks as they are read (a corpus streams, it is not read whole)."""
+    path = os.fspath(path)
+    return filesystem(path).open(path, "rb") if is_remote(path) else open(path, "rb")
+
+
+def size(path: str | os.PathLike) -> int:
+    """The file's size in bytes; FileNotFoundError when there is none."""
+    path = os.fspath(path)
+    return int(filesystem(path).size(path)) if is_remote(path) else os.path.getsize(path)
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:

@@ -149,3 +149,57 @@ def test_a_tokenizer_on_a_bucket_is_the_local_one(s3_bucket: str, tmp_path: path
     assert list(there.encode("the quick dog")) == list(here.encode("the quick dog"))
     with pytest.raises(ConfigError, match="data.tokenizer: no file"):
         load_tokenizer(storage.join(root, "missing.json"))
+
+
+
+def test_a_sweep_on_a_bucket_runs_logs_summarizes_and_resumes(s3_bucket: str, tmp_path: pathlib.Path,
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture) -> None:
+    """A sweep's dir on the bucket: its point's run.dir there, its train.log uploaded, summary.csv,
+    summary.md and the loss curves written there; a rerun skips the finished point; --emit slurm
+    refused; a missing bucket refused before any point runs. (tests/test_sweep.py covers a
+    failed point, the same code.)"""
+    import csv
+    import io
+
+    import train as train_cli
+    from bench.procs import cpu_env
+
+    # tests/test_sweep.py's first point: a train.py process on one device.
+    monkeypatch.setenv("XLA_FLAGS", cpu_env(1)["XLA_FLAGS"])
+    root = f"{s3_bucket}/{uuid.uuid4().hex[:8]}/sweep"
+    path = tmp_path / "sweep.yaml"
+    path.write_text(f"base: {os.path.join(ROOT, 'configs', 'tiny.yaml')}\ndir: {root}\n"
+                    "overrides: {train.steps: 3, train.log_every: 1}\nzip: {optim.lr: [0.001], mesh.data: [1]}\n")
+    args = ["--sweep", str(path), f"data.path={stdlib_glob('json')}"]
+    name = "optim.lr=0.001,mesh.data=1"
+    assert train_cli.main(args) == 0
+    assert f"[sweep 1/1] {name}: {root}/{name}" in capsys.readouterr().out
+    assert "step 3" in storage.read_text(f"{root}/{name}/train.log")
+    rows = list(csv.DictReader(io.StringIO(storage.read_text(f"{root}/summary.csv"))))
+    assert [(r["point"], r["status"], r["step"]) for r in rows] == [(name, "done", "3")]
+    assert f"| `{name}` | done | 3 |" in storage.read_text(f"{root}/summary.md")
+    assert storage.size(f"{root}/loss_curves.png") > 10_000
+    metrics = storage.read_text(f"{root}/{name}/metrics.jsonl")
+    assert train_cli.main(args) == 0
+    assert f"[sweep 1/1] {name}: finished earlier (step 3), skipped" in capsys.readouterr().out
+    assert storage.read_text(f"{root}/{name}/metrics.jsonl") == metrics
+    assert train_cli.main([*args, "--emit", "slurm"]) == 2
+    assert "--emit slurm writes a batch script" in capsys.readouterr().err
+    path.write_text(path.read_text().replace(s3_bucket, "s3://no-such-bucket"))
+    assert train_cli.main(args) == 2
+    assert capsys.readouterr().err.startswith(f"error: {path}: dir=s3://no-such-bucket/")
+
+
+def test_plan_dumps_its_hlo_to_a_bucket(s3_bucket: str, capsys: pytest.CaptureFixture) -> None:
+    """--dump-hlo on the bucket: the compiled program's HLO as one object (the compile measured
+    in this process, on its fake devices, as plan.py's child measures it); a missing bucket
+    refused before anything compiles, exit 2."""
+    dump = f"{s3_bucket}/{uuid.uuid4().hex[:8]}/hlo"
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), ["mesh.data=8"])
+    plan_cli.measure(cfg, plan_cli.HARDWARE["h100"], None, 8, "", dump)
+    (name,) = storage.listdir(dump)
+    assert name == "h100_8_data8_none.hlo" and storage.read_text(f"{dump}/{name}").startswith("HloModule ")
+    assert plan_cli.main(["--config", "tiny", "--devices", "8", "--dump-hlo", "s3://no-such-bucket/hlo"]) == 2
+    assert capsys.readouterr().err == (f"error: --dump-hlo=s3://no-such-bucket/hlo: bucket no-such-bucket does not "
+                                       f"exist at {storage.s3_endpoint()}\n")

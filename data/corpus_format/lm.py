@@ -56,8 +56,8 @@ class PlainDocuments(CorpusFormat):
         named = parse_mixture(d.mixture) if d.mixture else [(d.path, 1.0)]
         corpora = []
         for path, weight in named:
-            manifest = open_manifest(path, tokenizer, self.name, key, d.verify)
-            corpora.append((path, *open_corpus(path, manifest, tokenizer.eod_id, self.masked), weight))
+            local, manifest = open_manifest(path, tokenizer, self.name, d, key)
+            corpora.append((path, *open_corpus(local, manifest, tokenizer.eod_id, self.masked), weight))
         return corpora
 
     def open(self, cfg: Config, tokenizer: Tokenizer) -> DataSources:

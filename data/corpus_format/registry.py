@@ -78,11 +78,11 @@ def open_examples(cfg: Config, tokenizer: Tokenizer, fmt: str, rows: type[Record
     """The train and held-out rows of a prepared corpus of examples at data.path (one `rows`
     element per record: DPO pairs, RL prompts). Raises ConfigError naming data.path when the
     training split holds fewer `unit` than one global batch."""
-    manifest = open_manifest(cfg.data.path, tokenizer, fmt, verify=cfg.data.verify)
+    local, manifest = open_manifest(cfg.data.path, tokenizer, fmt, cfg.data)
     shards = {split: manifest["splits"][split]["shards"] for split in ("train", "eval")}
-    train = rows(cfg.data.path, shards["train"], tokenizer.eod_id, cfg.model.seq_len)
+    train = rows(local, shards["train"], tokenizer.eod_id, cfg.model.seq_len)
     if len(train) < cfg.train.global_batch:
         raise ConfigError(f"data.path: {cfg.data.path} holds {len(train)} {unit}, fewer than one global batch of "
                           f"{cfg.train.global_batch} (train.global_batch counts {unit} for a corpus of {fmt} examples)")
-    held = rows(cfg.data.path, shards["eval"], tokenizer.eod_id, cfg.model.seq_len) if shards["eval"] else None
+    held = rows(local, shards["eval"], tokenizer.eod_id, cfg.model.seq_len) if shards["eval"] else None
     return DataSources([(train, 1.0)], held, ("tokens", "loss_mask"))
