@@ -41,6 +41,11 @@ class _TaskYaml(yaml.SafeLoader):
 _TaskYaml.add_multi_constructor("!", lambda loader, suffix, node: None)
 
 
+def _read(path: str) -> object:
+    with open(path) as f:
+        return yaml.load(f, Loader=_TaskYaml)  # noqa: S506 (a SafeLoader that drops unknown tags)
+
+
 def local_tasks(folder: str) -> dict[str, str]:
     """{task name: YAML path} of the harness task YAMLs directly in `folder`."""
     if not folder or not os.path.isdir(folder):
@@ -48,12 +53,26 @@ def local_tasks(folder: str) -> dict[str, str]:
     found = {}
     for name in sorted(os.listdir(folder)):
         if name.endswith((".yaml", ".yml")):
-            path = os.path.join(folder, name)
-            with open(path) as f:
-                config = yaml.load(f, Loader=_TaskYaml)  # noqa: S506 (a SafeLoader that drops unknown tags)
+            config = _read(os.path.join(folder, name))
             if isinstance(config, dict) and isinstance(config.get("task"), str):
-                found[config["task"]] = path
+                found[config["task"]] = os.path.join(folder, name)
     return found
+
+
+def folder_names(folder: str) -> set[str]:
+    """Every task, group and tag name the YAMLs under `folder` (its subfolders too) define: the
+    harness, given the folder, runs them by name."""
+    names: set[str] = set()
+    for here, _, files in os.walk(folder) if folder and os.path.isdir(folder) else ():
+        for name in (n for n in files if n.endswith((".yaml", ".yml"))):
+            config = _read(os.path.join(here, name))
+            if not isinstance(config, dict):
+                continue
+            # A group's `task:` lists the tasks it runs (named elsewhere); a tag may be a list.
+            names.update(v for v in (config.get("task"), config.get("group")) if isinstance(v, str))
+            tags = config.get("tag")
+            names.update(t for t in (tags if isinstance(tags, list) else [tags]) if isinstance(t, str))
+    return names
 
 
 def cache_file() -> str:
@@ -91,17 +110,19 @@ def check_task_names(names: list[str] | tuple[str, ...], folder: str, key: str) 
     among the harness's; raises ConfigError naming `key` and the closest known name otherwise."""
     folder = task_folder(folder)
     local = local_tasks(folder)
-    unknown = [name for name in names if name not in local]
+    # The harness is given the folder (its subfolders, groups and tags too) only if it holds tasks.
+    mine = folder_names(folder) if local and any(name not in local for name in names) else set(local)
+    unknown = [name for name in names if name not in mine]
     if not unknown:
         return local
     standard = harness_tasks()
     for name in unknown:
         if name not in standard:
-            close = difflib.get_close_matches(name, list(local), n=1, cutoff=0.6) or \
-                difflib.get_close_matches(name, standard, n=1, cutoff=0.6)
+            close = difflib.get_close_matches(name, sorted(mine), n=1, cutoff=0.6) or \
+                difflib.get_close_matches(name, sorted(standard), n=1, cutoff=0.6)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            mine = f" (local: {', '.join(local)})" if local else ""
-            raise ConfigError(f"{key}: unknown task {name!r}{hint}: neither a YAML task in {folder}{mine} nor one "
+            listed = f" (local: {', '.join(local)})" if local else ""
+            raise ConfigError(f"{key}: unknown task {name!r}{hint}: neither a YAML task in {folder}{listed} nor one "
                               "of the harness's (`lm_eval ls tasks`)")
     return local
 

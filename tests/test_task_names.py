@@ -16,7 +16,7 @@ from conftest import ROOT, require
 
 require("lm_eval", "eval", lazy=True)
 
-from configs import dump_config, load_config  # noqa: E402
+from configs import ConfigError, dump_config, load_config  # noqa: E402
 from evaluation.task_names import cache_file, harness_tasks  # noqa: E402
 
 # Well under the seconds the harness's own index takes: the bound is for a loaded test machine.
@@ -77,3 +77,19 @@ def test_the_names_come_from_the_cache_file_of_this_lm_eval_version(run_dir, tmp
     err, seconds = _refused(run_dir, "made_up_harnes_task", env)
     assert "(did you mean 'made_up_harness_task'?)" in err, err
     assert seconds < REFUSED_WITHIN_S, f"refused after {seconds:.1f} s"
+
+
+def test_a_task_under_the_tasks_folder_is_known_by_its_name_group_or_tag(tmp_path):
+    """The harness, given a folder of tasks, also runs those in its subfolders and their groups
+    and tags: the check knows them too, and suggests them."""
+    from evaluation.task_names import check_task_names
+
+    words = os.path.join(ROOT, "configs", "eval", "stdlib_words.yaml")
+    (tmp_path / "stdlib_words.yaml").write_text(open(words).read())
+    (tmp_path / "more").mkdir()
+    (tmp_path / "more" / "sub.yaml").write_text("task: sub_words\ntag: [my_tag]\ndataset_path: json\n")
+    (tmp_path / "more" / "group.yaml").write_text("group: my_group\ntask: [sub_words, stdlib_words]\n")
+    local = check_task_names(["stdlib_words", "sub_words", "my_tag", "my_group"], str(tmp_path), "--tasks")
+    assert list(local) == ["stdlib_words"]
+    with pytest.raises(ConfigError, match=r"unknown task 'sub_word' \(did you mean 'sub_words'\?\)"):
+        check_task_names(["sub_word"], str(tmp_path), "--tasks")
