@@ -9,10 +9,13 @@ import dataclasses
 import functools
 import json
 import os
+import subprocess
 from typing import Any, Callable
 
 import datasets
+import lm_eval.evaluator
 from lm_eval import simple_evaluate
+from lm_eval.loggers.utils import get_commit_from_path
 from lm_eval.tasks import TaskManager
 from lm_eval.tasks._yaml_loader import load_yaml
 
@@ -26,6 +29,18 @@ from ops.metrics import MetricsLogger, log
 
 # What the harness reports beside the scores: the examples counted.
 SKIPPED = ("sample_len", "samples")
+
+
+def _git_hash() -> str | None:
+    """The harness's record of the working directory's git commit, as it finds it, without git's
+    `fatal: not a git repository` line on the console for each task run outside a repository."""
+    try:
+        return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL).strip().decode()
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return get_commit_from_path(os.getcwd())
+
+
+lm_eval.evaluator.get_git_commit_hash = _git_hash  # simple_evaluate calls it by this name
 
 
 def _local_config(path: str) -> dict:

@@ -155,3 +155,14 @@ def test_bad_input_is_one_line_and_exit_2(run_dir, tmp_path, capsys):
     fresh = tmp_path / "fresh"
     err = refused(["--config", "tiny", f"run.dir={fresh}", "eval.tasks=[no_such_task]"], train_main)
     assert "eval.tasks: unknown task" in err and not fresh.exists()
+
+
+def test_a_task_run_outside_a_git_repository_prints_nothing_of_git(tmp_path, monkeypatch, capfd):
+    """The harness records the working directory's commit with `git describe` on every run; outside
+    a repository that printed git's `fatal: not a git repository` once per task."""
+    import lm_eval.evaluator
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # no repository above tmp_path either
+    assert lm_eval.evaluator.get_git_commit_hash() is None
+    assert capfd.readouterr().err == ""
