@@ -101,8 +101,12 @@ def drop_gloo_lines() -> None:
         return
     _started = True
     sys.stdout.flush()
+    try:
+        real = os.dup(1)
+    except OSError:  # no stdout at all: nothing to keep quiet
+        return
     read, write = os.pipe()
-    forward = _Forward(read, os.dup(1))
+    forward = _Forward(read, real)
     os.dup2(write, 1)
     os.close(write)
     forward.thread.start()
