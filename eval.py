@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # the real imports wait until the arguments are checked: impo
     import jax
 
     from data.tokenizer import Tokenizer
-    from trainer.spec import RunSpec
+    from trainer import RunSpec
     from evaluation.tasks import Tasks
 
 
@@ -51,14 +51,16 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--tasks: name at least one task")
         if args.limit < 0:
             raise ConfigError(f"--limit: must be >= 0, got {args.limit}")
+        from evaluation.task_names import check_run_tasks  # a misspelt task: refused before JAX and the harness
+
+        check_run_tasks(names, args.run_dir, args.tasks_dir, "--tasks")
         from trainer.checkpoint import find_checkpoint  # after the arguments: importing JAX takes a while
 
         cfg, step = find_checkpoint(args.run_dir, args.step)
         check_output(args.output or "", "--output", file=True)  # a local file, or a bucket that answers
         import jax
         from data.tokenizer import load_tokenizer
-        from trainer.checks import check_devices
-        from trainer.spec import prepare
+        from trainer import check_devices, prepare
         from evaluation.tasks import resolve_tasks
         from ops.xla_env import set_cpu_device_count, set_default_flags
 

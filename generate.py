@@ -15,14 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-import numpy as np
-
 from configs import ConfigError, guarded
-from data.tokenizer import load_tokenizer
-from model.decode import Sampling, generate
-from model.transformer import transformer_from_params
-from trainer.checkpoint import restore_params
-from ops.xla_env import set_default_flags
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +28,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--step", type=int, help="the checkpoint step (default: the newest)")
     args = parser.parse_args(argv)
+    # After the arguments (and the signal handler): importing JAX and the model takes seconds.
+    import numpy as np
+
+    from data.tokenizer import load_tokenizer
+    from model.decode import Sampling, generate
+    from model.transformer import transformer_from_params
+    from ops.xla_env import set_default_flags
+    from trainer.checkpoint import restore_params
+
     set_default_flags()
     try:
         if args.max_new_tokens < 1:

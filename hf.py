@@ -21,18 +21,12 @@ import json
 import sys
 from typing import Any, Callable
 
-import jax
-
 import storage
 from configs import ConfigError, MeshConfig, PipelineConfig, check_output, dump_config, guarded, load_config
-from model import lora
-from model.hf import check_compatible, peft_config, read_hf_config, to_hf_tensors, to_peft_tensors
-from model.hf_arch import hf_config, model_keys
-from model.safetensors_files import EXPORT_DTYPES, write_safetensors
-from trainer.checkpoint import read_run_dir, restore_params
-from trainer.session import make_session
-from trainer.spec import prepare
-from ops.xla_env import set_default_flags
+
+# JAX, the model and the trainer are imported inside the functions that use them, after the
+# arguments are parsed and the signal handler is in: importing them takes seconds, and `--help`
+# or a Ctrl-C meanwhile should not wait for that.
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "generation_config.json",
@@ -59,6 +53,14 @@ def export(run_dir: str, out: str, step: int | None = None, dtype: str = "float3
     adapters alone, in PEFT's format); returns the step. Restores onto this host's first CPU
     device, whatever mesh the checkpoint was saved from. A non-empty `out` is refused unless
     `overwrite`."""
+    import jax
+
+    from model import lora
+    from model.hf import peft_config, read_hf_config, to_hf_tensors, to_peft_tensors
+    from model.hf_arch import hf_config
+    from model.safetensors_files import EXPORT_DTYPES, write_safetensors
+    from trainer.checkpoint import restore_params
+
     if dtype not in EXPORT_DTYPES:
         raise ConfigError(f"--dtype: {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
     if form not in EXPORT_FORMATS:
@@ -98,6 +100,9 @@ def export(run_dir: str, out: str, step: int | None = None, dtype: str = "float3
 def import_config(hf_dir: str, run_dir: str, preset: str | None, overrides: list[str]) -> Any:
     """The fine-tuning config: the preset, then the model keys (and tokenizer.json, if the
     directory has one) of the checkpoint, then the user's overrides."""
+    from model.hf import read_hf_config
+    from model.hf_arch import model_keys
+
     hf_dir = storage.absolute(hf_dir)
     keys = model_keys(read_hf_config(hf_dir, "--hf-dir"), "--hf-dir")
     derived = [f"model.{k}={v}" for k, v in keys.items()] + [f"init.from_hf={hf_dir}", f"run.dir={run_dir}"]
@@ -113,6 +118,13 @@ def import_(
     fresh optimizer state and data position), so `train.py --config RUN/config.yaml` fine-tunes.
     The state is built on one local device: for models larger than one device, train with
     `init.from_hf` instead, which loads straight into the sharded layout."""
+    import jax
+
+    from model.hf import check_compatible
+    from trainer.checkpoint import read_run_dir
+    from trainer.session import make_session
+    from trainer.spec import prepare
+
     if storage.is_remote(run_dir):  # before the first read: a missing bucket is one line, not a traceback
         check_output(run_dir, "--run-dir")
     cfg = import_config(hf_dir, run_dir, preset, overrides)
@@ -148,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="merged: the whole model (LoRA adapters folded in); "
                      "peft: a LoRA run's adapters as a PEFT adapter")
     args = parser.parse_args(argv)
+    from ops.xla_env import set_default_flags
+
     set_default_flags()
     try:
         if args.command == "import":

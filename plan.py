@@ -54,22 +54,15 @@ import os
 import subprocess
 import sys
 import tempfile
-from typing import Any
-
-import jax
-from jax.sharding import AbstractMesh
+from typing import TYPE_CHECKING, Any
 
 import storage
 from configs import Config, ConfigError, check_output, guarded, load_config, on_interrupt
 from configs.schema import MESH_AXES, REMAT_POLICIES
-from model import attn_kernels
-from ops.xla_env import set_cpu_collective_env, set_default_flags
-from planner import (Heartbeat, candidates, collectives, compiled_stats, compute_seconds, evaluate, kernels,
-                     minimum_traffic, print_plan, print_search, storage_gather_bytes, wait_with_progress)
-from planner.targets import child_env, compiler_name, has_compiler, node_of, target_devices, tpu_slice_shape
-from sharding import resolve_mesh_shape
-from sharding.hardware import HARDWARE, Hardware, check_quant, kernel_seconds
-from trainer import abstract_program, abstract_state, attention_notes, fill_microbatches, prepare, sharded_optimizer
+
+if TYPE_CHECKING:  # the real imports are in the functions: JAX, the planner and the trainer take seconds to
+    # import, which `--help`, a bad argument or a Ctrl-C meanwhile should not wait for
+    from sharding.hardware import Hardware
 
 DEFAULT_REMATS = ("none", "save_dots", "full")  # in order of growing recompute
 
@@ -78,8 +71,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="a YAML preset (a path, or a name in configs/)")
     parser.add_argument("--devices", type=int, help="how many devices to plan for")
-    parser.add_argument("--hardware", default="h100", choices=sorted(HARDWARE))
-    parser.add_argument("--dump-hlo", default="", help="write each compiled program's HLO text into this folder (or gs:// s3:// prefix)")
+    parser.add_argument("--hardware", default="h100", metavar="NAME",
+                        help="what to plan for: a name in sharding/hardware.py's table (default: h100)")
+    parser.add_argument("--dump-hlo", default="",
+                        help="write each compiled program's HLO text into this folder (or gs:// s3:// prefix)")
     parser.add_argument("--topology", default="", help="TPU slice shape, e.g. 4x4x4 (default: from --devices)")
     parser.add_argument("--search", action="store_true", help="try every valid layout and remat policy")
     parser.add_argument("--remat", default=",".join(DEFAULT_REMATS), help="policies --search tries, in order")
@@ -93,6 +88,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def check(config: str | None, overrides: list[str], n: int) -> Config:
     """The config for this candidate, after every layout check that needs no devices."""
+    from trainer import fill_microbatches, prepare
+
     cfg = fill_microbatches(load_config(config, overrides), n)
     prepare(cfg, n, with_data=False)
     return cfg
@@ -102,6 +99,12 @@ def state_bytes(cfg: Config, n: int) -> dict[str, int]:
     """Per-device bytes of parameters (an objective's frozen weights with them) and optimizer state
     (the step counter included), and the sequences a step trains, from the shardings the rules give on an abstract mesh of n devices:
     exact, nothing compiled."""
+    import jax
+    from jax.sharding import AbstractMesh
+
+    from planner import minimum_traffic, storage_gather_bytes
+    from trainer import abstract_state, prepare, sharded_optimizer
+
     spec = prepare(cfg, n, with_data=False)
     mesh = AbstractMesh(tuple(spec.layout.sizes[a] for a in MESH_AXES), MESH_AXES)
     tx, _, sh = sharded_optimizer(spec, mesh)
@@ -123,6 +126,14 @@ def state_bytes(cfg: Config, n: int) -> dict[str, int]:
 def measure(cfg: Config, hw: Hardware, target: Hardware | None, n: int, topology: str, dump: str = "") -> dict[str, Any]:
     """Compile `cfg` for n devices of `target` (None: this process's fake CPU devices, the
     fallback); what the compile says, per device."""
+    import jax
+
+    from model import attn_kernels
+    from planner import collectives, compiled_stats, compute_seconds, kernels
+    from planner.targets import compiler_name, node_of, target_devices
+    from sharding.hardware import kernel_seconds
+    from trainer import abstract_program, attention_notes
+
     notes = []
     stand_in = attn_kernels.get(cfg.model.attention).planned_as(None if target is None else target.platform)
     if stand_in is not None:
@@ -191,6 +202,10 @@ class Child:
 def run_child(child_spec: Child, jobs: list[list[str]]) -> list[dict]:
     """Measures each job in one child process that compiles for `child_spec.devices` devices of
     its `target` (None: that many fake CPU devices)."""
+    from ops.xla_env import set_cpu_collective_env
+    from planner import wait_with_progress
+    from planner.targets import child_env
+
     config, n, hw, target = child_spec.config, child_spec.devices, child_spec.hw, child_spec.target
     with tempfile.TemporaryDirectory() as tmp:
         spec = os.path.join(tmp, "spec.json")
@@ -223,6 +238,9 @@ def compiling_label(config: str | None, cfg: Config, hw: Hardware, target: Hardw
                     topology: str) -> str:
     """What a compile is for, in the words of the command line: `compiling llama3-8b for v5p
     4x4x4 (fsdp=64)`."""
+    from planner.targets import tpu_slice_shape
+    from sharding import resolve_mesh_shape
+
     name = os.path.basename(config).removesuffix(".yaml") if config else "the default config"
     if target is None:
         where = f"{n} fake CPU devices"
@@ -240,6 +258,9 @@ def compiling_label(config: str | None, cfg: Config, hw: Hardware, target: Hardw
 
 
 def child_main(spec_path: str) -> None:
+    from sharding.hardware import HARDWARE
+    from trainer import fill_microbatches
+
     with open(spec_path) as f:
         spec = json.load(f)
     hw, n = HARDWARE[spec["hardware"]], spec["devices"]
@@ -259,14 +280,27 @@ def child_main(spec_path: str) -> None:
         json.dump(results, f)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, on_cpu: bool = False) -> int:
+    """plan.py's command line; `on_cpu`: this process needs no accelerator (its child, the compiler
+    of N devices, is given its own)."""
     args = parse_args(argv)
+    import jax
+
+    if on_cpu:
+        jax.config.update("jax_platforms", "cpu")
+    from ops.xla_env import set_default_flags
+    from planner import Heartbeat, candidates, evaluate, print_plan, print_search
+    from planner.targets import compiler_name, has_compiler
+    from sharding.hardware import HARDWARE, check_quant
+
     set_default_flags()
     if args.child:
         child_main(args.child)
         return 0
-    hw: Hardware = HARDWARE[args.hardware]
     try:
+        if args.hardware not in HARDWARE:
+            raise ConfigError(f"--hardware: {args.hardware!r} is not one of {', '.join(sorted(HARDWARE))}")
+        hw = HARDWARE[args.hardware]
         if args.devices is None or args.devices <= 0:
             raise ConfigError(f"--devices: a positive device count is required, got {args.devices}")
         check_output(args.out or "", "--out", file=True)  # a local file, or a bucket that answers
@@ -324,5 +358,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    jax.config.update("jax_platforms", "cpu")  # the planning process needs no accelerator; its child sees N CPUs
-    sys.exit(guarded(main, "the compile was stopped and nothing was written"))
+    sys.exit(guarded(lambda: main(on_cpu=True), "the compile was stopped and nothing was written"))

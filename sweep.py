@@ -19,6 +19,7 @@ instead; `--summarize` only rewrites summary.csv, summary.md and loss_curves.png
 
 from __future__ import annotations
 
+import argparse
 import csv
 import dataclasses
 import difflib
@@ -37,11 +38,8 @@ from typing import Any
 import yaml
 
 import storage
-from configs import Config, ConfigError, check_output, load_config
+from configs import Config, ConfigError, check_output, guarded, load_config
 from configs.load import resolve_preset
-from ops.goodput import read_summary
-from ops.observe import last_value, read_metrics
-from ops.plot import plot_runs
 
 TRAIN_PY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
 SWEEP_KEYS = ("base", "overrides", "grid", "zip", "dir", "slurm")
@@ -175,6 +173,8 @@ def command(sweep: Sweep, point: Point, python: str = sys.executable, train_py: 
 
 
 def finished(point: Point) -> bool:
+    from ops.goodput import read_summary  # here, not at the top: ops imports JAX, which the sweep itself needs not
+
     summary = read_summary(point.run_dir)
     return bool(summary) and summary.get("final_step") == point.cfg.train.steps
 
@@ -199,6 +199,9 @@ def _run_point(sweep: Sweep, point: Point) -> tuple[int, bool]:
         proc.send_signal(signum)  # the trainer checkpoints and exits; the sweep then stops
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    # The command's wake-up pipe (configs.interrupt) would end the sweep at once, before the point
+    # has checkpointed and the summary is written: set aside while the point owns the signals.
+    wakeup = signal.set_wakeup_fd(-1)
     log = storage.AppendLog(storage.join(point.run_dir, "train.log"), storage.REMOTE_FLUSH_S)
     try:
         for line in proc.stdout:
@@ -209,6 +212,7 @@ def _run_point(sweep: Sweep, point: Point) -> tuple[int, bool]:
         log.flush()
         for s, handler in previous.items():
             signal.signal(s, handler)
+        signal.set_wakeup_fd(wakeup)
 
 
 def run_sweep(sweep: Sweep) -> int:
@@ -278,6 +282,9 @@ def _pct(value: float | None) -> str:
 
 
 def _row(point: Point, failed: bool) -> dict[str, Any]:
+    from ops.goodput import read_summary
+    from ops.observe import last_value, read_metrics
+
     summary = read_summary(point.run_dir) or {}
     records = read_metrics(point.run_dir)
     loss, held_out = last_value(records, "loss"), last_value(records, "eval_loss")
@@ -325,6 +332,8 @@ def summarize(sweep: Sweep, failed: list[Point] = ()) -> str:
     intro = f"# Sweep {sweep.path}\n\nbase `{sweep.base}`, run directories under `{sweep.dir}`\n\n"
     markdown = intro + "\n".join(table)
     storage.write_text(storage.join(sweep.dir, "summary.md"), markdown + "\n")
+    from ops.plot import plot_runs
+
     plot_runs([p.run_dir for p in sweep.points], storage.join(sweep.dir, "loss_curves.png"),
               labels=[p.name for p in sweep.points], title=f"sweep {os.path.basename(sweep.path)}")
     return markdown
@@ -354,3 +363,21 @@ def main(path: str | None, config: str | None, overrides: list[str], emit: str |
         print(summarize(sweep))
         return 0
     return run_sweep(sweep)
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """`python sweep.py FILE [--emit slurm | --summarize] [key=value ...]`, the same as `python train.py
+    --sweep FILE ...`."""
+    parser = argparse.ArgumentParser(prog="python sweep.py", description="Run every point of a sweep file "
+                                     "(configs/sweeps/) in turn, each in its own train.py process.")
+    parser.add_argument("file", help="the sweep file")
+    parser.add_argument("--emit", choices=["slurm"], help="write a SLURM array job instead of running")
+    parser.add_argument("--summarize", action="store_true", help="only rewrite the summary and plot")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every point")
+    args = parser.parse_args(argv)
+    return main(args.file, None, args.overrides, args.emit, args.summarize)
+
+
+if __name__ == "__main__":
+    sys.exit(guarded(cli, "the points that finished are kept, a stopped one has its checkpoint; run the same "
+                          "command to resume the sweep"))

@@ -66,6 +66,12 @@ def _wait(read: int) -> None:
                 _leave(signum)
 
 
+def at_leave(cleanup: Callable[[], None]) -> None:
+    """Runs `cleanup` whenever a signal ends the command from now on (guarded's handler), for a
+    resource the whole process holds."""
+    _cleanups.insert(0, cleanup)  # the cleanups run newest first: this one after the blocks' own
+
+
 @contextlib.contextmanager
 def on_interrupt(cleanup: Callable[[], None]) -> Iterator[None]:
     """Runs `cleanup` if a signal ends the command inside the block (guarded's handler)."""

@@ -9,18 +9,21 @@ import dataclasses
 import functools
 import json
 import os
+import subprocess
 from typing import Any, Callable
 
 import datasets
+import lm_eval.evaluator
 from lm_eval import simple_evaluate
+from lm_eval.loggers.utils import get_commit_from_path
 from lm_eval.tasks import TaskManager
 from lm_eval.tasks._yaml_loader import load_yaml
 
-import configs
 import storage
 from configs import Config, ConfigError
 from data.tokenizer import load_tokenizer
 from evaluation.harness import Evaluator, MeshLM
+from evaluation.task_names import check_task_names, task_folder
 from ops.goodput import Goodput
 from ops.metrics import MetricsLogger, log
 
@@ -28,27 +31,16 @@ from ops.metrics import MetricsLogger, log
 SKIPPED = ("sample_len", "samples")
 
 
-def task_folder(folder: str) -> str:
-    """`folder` as given, or, relative and not found from here, inside the meshlm checkout (so
-    the default configs/eval is found from any working directory)."""
-    if not folder or os.path.isabs(folder) or os.path.isdir(folder):
-        return folder
-    beside = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(configs.__file__))), folder)
-    return beside if os.path.isdir(beside) else folder
+def _git_hash() -> str | None:
+    """The harness's record of the working directory's git commit, as it finds it, without git's
+    `fatal: not a git repository` line on the console for each task run outside a repository."""
+    try:
+        return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL).strip().decode()
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return get_commit_from_path(os.getcwd())
 
 
-def local_tasks(folder: str) -> dict[str, str]:
-    """{task name: YAML path} of the harness task YAMLs directly in `folder`."""
-    if not folder or not os.path.isdir(folder):
-        return {}
-    found = {}
-    for name in sorted(os.listdir(folder)):
-        if name.endswith((".yaml", ".yml")):
-            path = os.path.join(folder, name)
-            config = load_yaml(path, resolve_func=False)
-            if isinstance(config, dict) and isinstance(config.get("task"), str):
-                found[config["task"]] = path
-    return found
+lm_eval.evaluator.get_git_commit_hash = _git_hash  # simple_evaluate calls it by this name
 
 
 def _local_config(path: str) -> dict:
@@ -89,10 +81,11 @@ class Tasks:
 
 def resolve_tasks(names: list[str] | tuple[str, ...], folder: str, key: str = "eval.tasks") -> Tasks:
     """The tasks `names` from `folder`'s YAMLs or the harness's own. Raises ConfigError naming
-    `key` for an unknown task, or the file of a local task whose data file is missing."""
-    folder = task_folder(folder)
-    local = local_tasks(folder)
+    `key` for an unknown task (evaluation.task_names: without the harness's index), or the file
+    of a local task whose data file is missing."""
+    local = check_task_names(names, folder, key)
     standard = any(name not in local for name in names)
+    folder = task_folder(folder)
     manager = _manager(os.path.abspath(folder) if local else None, standard)
     specs: list = []
     for name in names:
@@ -100,10 +93,8 @@ def resolve_tasks(names: list[str] | tuple[str, ...], folder: str, key: str = "e
             specs.append(_local_config(local[name]))
         elif name in manager.all_tasks:
             specs.append(name)
-        else:
-            mine = f" (local: {', '.join(local)})" if local else ""
-            raise ConfigError(f"{key}: unknown task {name!r}: neither a YAML task in {folder}{mine} nor one of the "
-                              "harness's (`lm_eval ls tasks`)")
+        else:  # in the cached names, not in this harness's index: the cache is stale
+            raise ConfigError(f"{key}: unknown task {name!r}: not one of the harness's (`lm_eval ls tasks`)")
     return Tasks(tuple(names), specs, manager)
 
 

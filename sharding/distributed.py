@@ -16,6 +16,7 @@ from typing import Any
 import jax
 
 from configs.schema import ConfigError, DistConfig
+from sharding.gloo_lines import drop_gloo_lines
 
 _KEY = "meshlm/fingerprint"
 _BEATS = "meshlm/beats"
@@ -70,6 +71,7 @@ def initialize(cfg: DistConfig) -> bool:
             "dist.coordinator, dist.num_processes and dist.process_id must be set together "
             f"(got {cfg.coordinator!r}, {cfg.num_processes}, {cfg.process_id})"
         )
+    drop_gloo_lines()  # XLA:CPU's collectives between processes print a line per device as they connect
     jax.distributed.initialize(
         coordinator_address=cfg.coordinator or None,
         num_processes=cfg.num_processes or None,

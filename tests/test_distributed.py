@@ -10,6 +10,8 @@ import functools
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 from typing import Callable
 
@@ -19,7 +21,7 @@ import pytest
 
 import trainer
 from configs import load_config
-from conftest import stdlib_glob
+from conftest import ROOT, stdlib_glob
 from bench.procs import TINY
 from bench.procs import two_processes as start_two
 
@@ -65,6 +67,8 @@ def test_two_processes_train_like_one(tmp_path, one_process):
     records = metrics(tmp_path / "two")
     assert [r["step"] for r in records] == [1, 2, 3], "only process 0 writes metrics"
     assert "step 1/3" in procs[0].output and "step 1/3" not in procs[1].output, "only process 0 logs"
+    # gloo's line per device as it connects (sharding/gloo_lines.py), not the run's own lines
+    assert not [line for p in procs for line in p.output.splitlines() if "[Gloo]" in line or "peer ranks" in line]
     np.testing.assert_allclose(moving([r["loss"] for r in records]), [r["loss"] for r in reference], rtol=2e-5)
     assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["3"], "written collectively, once"
     # The two-process checkpoint resumes in one process with another layout.
@@ -207,3 +211,34 @@ def test_processes_with_different_configs_refuse_to_start(tmp_path):
     for p in procs:
         assert "error: processes disagree on optim.lr: " in p.output
     assert not os.path.exists(tmp_path / "checkpoints")
+
+
+def test_gloo_lines_leave_stdout_and_everything_else_stays_in_order():
+    """A process writes to its file descriptor 1 as gloo's C++ does (its threads' text interleaved)
+    among its own lines, part-lines and a NOT-connected line, then exits by a signal: only gloo's
+    connection lines are gone."""
+    gloo = b"[Gloo] Rank 2 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7\n"
+    mangled = (b"[Gloo] Rank [Gloo] Rank 3 is connected to 71 peer ranks. Expected number of connected peer ranks "
+               b"is : 7\n is connected to 7 peer ranks. Expected number of connected peer ranks is : 7\n1 peer ranks. \n"
+               b"7\n\n")
+    lost = b"[Gloo] Rank 1 is NOT connected to: [0]\n"
+    writes = [b"compiled\n", gloo, b"step 1", b"/2 | loss 5.4\n", mangled, b"[Gloo] Rank 0 is conn",
+              b"ected to 7 peer ranks. Expected number of connected peer ranks is : 7\n", lost, b"done"]
+    # Lines of numbers alone are gloo's only amid its lines: a run's own, a second later, stays.
+    writes += [b"sleep", b"4\n"]
+    script = ("import os, signal, sys, time\n"
+              "from configs import guarded\n"
+              "from sharding.gloo_lines import drop_gloo_lines\n"
+              "def main():\n"
+              "    drop_gloo_lines()\n"
+              f"    for w in {writes!r}:\n"
+              "        time.sleep(1.2 if w == b'sleep' else 0.01)\n"
+              "        os.write(1, w) if w != b'sleep' else None\n"
+              "    print(' and printed', flush=True)\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    time.sleep(30)\n"
+              "guarded(main, 'nothing')\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, timeout=60)
+    assert done.returncode == 143, done.stderr
+    assert done.stdout == b"compiled\nstep 1/2 | loss 5.4\n" + lost + b"done4\n and printed\n", done.stdout
+    assert done.stderr.decode().splitlines()[-1] == "interrupted by SIGTERM: nothing", done.stderr

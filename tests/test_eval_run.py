@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import shutil
 import struct
@@ -109,17 +110,24 @@ def test_resume_keeps_the_scores_and_a_failing_task_is_one_warning(run_dir, tmp_
     assert set(after[STEPS + 10]) == {"step", SCORE}
 
 
-def test_eval_py_scores_the_checkpoint_as_training_did(run_dir, tmp_path, capsys):
+def test_eval_py_scores_the_checkpoint_as_training_did(run_dir, tmp_path, capsys, caplog):
     """eval.py on the newest checkpoint, on this process's 8 devices (training ran on 2)."""
     last = max(_task_records(run_dir))
     out = tmp_path / "scores.json"
     tasks = f"{TASK},stdlib_text,stdlib_complete"  # multiple choice, rolling text, generation
     argv = ["--run-dir", run_dir, "--tasks", tasks, "--limit", str(LIMIT), "--output", str(out)]
+    # The harness's warnings shown as in a process of its own (an earlier evaluation in this one
+    # set its logger to errors only).
+    caplog.set_level(logging.WARNING, logger="lm_eval")
     assert eval_main(argv) == 0
     written = json.loads(out.read_text())
     assert written["step"] == last and written["requests"] > 4 * LIMIT
     assert written["scores"][SCORE] == _task_records(run_dir)[last][SCORE]
     assert f"{TASK}/acc " in capsys.readouterr().out
+    # No harness warning for the shipped tasks (their metrics' aggregation said in full): each
+    # would be a line on eval.py's stderr.
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("lm_eval")]
+    assert not warned, warned
     # The text task (rolling log-likelihood): better than a uniform guess over the 264 ids, 8.04 bits.
     assert 1 < written["scores"]["task/stdlib_text/bits_per_byte"] < 6, written
     assert 0 <= written["scores"]["task/stdlib_complete/exact_match"] <= 1  # too hard for this model: runs only
@@ -147,3 +155,14 @@ def test_bad_input_is_one_line_and_exit_2(run_dir, tmp_path, capsys):
     fresh = tmp_path / "fresh"
     err = refused(["--config", "tiny", f"run.dir={fresh}", "eval.tasks=[no_such_task]"], train_main)
     assert "eval.tasks: unknown task" in err and not fresh.exists()
+
+
+def test_a_task_run_outside_a_git_repository_prints_nothing_of_git(tmp_path, monkeypatch, capfd):
+    """The harness records the working directory's commit with `git describe` on every run; outside
+    a repository that printed git's `fatal: not a git repository` once per task."""
+    import lm_eval.evaluator
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # no repository above tmp_path either
+    assert lm_eval.evaluator.get_git_commit_hash() is None
+    assert capfd.readouterr().err == ""

@@ -88,3 +88,28 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.parametrize("command, kept", [
+    (["plan.py", "--config", "tiny", "--devices", "8"], "the compile was stopped and nothing was written"),
+    (["hf.py", "export", "--run-dir", "{tmp}/run", "--out", "{tmp}/out"],
+     "each file is written under a temporary name and renamed whole, so what is there is whole; run the same "
+     "command again"),
+    (["generate.py", "--run-dir", "{tmp}/run", "--prompt", "a"], "nothing was written"),
+], ids=["plan.py", "hf.py", "generate.py"])
+def test_a_command_interrupted_while_it_imports_jax_leaves_one_line(tmp_path, command, kept):
+    """Ctrl-C while JAX is being imported (`-X importtime` names each module as it finishes: the
+    first of JAX's own is the moment), the commands' arguments already parsed."""
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in command]
+    proc = subprocess.Popen([sys.executable, "-X", "importtime", *argv], cwd=ROOT, env=dict(cpu_env(1)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if line.startswith("import time:") and line.rpartition("|")[2].strip().startswith("jax."):
+            proc.send_signal(signal.SIGINT)
+            break
+    rest = proc.stderr.read()
+    assert proc.wait(30) == 130, "".join(seen) + rest
+    output = "".join(line for line in (seen + rest.splitlines(keepends=True)) if not line.startswith("import time:"))
+    _one_line(output, signal.SIGINT, kept)
