@@ -27,6 +27,7 @@ from model import hf, hf_arch
 from model.decode import generate
 from model.transformer import transformer_from_params
 from model.safetensors_files import SafetensorsDir, write_safetensors
+from sharding.hardware import HARDWARE
 from trainer.checkpoint import restore_params
 from trainer.state import abstract_model
 
@@ -197,7 +198,7 @@ def test_plan_dumps_its_hlo_to_a_bucket(s3_bucket: str, capsys: pytest.CaptureFi
     refused before anything compiles, exit 2."""
     dump = f"{s3_bucket}/{uuid.uuid4().hex[:8]}/hlo"
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), ["mesh.data=8"])
-    plan_cli.measure(cfg, plan_cli.HARDWARE["h100"], None, 8, "", dump)
+    plan_cli.measure(cfg, HARDWARE["h100"], None, 8, "", dump)
     (name,) = storage.listdir(dump)
     assert name == "h100_8_data8_none.hlo" and storage.read_text(f"{dump}/{name}").startswith("HloModule ")
     assert plan_cli.main(["--config", "tiny", "--devices", "8", "--dump-hlo", "s3://no-such-bucket/hlo"]) == 2
