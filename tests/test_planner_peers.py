@@ -3,16 +3,25 @@
 gmm/tgmm, splash attention) charged their own FLOPs, an unknown Pallas kernel charged its bytes
 and named, `ragged-all-to-all` read as a collective at its bound with its balanced-routing
 estimate, and a nested `dynamic-slice` of a stacked buffer charged the slice. The expected
-figures are written from the shapes in the snippets, not from the planner."""
+figures are written from the shapes in the snippets, not from the planner. One real-target
+test compiles a splash + megablox step with libtpu and checks its FLOPs against the model's."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+
+import pytest
 
 from bench.collectives import _program, row
-from conftest import ROOT
+from conftest import ROOT, real_target_env
 from planner.hlo import collectives, static_counts
-from planner.roofline import compute_seconds, kernels
+from planner import pallas
+from planner.roofline import compute_seconds, kernels, parse
+from planner.targets import has_compiler
+from sharding.hardware import HARDWARE
 
 SNIPPETS = os.path.join(ROOT, "tests", "fixtures", "peers", "snippets")
 BF16 = 2
@@ -35,7 +44,8 @@ def test_megablox_and_splash_kernels_are_charged_their_formulas() -> None:
     assert got["gmm.11"].flops == grouped  # [8192, 14336] x experts [8, 14336, 4096]
     assert got["tgmm.3"].flops == grouped  # [8192, 14336]^T x [8192, 4096] -> [8, 14336, 4096]
     heads, seq, head_dim = 32, 4096, 128
-    per_matmul = 2.0 * heads * seq * seq * head_dim / 2  # causal: half the scores
+    # Causal over an 8 x 8 grid of 512-blocks (the s8[1,8,8] block mask): 36 of the 64 blocks.
+    per_matmul = 2.0 * heads * seq * seq * head_dim * 36 / 64
     assert got["splash_mha_fwd_segmented_residuals.3"].flops == 2 * per_matmul
     assert got["splash_mha_dq_segmented_no_residuals.1"].flops == 3 * per_matmul
     assert got["splash_mha_dkv_segmented_no_residuals.1"].flops == 4 * per_matmul
@@ -48,7 +58,21 @@ def test_a_fused_splash_backward_counts_its_dq_matmul_too() -> None:
         "%splash_mha_dkv_segmented_no_residuals.1 = (f32[512,128]{1,0:T(8,128)},",
         "%splash_mha_dkv_segmented_no_residuals.1 = (f32[8,32,4096,128]{3,2,1,0}, f32[512,128]{1,0:T(8,128)},")
     heads, seq, head_dim = 32, 4096, 128
-    assert _kernels(text)["splash_mha_dkv_segmented_no_residuals.1"].flops == 5 * heads * seq * seq * head_dim
+    assert _kernels(text)["splash_mha_dkv_segmented_no_residuals.1"].flops == 5 * 2.0 * heads * seq * seq * head_dim * 36 / 64
+
+
+def test_a_splash_call_named_only_splash_attention_is_known_by_its_block_sizes() -> None:
+    """libtpu may keep only `jit(_splash_attention)` of the op name; each phase is given its own block sizes."""
+    text = _text("mixtral-fsdp64-pallas.hlo")
+    for phase in ("fwd_segmented_residuals", "dq_segmented_no_residuals", "dkv_segmented_no_residuals"):
+        text = text.replace(f"splash_mha_{phase}/splash_mha_{phase}/pallas_call", "pallas_call")
+    text = text.replace("%splash_mha_fwd_segmented_residuals.3 =", "%_splash_attention.7 =").replace(
+        "%splash_mha_dq_segmented_no_residuals.1 =", "%_splash_attention.6 =").replace(
+        "%splash_mha_dkv_segmented_no_residuals.1 =", "%_splash_attention.5 =")
+    got = _kernels(text)
+    assert "splash_mha" not in text
+    per_matmul = 2.0 * 32 * 4096 * 4096 * 128 * 36 / 64
+    assert [got[f"_splash_attention.{i}"].flops for i in (7, 6, 5)] == [2 * per_matmul, 3 * per_matmul, 4 * per_matmul]
 
 
 def test_an_unknown_pallas_kernel_is_charged_its_bytes_and_named() -> None:
@@ -96,3 +120,27 @@ def test_a_kernel_is_known_by_its_op_name_on_the_lines_after_its_own() -> None:
     text = _text("mixtral-fsdp64-pallas.hlo").replace("%gmm.10 =", "%custom-call.7 =")
     kernel = _kernels(text)["custom-call.7"]
     assert not kernel.unknown_flops and kernel.flops == 2.0 * 8192 * 4096 * 14336
+
+
+@pytest.mark.real_target
+def test_a_splash_and_megablox_step_compiled_by_libtpu_is_charged_its_model_flops(tmp_path) -> None:
+    """tiny-moe with splash attention and megablox experts, compiled by libtpu for a v5p 2x2x1:
+    the planner's FLOPs hold the model's (XLA's cost analysis counts the Pallas kernels as 0)."""
+    if not has_compiler(HARDWARE["tpu-v5p"]):
+        pytest.skip("libtpu is not installed (make compilers)")
+    out = tmp_path / "plan.json"
+    done = subprocess.run([sys.executable, "plan.py", "--config", os.path.join(ROOT, "configs", "tiny-moe.yaml"),
+                           "--devices", "4", "--hardware", "tpu-v5p", "--dump-hlo", str(tmp_path), "--out", str(out),
+                           "model.attention=splash", "model.moe.grouped_matmul=megablox", "model.remat=full",
+                           "mesh.data=1", "mesh.fsdp=4"],
+                          cwd=ROOT, env=real_target_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    p = json.loads(out.read_text())["plans"][0]
+    text = next(tmp_path.glob("*.hlo")).read_text()
+    calls = [i for body in parse(text).values() for i in body if 'custom_call_target="tpu_custom_call"' in i.attrs]
+    names = {pallas.kernel_name(i.name, i.attrs) for i in calls}
+    assert names == {"gmm", "tgmm", "splash_fwd", "splash_dq", "splash_dkv"}, names
+    assert not any("Pallas" in note or "planned with" in note for note in p["notes"]), p["notes"]
+    flops = p["flops"]
+    # Full remat runs the forward twice: more than the model's 6 x params x tokens, less than twice it.
+    assert flops["model"] <= flops["compiled"] < 2 * flops["model"], flops
