@@ -10,7 +10,7 @@ Memory is arguments + temporaries per device. A cell reads "executions: buffer G
 ragged all-to-all (an expert dispatch sending only the routed rows) is sent at its bound, its
 output buffers, with what balanced routing would send beside it.
 
-    python -m bench.collectives                       # llama3-8b on a v5p-64: the BENCHMARKS table
+    python -m bench.collectives                       # every case: the BENCHMARKS table
     python -m bench.collectives --case "llama3-8b tpu-v5p 64 mesh.data=1 mesh.fsdp=64" --peer PROGRAM.hlo.gz
 """
 
@@ -30,11 +30,19 @@ from planner.hlo import collectives
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEERS = os.path.join(ROOT, "tests", "fixtures", "peers")
 MAXTEXT = "maxtext-e591f30-llama3-8b-v5p64-"
+MIXTRAL = "maxtext-e591f30-mixtral-8x7b-v5p64-"
+MOE_TPU = "model.attention=splash model.moe.grouped_matmul=megablox"
 # (preset, hardware, devices, overrides, the peer's program or "")
 CASES = [
     ("llama3-8b", "tpu-v5p", 64, "mesh.data=1 mesh.fsdp=64", MAXTEXT + "fsdp64.hlo.gz"),
     ("llama3-8b", "tpu-v5p", 64, "mesh.data=4 mesh.fsdp=16", MAXTEXT + "data4-fsdp16.hlo.gz"),
     ("llama3-8b", "tpu-v5p", 64, "mesh.data=1 mesh.fsdp=64 model.attention=splash", ""),
+    # MaxText's MoE and 70B programs (flash attention, megablox, remat full), meshlm's the same way
+    ("mixtral-8x7b", "tpu-v5p", 64, f"mesh.data=1 mesh.fsdp=64 {MOE_TPU}", MIXTRAL + "fsdp64-flash-seq4096.hlo.gz"),
+    ("mixtral-8x7b", "tpu-v5p", 64, f"mesh.data=1 mesh.fsdp=16 mesh.expert=4 {MOE_TPU}",
+     MIXTRAL + "fsdp16-expert4-flash-seq4096.hlo.gz"),
+    ("llama3-70b", "tpu-v5p", 128, "mesh.data=1 mesh.fsdp=128 train.global_batch=128 train.grad_accum=1 model.attention=splash",
+     "maxtext-e591f30-llama3-70b-v5p128chips-fsdp128-flash-seq8192.hlo.gz"),
 ]
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
 GB = 1e9
