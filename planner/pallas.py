@@ -10,6 +10,9 @@ kernel's only `block_q_dkv`. Known kernels get their own formula:
 
 - megablox `gmm`: lhs [m, k] times each row's expert of rhs [G, k, n] -> [m, n]: 2 m k n.
 - megablox `tgmm`: lhs [m, k] transposed times rhs [m, n], summed per group -> [G, k, n]: 2 m k n.
+  Both run only the row tiles their group sizes fill (data), so all m rows are a bound: exact
+  when every row is routed (dropless without expert parallelism), 4x the balanced work on the
+  padded buffer a ragged all-to-all fills under `expert`=4.
 - splash attention (`splash_{mha,mqa}_{fwd,dq,dkv}`): q [..., H, T, D] against k [..., S, D]:
   2 T S D per q head per matmul: the forward runs 2 (Q K^T, P V), the dq kernel 3 (Q K^T,
   dO V^T, dS K), the dkv kernel 4 (Q K^T, P^T dO, dO V^T, dS^T Q), 5 when it is the fused
