@@ -170,6 +170,14 @@ def measure(cfg: Config, hw: Hardware, target: Hardware | None, n: int, topology
         notes.append(f"{unknown} loop(s) of unknown trip count: their collectives and kernels are counted once")
     batch = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(program.abstract_batch())) // n
     roofline = compute_seconds(kernels(text), lambda f, b, prec: kernel_seconds(f, b, hw, prec))
+    if roofline["unknown_flops"]:
+        names = roofline["unknown_flops"]
+        notes.append(f"{len(names)} Pallas kernel(s) of unknown FLOPs ({', '.join(names[:3])}"
+                     f"{', ...' if len(names) > 3 else ''}): charged their operand and result bytes, 0 FLOPs")
+    ragged = [c for c in ops if c.kind == "ragged-all-to-all"]
+    if ragged:
+        notes.append(f"ragged-all-to-all: charged its bound, the output buffers ({sum(c.bytes * c.count for c in ragged) / 1e9:.2f} "
+                     f"GB a step); balanced routing would send {sum(c.balanced * c.count for c in ragged) / 1e9:.2f} GB")
     if cfg.model.quant != "none":
         low = roofline[f"{cfg.model.quant}_flops"] / max(roofline["flops"], 1.0)
         notes.append(f"model.quant={cfg.model.quant}: {low:.0%} of the compiled FLOPs are {cfg.model.quant} matmuls, "

@@ -6,9 +6,11 @@ a path given with --peer), the same parser (planner/hlo.py) reads it, and its me
 the `memory_analysis()` saved beside it (`.mem.json`) where there is one. Counts are per step
 with loop trips; "buffer" is the ops' full buffers, "sent" the ring bytes each device sends for
 the op as the compiler wrote it (a gather written as an all-reduce sends an all-reduce's).
-Memory is arguments + temporaries per device. A cell reads "executions: buffer GB / sent GB".
+Memory is arguments + temporaries per device. A cell reads "executions: buffer GB / sent GB"; a
+ragged all-to-all (an expert dispatch sending only the routed rows) is sent at its bound, its
+output buffers, with what balanced routing would send beside it.
 
-    python -m bench.collectives                       # llama3-8b on a v5p-64: the BENCHMARKS table
+    python -m bench.collectives                       # every case: the BENCHMARKS table
     python -m bench.collectives --case "llama3-8b tpu-v5p 64 mesh.data=1 mesh.fsdp=64" --peer PROGRAM.hlo.gz
 """
 
@@ -28,19 +30,28 @@ from planner.hlo import collectives
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEERS = os.path.join(ROOT, "tests", "fixtures", "peers")
 MAXTEXT = "maxtext-e591f30-llama3-8b-v5p64-"
+MIXTRAL = "maxtext-e591f30-mixtral-8x7b-v5p64-"
+MOE_TPU = "model.attention=splash model.moe.grouped_matmul=megablox"
 # (preset, hardware, devices, overrides, the peer's program or "")
 CASES = [
     ("llama3-8b", "tpu-v5p", 64, "mesh.data=1 mesh.fsdp=64", MAXTEXT + "fsdp64.hlo.gz"),
     ("llama3-8b", "tpu-v5p", 64, "mesh.data=4 mesh.fsdp=16", MAXTEXT + "data4-fsdp16.hlo.gz"),
     ("llama3-8b", "tpu-v5p", 64, "mesh.data=1 mesh.fsdp=64 model.attention=splash", ""),
+    # MaxText's MoE and 70B programs (flash attention, megablox, remat full), meshlm's the same way
+    ("mixtral-8x7b", "tpu-v5p", 64, f"mesh.data=1 mesh.fsdp=64 {MOE_TPU}", MIXTRAL + "fsdp64-flash-seq4096.hlo.gz"),
+    ("mixtral-8x7b", "tpu-v5p", 64, f"mesh.data=1 mesh.fsdp=16 mesh.expert=4 {MOE_TPU}",
+     MIXTRAL + "fsdp16-expert4-flash-seq4096.hlo.gz"),
+    ("llama3-70b", "tpu-v5p", 128, "mesh.data=1 mesh.fsdp=128 train.global_batch=128 train.grad_accum=1 model.attention=splash",
+     "maxtext-e591f30-llama3-70b-v5p128chips-fsdp128-flash-seq8192.hlo.gz"),
 ]
-KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
 GB = 1e9
 
 
 def _by_kind(ops: list[dict]) -> dict[str, list[float]]:
-    """kind (with the op it is written as) -> [executions, buffer bytes, bytes sent], per step."""
-    out: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    """kind (with the op it is written as) -> [executions, buffer bytes, bytes sent, bytes sent
+    under balanced routing], per step (a ragged all-to-all's "sent" is its bound, the buffer)."""
+    out: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
     for c in ops:
         if c["group_size"] <= 1:
             continue
@@ -49,6 +60,7 @@ def _by_kind(ops: list[dict]) -> dict[str, list[float]]:
         t[0] += c["count"]
         t[1] += c["bytes"] * c["count"]
         t[2] += c["wire_bytes"] * c["count"]
+        t[3] += (c.get("balanced") or c["wire_bytes"]) * c["count"]
     return dict(out)
 
 
@@ -100,7 +112,8 @@ def row(name: str, result: dict) -> str:
         count, buffer, sent = (sum(v[i] for v in parts.values()) for i in range(3))
         written = [f"{v[0]:.0f} as {k.split('(as ')[1].rstrip(')')}" for k, v in sorted(parts.items()) if "(as " in k]
         note = f" ({', '.join(written)})" if written else ""
-        cells.append(f"{count:.0f}{note}: {buffer / GB:.2f} / {sent / GB:.2f}")
+        balanced = f" (balanced {sum(v[3] for v in parts.values()) / GB:.2f})" if kind == "ragged-all-to-all" else ""
+        cells.append(f"{count:.0f}{note}: {buffer / GB:.2f} / {sent / GB:.2f}{balanced}")
     sent = sum(v[2] for v in result["kinds"].values())
     return f"| {name} | {memory} | " + " | ".join(cells) + f" | **{sent / GB:.2f}** |"
 

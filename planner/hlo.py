@@ -1,9 +1,11 @@
 """Collectives in compiled HLO text: what kind, how many bytes, over which mesh axes, how often.
 
 `collectives(hlo_text, mesh_shape)` reads every all-reduce, all-gather, reduce-scatter,
-all-to-all and collective-permute of a compiled (SPMD-partitioned) module and returns one
-`Collective` per op. Sizes come from the op's result type (dtype x dims; a tuple result is the
-sum of its parts). Device groups come from `replica_groups` in any of the three forms XLA
+all-to-all, ragged-all-to-all and collective-permute of a compiled (SPMD-partitioned) module and
+returns one `Collective` per op. Sizes come from the op's result type (dtype x dims; a tuple
+result is the sum of its parts). A ragged all-to-all (an expert dispatch that sends only the
+routed rows) moves as much as the routing asks: it is charged its bound, the output buffer, and
+carries the balanced-routing estimate beside it. Device groups come from `replica_groups` in any of the three forms XLA
 prints (explicit `{{0,1},{2,3}}`, iota `[4,2]<=[2,4]T(1,0)`, and named `mesh['axis_0'=2,...]
 device_ids=(...) {'axis_0'}`) or from `source_target_pairs`; a group's ids are positions in
 the device assignment, which is the jit mesh flattened in row-major order, so the mesh axes
@@ -34,7 +36,7 @@ import numpy as np
 
 from planner.hlo_graph import Graph
 
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all")
 
 # Ring-algorithm bytes each device sends per byte of the op's full buffer (n devices per group):
 # all-reduce = reduce-scatter + all-gather; a permute sends its whole operand once.
@@ -44,6 +46,9 @@ RING_FACTORS = {
     "reduce-scatter": lambda n: (n - 1) / n,
     "all-to-all": lambda n: (n - 1) / n,
     "collective-permute": lambda n: 1.0,
+    # The rows a ragged all-to-all sends depend on the routing: charged at its bound, the whole
+    # output buffer arriving from the others (`Collective.balanced` holds the even-routing estimate).
+    "ragged-all-to-all": lambda n: 1.0,
 }
 
 _OP = re.compile(r"^\s*(?:ROOT\s+)?%(\S+) = (.+?) (" + "|".join(COLLECTIVES) + r")(-start)?\(")
@@ -66,6 +71,7 @@ class Collective:
     dtype: str = ""  # element type(s) of the buffer, e.g. "bf16" or "bf16+f32" for a combined op
     by_dtype: tuple[tuple[str, int], ...] = ()  # `bytes` split by element type (a combined op mixes them)
     lowered_as: str = ""  # the op the compiler wrote it as, where that is another (planner/hlo_graph.py)
+    balanced: float = 0.0  # ragged-all-to-all: bytes one device sends per execution if routing were balanced
 
     @property
     def wire_bytes(self) -> float:
@@ -296,9 +302,20 @@ def collectives(
             found.append(_op("reduce-scatter", where, type_text, size))
         elif kind == "all-reduce" and not start:
             found += _all_reduce_parts(name, type_text, line, graph, where)
+        elif kind == "ragged-all-to-all":
+            found.append(dataclasses.replace(_op(kind, where, type_text, size), balanced=_balanced(name, size, n, graph)))
         else:
             found.append(_op(kind, where, type_text, size))
     return found, unknown
+
+
+def _balanced(name: str, size: int, n: int, graph: Graph) -> float:
+    """What a ragged all-to-all sends if routing were balanced: each device's rows (the smaller of
+    its input and output buffers: a dispatch's input holds its own rows, a combine's output the
+    rows coming home; the other is sized for the worst case) less the 1/n that stays put."""
+    operands = graph.operands.get(name, [])
+    rows = min(shape_bytes(graph.type.get(operands[0], "")), size) if operands else size
+    return rows * (n - 1) / n
 
 
 def _op(kind: str, where: tuple, type_text: str, size: int, lowered_as: str = "") -> Collective:

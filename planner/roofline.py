@@ -9,10 +9,14 @@ bare op. Its executions per step are its computation's loop trip counts (planner
 - FLOPs: 2 x result elements x contracted elements for every `dot` inside a fusion (nested
   fusions included) or a GEMM custom call, and for every `convolution` (the TPU's matmul) the
   multiply-adds that land on real input (a padded window is not all work); cuDNN flash attention counts its
-  two (forward) or five (backward) matmuls of [T, S] per head, halved when causal.
+  two (forward) or five (backward) matmuls of [T, S] per head, halved when causal; a Pallas
+  kernel (megablox gmm/tgmm, splash attention) its own formula (planner.pallas). A Pallas kernel
+  that module does not know is charged its bytes and 0 FLOPs, and `unknown_flops` names it.
 - Bytes: the kernel's operands plus its result, except that an operand a fusion only reads
-  through `dynamic-slice` counts the slices (a scan reading layer i of a stacked weight), and
-  a fusion whose root is `dynamic-update-slice` writes only the update (in place).
+  through `dynamic-slice` counts the slices (a scan reading layer i of a stacked weight), also
+  when the slice sits in a fusion nested inside it, and a fusion whose root is
+  `dynamic-update-slice` writes only the update (in place), as does a bare one; a bare
+  `dynamic-slice` moves its slice.
 - Precision: a kernel whose matmul reads float8 operands is "fp8", one reading int8 "int8"
   (timed at that rate, sharding.hardware), any other "bf16" (the device's default peak).
 Collectives are left to planner.hlo and the step-time model.
@@ -24,8 +28,9 @@ import dataclasses
 import math
 import re
 from collections import defaultdict
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
+from planner import pallas
 from planner.hlo import COLLECTIVES, HEADER, multiplicities, shape_bytes
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*)$")
@@ -56,11 +61,31 @@ def _split_args(text: str) -> tuple[str, str]:
     return text, ""
 
 
+def _instruction_lines(hlo_text: str) -> list[str]:
+    """The text's lines with an instruction that spans several (a Pallas call's `kernel_metadata`
+    holds newlines) joined into one, so its `op_name` and backend_config stay with it. A line
+    that starts an instruction or a computation always starts a new one."""
+    out: list[str] = []
+    depth = 0
+    for line in hlo_text.splitlines():
+        starts = bool(_INSTR.match(line) or HEADER.match(line))
+        if depth > 0 and not starts:
+            out[-1] += line
+        else:
+            out.append(line)
+            depth = 0
+        if starts or depth > 0:
+            depth += line.count("{") - line.count("}")
+        if HEADER.match(line):
+            depth = 0
+    return out
+
+
 def parse(hlo_text: str) -> dict[str, list[Instr]]:
     """Computation name -> its instructions, in order."""
     comps: dict[str, list[Instr]] = {}
     current = None
-    for line in hlo_text.splitlines():
+    for line in _instruction_lines(hlo_text):
         header = HEADER.match(line)
         if header:
             current = comps.setdefault(header.group(2), [])
@@ -180,6 +205,17 @@ def _attention_flops(ins: Instr, types: dict[str, str]) -> float:
     return matmuls * 2.0 * b * h * t * k[1] * d * causal
 
 
+def _custom_call_flops(ins: Instr, types: dict[str, str]) -> float | None:
+    """A custom call's FLOPs (None: a Pallas kernel of unknown FLOPs)."""
+    target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
+    target = target.group(1) if target else ""
+    if pallas.is_pallas(target):
+        return pallas.flops(ins.name, ins.attrs, ins.type, [types.get(o, "") for o in ins.operands])[1]
+    if "gemm" in target or "matmul" in target:
+        return _gemm_flops(ins, types)
+    return _attention_flops(ins, types) if "fmha" in target else 0.0
+
+
 def _fusion_flops(comp: str, comps: dict[str, list[Instr]], types: dict[str, str]) -> float:
     total = 0.0
     for ins in comps.get(comp, []):
@@ -188,6 +224,30 @@ def _fusion_flops(comp: str, comps: dict[str, list[Instr]], types: dict[str, str
         elif ins.op == "fusion":
             called = re.search(r"calls=%([\w.\-]+)", ins.attrs)
             total += _fusion_flops(called.group(1), comps, types) if called else 0.0
+    return total
+
+
+def _sliced_bytes(comp: str, index: int, comps: dict[str, list[Instr]]) -> float | None:
+    """The bytes fused computation `comp` reads of its parameter `index` when it reads it only
+    through dynamic-slices, its own or those of the fusions nested in it (a layer of a stacked
+    buffer); None when it reads more."""
+    body = comps.get(comp, [])
+    param = next((i for i in body if i.op == "parameter" and int(i.args.strip() or 0) == index), None)
+    uses = [u for u in body if param is not None and param.name in u.operands]
+    if not uses:
+        return None
+    total = 0.0
+    for use in uses:
+        called = re.search(r"calls=%([\w.\-]+)", use.attrs) if use.op == "fusion" else None
+        if use.op == "dynamic-slice" and use.operands.index(param.name) == 0 and use.operands.count(param.name) == 1:
+            total += shape_bytes(use.type)
+        elif called:
+            parts = [_sliced_bytes(called.group(1), j, comps) for j, o in enumerate(use.operands) if o == param.name]
+            if None in parts:
+                return None
+            total += sum(parts)
+        else:
+            return None
     return total
 
 
@@ -206,10 +266,9 @@ def _fusion_bytes(ins: Instr, comps: dict[str, list[Instr]], types: dict[str, st
         uses = users.get(p.name, []) if p else []
         if uses and all(u.op == "dynamic-update-slice" and u.operands[0] == p.name for u in uses):
             continue  # the buffer a dynamic-update-slice writes into in place: not read
-        if uses and all(u.op == "dynamic-slice" and u.operands[0] == p.name for u in uses):
-            total += sum(shape_bytes(u.type) for u in uses)
-        else:
-            total += shape_bytes(types.get(operand, ""))
+        full = shape_bytes(types.get(operand, ""))
+        sliced = _sliced_bytes(called.group(1), index, comps) if called and uses else None
+        total += full if sliced is None else min(sliced, full)
     root = body[-1] if body else None
     outputs = [by_name.get(o) for o in root.operands] if root is not None and root.op == "tuple" else [root]
     for out in outputs:
@@ -220,6 +279,16 @@ def _fusion_bytes(ins: Instr, comps: dict[str, list[Instr]], types: dict[str, st
     return total
 
 
+def _bare_bytes(ins: Instr, types: dict[str, str]) -> float:
+    """An unfused op's operands plus its result; a dynamic-slice reads and writes its slice, and a
+    dynamic-update-slice (in place) the update, not the whole buffer."""
+    if ins.op == "dynamic-slice":
+        return 2.0 * shape_bytes(ins.type)
+    if ins.op == "dynamic-update-slice" and len(ins.operands) > 1:
+        return 2.0 * shape_bytes(types.get(ins.operands[1], ""))
+    return sum(shape_bytes(types.get(o, "")) for o in ins.operands) + shape_bytes(ins.type)
+
+
 @dataclasses.dataclass(frozen=True)
 class Kernel:
     name: str
@@ -228,6 +297,7 @@ class Kernel:
     bytes: float  # per execution
     count: int  # executions per step
     precision: str = "bf16"  # of its matmul operands: "fp8", "int8" or "bf16" (any other)
+    unknown_flops: bool = False  # a Pallas kernel planner.pallas does not know: charged 0 FLOPs
 
 
 def kernels(hlo_text: str) -> list[Kernel]:
@@ -252,28 +322,30 @@ def kernels(hlo_text: str) -> list[Kernel]:
                 precision = _fusion_precision(called.group(1), comps, types) if called else "bf16"
                 size = _fusion_bytes(ins, comps, types)
             elif ins.op == "custom-call":
-                target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
-                target = target.group(1) if target else ""
-                flops = (_gemm_flops(ins, types) if "gemm" in target or "matmul" in target
-                         else _attention_flops(ins, types) if "fmha" in target else 0.0)
+                flops = _custom_call_flops(ins, types)
                 precision = _precision(ins, types) if flops else "bf16"
                 size = sum(shape_bytes(types.get(o, "")) for o in ins.operands) + shape_bytes(ins.type)
+                if flops is None:
+                    found.append(Kernel(ins.name, ins.op, 0.0, size, count, precision, unknown_flops=True))
+                    continue
             else:
                 flops = (_conv_flops(ins, types) if ins.op == "convolution"
                          else _dot_flops(ins, types) if ins.op == "dot" else 0.0)
                 precision = _precision(ins, types) or "bf16"
-                size = sum(shape_bytes(types.get(o, "")) for o in ins.operands) + shape_bytes(ins.type)
+                size = _bare_bytes(ins, types)
             found.append(Kernel(ins.name, ins.op, flops, size, count, precision))
     return found
 
 
-def compute_seconds(found: list[Kernel], seconds: Callable[[float, float, str], float]) -> dict[str, float]:
-    """Roofline totals per step: FLOPs (all, and those of FP8 and int8 matmuls), bytes, and the
-    time `seconds(flops, bytes, precision)` sums to."""
+def compute_seconds(found: list[Kernel], seconds: Callable[[float, float, str], float]) -> dict[str, Any]:
+    """Roofline totals per step: FLOPs (all, and those of FP8 and int8 matmuls), bytes, the
+    time `seconds(flops, bytes, precision)` sums to, and the Pallas kernels whose FLOPs are
+    unknown (charged their bytes only)."""
     return {
         "flops": sum(k.flops * k.count for k in found),
         **{f"{p}_flops": sum(k.flops * k.count for k in found if k.precision == p) for p in ("fp8", "int8")},
         "bytes": sum(k.bytes * k.count for k in found),
         "seconds": sum(seconds(k.flops, k.bytes, k.precision) * k.count for k in found),
         "kernels": sum(k.count for k in found),
+        "unknown_flops": sorted({k.name for k in found if k.unknown_flops}),
     }
