@@ -64,11 +64,14 @@ class Chunk:
 _worker: tuple[Tokenizer, Options, ChatTemplate | None] | None = None
 
 
-def _init_worker(opts: Options, pooled: bool) -> None:
-    """Loads the tokenizer once per process (a tokenizer does not pickle cheaply, a spec does)."""
+def _init_worker(opts: Options, pooled: bool, client_env: dict[str, str] | None = None) -> None:
+    """Loads the tokenizer once per process (a tokenizer does not pickle cheaply, a spec does);
+    a pooled worker reaches the object stores with the caller's variables (storage.client_env)."""
     global _worker
     if pooled:  # one thread per worker: the pool is the parallelism, not the tokenizer's own threads
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    if client_env is not None:
+        storage.use_client_env(client_env)
     template = _chat_template(opts)
     _worker = (load_tokenizer(opts.tokenizer, "--tokenizer"), opts, template)
 
@@ -134,7 +137,7 @@ def run_tasks(tasks: Iterator[Task], opts: Options, workers: int) -> Iterator[Ch
     # forkserver, not fork: a caller that has loaded JAX (or a tokenizer's thread pool) is
     # multithreaded, and a forked copy of it can deadlock on a lock held by another thread.
     context = multiprocessing.get_context("forkserver")
-    with context.Pool(workers, _init_worker, (opts, True)) as pool:
+    with context.Pool(workers, _init_worker, (opts, True, storage.client_env())) as pool:
         pending: deque = deque()
         for task in tasks:
             pending.append(pool.apply_async(tokenize_task, (task,)))

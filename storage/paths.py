@@ -215,6 +215,25 @@ def copy_file(src: str | os.PathLike, dst: str | os.PathLike) -> None:
             shutil.copyfileobj(fin, fout, 1 << 24)
 
 
+# The standard variables the object-store clients read: credentials, regions, endpoints.
+CLIENT_ENV = ("AWS_", "GOOGLE_", "STORAGE_EMULATOR_HOST", "TENSORSTORE_")
+
+
+def client_env() -> dict[str, str]:
+    """This process's object-store client variables, for a worker process that may not have
+    inherited them: a forkserver started before they were set forks workers with its own."""
+    return {k: v for k, v in os.environ.items() if k.startswith(CLIENT_ENV)}
+
+
+def use_client_env(env: dict[str, str]) -> None:
+    """Makes this process's object-store client variables exactly `env` (client_env's), and
+    forgets the clients made with the old ones."""
+    for key in [k for k in os.environ if k.startswith(CLIENT_ENV) and k not in env]:
+        del os.environ[key]
+    os.environ.update(env)
+    _filesystem.cache_clear()
+
+
 @functools.lru_cache(maxsize=None)
 def _copies() -> str:
     """This process's folder of local copies, removed when it exits."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import multiprocessing
 import os
 import pathlib
 import uuid
@@ -99,7 +100,14 @@ def test_prepare_reads_and_writes_a_bucket(request: pytest.FixtureRequest, tmp_p
 
 def test_worker_processes_read_text_files_from_a_bucket(s3_bucket: str, tmp_path: pathlib.Path) -> None:
     """Text files are read by the tokenizing workers themselves (jsonl and parquet by the main
-    process): with 2 workers reading from the bucket, the corpus of the same files on disk."""
+    process): with 2 workers reading from the bucket, the corpus of the same files on disk. The
+    workers' forkserver is started first without the server's variables, as one started by an
+    earlier local prepare in the same process would be: the workers get the caller's."""
+    env = storage.client_env()
+    storage.use_client_env({})
+    with multiprocessing.get_context("forkserver").Pool(1) as pool:
+        assert pool.apply(int, ("3",)) == 3
+    storage.use_client_env(env)
     root = f"{s3_bucket}/{uuid.uuid4().hex[:8]}"
     for i in range(3):
         (tmp_path / f"{i}.txt").write_bytes(lines(5, i))
