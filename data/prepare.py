@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from collections import deque
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
@@ -35,7 +35,6 @@ from array_record.python.array_record_module import ArrayRecordWriter
 import storage
 from configs import ConfigError, guarded, on_interrupt
 from configs import check_output as check_destination
-from data import corpus_format
 from data.chat import ChatTemplate, Skip, template_file
 from data.formats import (FORMATS, Documents, FileStats, Matched, Task, detect_format, expand_inputs, json_rows,
                           plan_tasks, read_task)
@@ -43,6 +42,9 @@ from data.manifest import FORMAT_VERSION, MANIFEST, SPLITS, corpus_digests, is_p
 from data.publish import publish
 from data.sources import held_out
 from data.tokenizer import Tokenizer, load_tokenizer
+
+if TYPE_CHECKING:  # the formats import Grain and JAX: loaded on first use (_format)
+    from data.corpus_format import CorpusFormat
 
 # A tokenizer call takes up to this many documents or characters: enough to amortize the call and
 # use the tokenizer's threads, few enough that its per-token bookkeeping stays small.
@@ -62,6 +64,19 @@ class Chunk:
 
 # (tokenizer, options, chat template for sft/dpo) of this process
 _worker: tuple[Tokenizer, Options, ChatTemplate | None] | None = None
+
+
+def _format(name: str) -> CorpusFormat:
+    """The corpus format `name` (data/corpus_format, loaded on first use: it imports Grain and JAX)."""
+    from data import corpus_format
+
+    return corpus_format.get(name)
+
+
+def _format_names() -> tuple[str, ...]:
+    from data import corpus_format
+
+    return tuple(corpus_format.names())
 
 
 def _init_worker(opts: Options, pooled: bool, client_env: dict[str, str] | None = None) -> None:
@@ -114,7 +129,7 @@ def _tokenize_examples(task: Task, tokenizer: Tokenizer, opts: Options, template
     kept, held = [], []
     for line, raw, obj in json_rows(task, stats):
         try:
-            record = corpus_format.get(opts.objective).record(obj, template, tokenizer.encode_batch)
+            record = _format(opts.objective).record(obj, template, tokenizer.encode_batch)
         except Skip as why:
             stats.skip(str(why), line)
             continue
@@ -265,16 +280,16 @@ class Options:
             raise ConfigError(f"--workers: must be at least 1, got {self.workers}")
         if self.fmt is not None and self.fmt not in FORMATS:
             raise ConfigError(f"--format: expected one of {', '.join(FORMATS)}, got {self.fmt!r}")
-        names = corpus_format.names()
+        names = _format_names()
         if self.objective not in names:
             raise ConfigError(f"--objective: expected one of {', '.join(names)}, got {self.objective!r}")
-        if corpus_format.get(self.objective).examples and self.fmt not in (None, "jsonl"):
+        if _format(self.objective).examples and self.fmt not in (None, "jsonl"):
             raise ConfigError(f"--objective {self.objective}: reads JSONL rows, not --format {self.fmt}")
 
 
 def _chat_template(opts: Options) -> ChatTemplate | None:
     """The chat template a format of JSONL examples renders them with; None for documents."""
-    if not corpus_format.get(opts.objective).examples:
+    if not _format(opts.objective).examples:
         return None
     return ChatTemplate(template_file(opts.tokenizer, opts.chat_template))
 
@@ -352,7 +367,7 @@ def _write(tmp: str, inputs: Matched, tok: Tokenizer, opts: Options, progress: b
         "format_version": FORMAT_VERSION,
         "tokenizer": tok.describe(),
         "format": opts.fmt,
-        "field": None if opts.fmt == "text" or corpus_format.get(opts.objective).examples else opts.field,
+        "field": None if opts.fmt == "text" or _format(opts.objective).examples else opts.field,
         "objective": opts.objective,
         "chat_template": None if template is None else {"path": template.path, "sha256": _sha(template.source)},
         "eval_fraction": opts.eval_fraction,
@@ -373,7 +388,7 @@ def _check_file(stats: FileStats, opts: Options) -> None:
     if stats.documents == 0 and stats.skipped:
         reasons = ", ".join(f"{n} {r}" for r, n in sorted(stats.reasons.items()))
         items = "lines" if opts.fmt == "jsonl" else "rows"
-        examples = corpus_format.get(opts.objective).examples
+        examples = _format(opts.objective).examples
         check = f"--objective {opts.objective}" if examples else f"--field {opts.field!r} and --format"
         raise ConfigError(f"{stats.path}: no document in {stats.skipped} {items} ({reasons}); check {check}")
 
@@ -447,11 +462,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-fraction", type=float, default=0.0, help="share of documents held out, by content hash")
     p.add_argument("--shard-docs", type=int, default=100_000, help="documents per shard at most")
     p.add_argument("--overwrite", action="store_true", help="replace a previous prepared corpus of other inputs")
-    p.add_argument("--objective", choices=corpus_format.names(), default="lm",
-                   help="sft: JSONL messages or prompt/completion; dpo: JSONL prompt/chosen/rejected; "
-                   "rl: JSONL prompt/answer (default: lm)")
+    p.add_argument("--objective", default="lm", metavar="FORMAT",
+                   help="a corpus format of data/corpus_format: lm (default); sft: JSONL messages or prompt/"
+                   "completion; dpo: JSONL prompt/chosen/rejected; rl: JSONL prompt/answer")
     p.add_argument("--chat-template", help="a tokenizer_config.json with the chat_template (default: the tokenizer's)")
     args = p.parse_args(argv)
+    from data import corpus_format  # here: the formats import Grain and JAX, which --help needs not
+
+    if args.objective not in corpus_format.names():  # argparse's own words, as a `choices` refusal
+        p.error(f"argument --objective: invalid choice: {args.objective!r} "
+                f"(choose from {', '.join(repr(n) for n in corpus_format.names())})")
     try:
         manifest = prepare(
             args.input, args.output, fmt=args.format, field=args.field, tokenizer=args.tokenizer,

@@ -13,7 +13,7 @@ import pytest
 from conftest import ROOT
 
 ENTRY_POINTS = (["train.py"], ["plan.py"], ["hf.py"], ["hf.py", "export"], ["generate.py"], ["eval.py"],
-                ["sweep.py"])
+                ["sweep.py"], ["-m", "data.prepare"])
 HEAVY = ("jax", "flax", "orbax", "grain", "lm_eval", "transformers", "torch")
 HELP_WITHIN_S = 2.0
 
