@@ -30,7 +30,7 @@ import uuid
 from typing import Any, Protocol
 
 import storage
-from configs import Config, ConfigError, dump_config
+from configs import Config, ConfigError, check_writable, dump_config
 from configs.schema import TRACKERS
 from ops.observe import TensorBoard
 
@@ -59,6 +59,18 @@ def check_trackers(cfg: Config) -> None:
                                   f"(run.dir={cfg.run.dir}); set {variable} for it")
     if "mlflow" in cfg.run.trackers:
         _check_mlflow_store(cfg.run.dir)
+    _check_tracker_folders(cfg)
+
+
+def _check_tracker_folders(cfg: Config) -> None:
+    """The folders the trackers write outside run.dir (which is checked as run.dir): the user's
+    WANDB_DIR, and a file store MLFLOW_TRACKING_URI names. One line naming the variable."""
+    if "wandb" in cfg.run.trackers and os.environ.get("WANDB_DIR"):
+        check_writable(os.environ["WANDB_DIR"], "WANDB_DIR (run.trackers: wandb)")
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    parsed = urllib.parse.urlparse(uri)
+    if "mlflow" in cfg.run.trackers and uri and parsed.scheme in ("", "file"):
+        check_writable(parsed.path if parsed.scheme else uri, "MLFLOW_TRACKING_URI (run.trackers: mlflow)")
 
 
 def _check_mlflow_store(run_dir: str) -> None:

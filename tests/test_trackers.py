@@ -122,6 +122,23 @@ def test_a_tracker_that_is_not_installed_is_refused_before_anything_is_written(t
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("tracker, variable, value", [
+    ("wandb", "WANDB_DIR", "/proc/wandb"), ("mlflow", "MLFLOW_TRACKING_URI", "file:/proc/mlruns"),
+    ("mlflow", "MLFLOW_TRACKING_URI", "/proc/mlruns")])
+def test_an_unwritable_tracker_folder_is_one_line_before_anything_is_written(tmp_path, monkeypatch, tracker, variable,
+                                                                            value):
+    """A tracker's folder outside run.dir (the user's WANDB_DIR, an MLflow file store) that cannot
+    be written: one line naming the variable and the path, nothing created."""
+    monkeypatch.setenv(variable, value)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    cfg = load_config("tiny", [f"run.dir={tmp_path / 'run'}", f"data.path={stdlib_glob('json')}",
+                               f"run.trackers=[{tracker}]"])
+    with pytest.raises(ConfigError, match=rf"^{variable} \(run.trackers: {tracker}\)=/proc/\w+: /proc is not a "
+                                          "writable directory"):
+        prepare(cfg, 8)
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("uri", ["file:{tmp}/store", "{tmp}/store"])
 def test_an_mlflow_file_store_without_the_opt_in_is_refused_in_one_line(tmp_path, monkeypatch, uri):
     """MLflow 3 refuses a file store unless MLFLOW_ALLOW_FILE_STORE is true: one line naming the
