@@ -32,15 +32,12 @@ from typing import Callable, Iterator
 import numpy as np
 
 import storage
-from bench.object_servers import (create_gcs_bucket, gcs_env, gcs_server, moto_server, restore_env, s3_env,
-                                  set_env)
+from bench.object_servers import TARGETS, bench_bucket, parse_targets
 from configs.schema import DataConfig
 from data.prepare import prepare
 from data.prepared import open_manifest
 from data.tokenizer import ByteTokenizer
 
-BUCKET = "meshlm-bench"
-TARGETS = ("local", "s3", "gs")
 FILES, DOC_CHARS = 4, 2000
 LETTERS = np.array(list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,;:!?"))
 
@@ -74,17 +71,8 @@ def _target(target: str, local: str) -> Iterator[str]:
     if target == "local":
         yield local
         return
-    server = moto_server() if target == "s3" else gcs_server()
-    old = set_env(s3_env(server, "testing") if target == "s3" else gcs_env(server, "meshlm-bench"))
-    try:
-        if target == "s3":
-            storage.filesystem("s3://" + BUCKET).mkdir(BUCKET)
-        else:
-            create_gcs_bucket(server, BUCKET, "meshlm-bench")
-        yield f"{target}://{BUCKET}"
-    finally:
-        restore_env(old)
-        server.stop()
+    with bench_bucket(target) as root:
+        yield root
 
 
 def measure(target: str, root: str, inputs: list[str], cache: str) -> Row:
@@ -121,9 +109,7 @@ def main(argv: list[str] | None = None, out: Callable[[str], None] = print) -> l
     parser.add_argument("--mb", type=float, default=50.0, help="the raw JSONL's size, in MB")
     parser.add_argument("--only", default=",".join(TARGETS), help="targets, comma-separated: local, s3, gs")
     args = parser.parse_args(argv)
-    targets = [t for t in args.only.split(",") if t]
-    if unknown := set(targets) - set(TARGETS):
-        parser.error(f"--only: unknown targets {sorted(unknown)}")
+    targets = parse_targets(parser, args.only)
     tmp = tempfile.mkdtemp(prefix="meshlm-bench-corpus-")
     try:
         os.makedirs(os.path.join(tmp, "local", "in"))

@@ -9,6 +9,8 @@ start them, and bench/ may not import tests/ (tests/test_imports.py).
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -16,6 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from typing import Iterator
 
 from bench.procs import free_port
 
@@ -112,3 +115,36 @@ def create_gcs_bucket(server: Server, bucket: str, project: str) -> None:
     create = urllib.request.Request(f"{server.url}/storage/v1/b?project={project}", data=json.dumps({"name": bucket}).encode(),
                                     headers={"Content-Type": "application/json"})
     urllib.request.urlopen(create, timeout=10).close()
+
+
+# The benchmarks' storage targets: local disk, the S3 server, the GCS server.
+TARGETS = ("local", "s3", "gs")
+BENCH_BUCKET = "meshlm-bench"
+
+
+def parse_targets(parser: argparse.ArgumentParser, only: str) -> list[str]:
+    """The targets a benchmark's `--only` names (comma-separated); a parser error for another."""
+    targets = [t for t in only.split(",") if t]
+    if unknown := set(targets) - set(TARGETS):
+        parser.error(f"--only: unknown targets {sorted(unknown)}")
+    return targets
+
+
+@contextlib.contextmanager
+def bench_bucket(target: str) -> Iterator[str]:
+    """Starts the server of `target` ("s3" or "gs") with a bucket, points this process's clients
+    at it (TensorStore and fsspec read the variables here), yields `target://meshlm-bench`, and
+    stops it."""
+    import storage
+
+    server = moto_server() if target == "s3" else gcs_server()
+    old = set_env(s3_env(server, "testing") if target == "s3" else gcs_env(server, BENCH_BUCKET))
+    try:
+        if target == "s3":
+            storage.filesystem("s3://" + BENCH_BUCKET).mkdir(BENCH_BUCKET)
+        else:
+            create_gcs_bucket(server, BENCH_BUCKET, BENCH_BUCKET)
+        yield f"{target}://{BENCH_BUCKET}"
+    finally:
+        restore_env(old)
+        server.stop()

@@ -35,19 +35,15 @@ import jax
 import numpy as np
 import optax
 
-import storage
-from bench.object_servers import (create_gcs_bucket, gcs_env, gcs_server, moto_server, restore_env, s3_env,
-                                  set_env)
+from bench.object_servers import TARGETS, bench_bucket, parse_targets
 from configs import load_config
 from configs.schema import CheckpointConfig
 from trainer.checkpoint import Checkpointer
 from trainer.state import TrainState, abstract_model
 
-BUCKET = "meshlm-bench"
 # Layers of width 1024 (d_ff 4096), as many as the state's size asks (`layers_for`): 0.15 GB each
 # with AdamW's two moments.
 MODEL_KEYS = ["model.num_layers=5", "model.d_model=1024", "model.d_ff=4096", "model.num_heads=8", "model.num_kv_heads=8"]
-TARGETS = ("local", "s3", "gs")
 
 
 @dataclasses.dataclass
@@ -133,18 +129,8 @@ def _target(target: str) -> Iterator[str]:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return
-    # The server's variables are set in this process: TensorStore and fsspec read them here.
-    server = moto_server() if target == "s3" else gcs_server()
-    old = set_env(s3_env(server, "testing") if target == "s3" else gcs_env(server, "meshlm-bench"))
-    try:
-        if target == "s3":
-            storage.filesystem("s3://" + BUCKET).mkdir(BUCKET)
-        else:
-            create_gcs_bucket(server, BUCKET, "meshlm-bench")
-        yield f"{target}://{BUCKET}/run/checkpoints"
-    finally:
-        restore_env(old)
-        server.stop()
+    with bench_bucket(target) as root:
+        yield f"{root}/run/checkpoints"
 
 
 def table(rows: list[Row]) -> str:
@@ -162,9 +148,7 @@ def main(argv: list[str] | None = None, out: Callable[[str], None] = print) -> l
     parser.add_argument("--repeat", type=int, default=3, help="saves and restores per target (medians)")
     parser.add_argument("--only", default=",".join(TARGETS), help="targets, comma-separated: local, s3, gs")
     args = parser.parse_args(argv)
-    targets = [t for t in args.only.split(",") if t]
-    if unknown := set(targets) - set(TARGETS):
-        parser.error(f"--only: unknown targets {sorted(unknown)}")
+    targets = parse_targets(parser, args.only)
     if args.repeat < 1:
         parser.error(f"--repeat: at least 1, got {args.repeat}")
     state = make_state(layers_for(args.gb))
