@@ -43,15 +43,21 @@ def _read(doc: str) -> str:
         return f.read()
 
 
-def command_lines(doc: str = "README.md") -> list[str]:
-    """Every line of a fenced block of `doc` that runs one of our commands (continuations joined)."""
+def command_lines_at(doc: str = "README.md") -> list[tuple[int, str]]:
+    """(offset of its block in `doc`, line) for every line of a fenced block of `doc` that runs
+    one of our commands (continuations joined), in reading order."""
     lines = []
-    for block in re.findall(r"^```[^\n]*\n(.*?)^```", _read(doc), re.S | re.M):
-        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+    for block in re.finditer(r"^```[^\n]*\n(.*?)^```", _read(doc), re.S | re.M):
+        for line in re.sub(r"\\\n\s*", " ", block.group(1)).splitlines():
             line = line.strip()
             if re.match(r"(make|python|\.venv/bin/python|\. |srun|gcloud|[A-Z_]+=)", line):
-                lines.append(line)
+                lines.append((block.start(), line))
     return lines
+
+
+def command_lines(doc: str = "README.md") -> list[str]:
+    """Every line of a fenced block of `doc` that runs one of our commands (continuations joined)."""
+    return [line for _, line in command_lines_at(doc)]
 
 
 def all_command_lines() -> list[tuple[str, str]]:
