@@ -195,7 +195,7 @@ class ModelConfig:
     attention: Literal["xla", "dot_product", "cudnn", "splash"] = "xla"
     """The attention kernel."""
     attention_chunk: Annotated[int, Range(ge=-1, hint="-1: auto, 0: off")] = -1
-    """xla attention this many queries at a time (no [length, length] scores); -1: 128 from 512 tokens."""
+    """xla attention this many queries at a time (no [length, length] scores); -1: 4 blocks from 512 tokens."""
     # mla: DeepSeek's multi-head latent attention, shaped by model.mla (num_kv_heads = num_heads).
     attention_type: Annotated[Literal["gqa", "mla"], Resume()] = "gqa"
     """gqa: grouped-query attention (Llama); mla: multi-head latent attention (DeepSeek-V2/V3)."""

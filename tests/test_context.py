@@ -290,11 +290,11 @@ def test_query_blocks_under_the_sequence_split_stay_on_their_devices():
 
 
 def test_by_default_a_long_sequence_is_scored_a_block_of_queries_at_a_time():
-    """`model.attention_chunk=-1` (the default) at 512 tokens runs 128 queries at a time: data=8's
-    temporaries are those of an explicit 128 and under half of every query at once; at 256 tokens
-    (and at any length not a multiple of 128) every query is scored at once, as `0` does."""
+    """`model.attention_chunk=-1` (the default) at 512 tokens runs its queries in 4 blocks of 128:
+    data=8's temporaries are those of an explicit 128 and under half of every query at once; at
+    256 tokens (and at any length 4 blocks do not divide) every query is scored at once, as `0`."""
     auto, explicit = _step_temps(["mesh.data=8"]), _step_temps(["mesh.data=8", "model.attention_chunk=128"])
     whole = _step_temps(["mesh.data=8", "model.attention_chunk=0"])
     assert auto == explicit and auto < whole / 2, (auto, explicit, whole)
-    assert [query_chunk(-1, t) for t in (256, 384, 512, 520, 8192)] == [0, 0, 128, 0, 128]
+    assert [query_chunk(-1, t) for t in (256, 384, 511, 512, 520, 8192)] == [0, 0, 0, 128, 130, 2048]
     assert query_chunk(0, 8192) == 0 and query_chunk(64, 512) == 64
