@@ -175,7 +175,7 @@ FILE_SECONDS = {
     "test_post_combos": 24, "test_grpo_run": 22, "test_lock": 18, "test_hf_deepseek": 17, "test_hf_moe": 17,
     "test_hf": 15, "test_accumulation": 15, "test_quant": 14, "test_loss": 14, "test_observe": 13, "test_model": 13,
     "test_lora_mla": 12, "test_grpo_step": 12, "test_trackers": 11, "test_harness": 11, "test_prepare": 11,
-    "test_lookup": 10, "test_stragglers": 10, "test_attention_chunk": 10, "test_storage_tools": 12, "test_storage_corpora": 15, "test_rollout": 7,
+    "test_lookup": 10, "test_stragglers": 10, "test_attention_chunk": 10, "test_storage_tools": 12, "test_storage_corpora": 15, "test_storage_multiprocess": 55, "test_rollout": 7,
     "test_sharding": 7, "test_sweep": 6, "test_tensor_parallel": 5,
 }
 
