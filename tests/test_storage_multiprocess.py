@@ -1,0 +1,93 @@
+"""A multi-process job with its run directory on an object store (docs/storage.md), against the
+real servers of tests/storage_servers.py: 2 real train.py processes x 4 fake CPU devices on each
+bucket, one killed with kill -9 after a committed checkpoint, the whole job started again; it
+resumes from the last committed step and its losses and parameters equal those of the same job
+run uninterrupted on local disk, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import jax
+import pytest
+
+import storage
+import trainer
+from bench.procs import TINY, processes
+from conftest import stdlib_glob
+
+STEPS = 8
+# tests/test_distributed.py's layout and learning-rate horizon: the programs its 2-process jobs
+# compile, served here by the shared compilation cache.
+ARGS = [f"data.path={stdlib_glob('json')}", "train.log_every=1", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
+        "optim.decay_steps=12", "checkpoint.every=2", f"train.steps={STEPS}"]
+
+
+def job(run_dir: str) -> list:
+    """The 2-process job on run_dir, started."""
+    return processes(2, "--config", TINY, f"run.dir={run_dir}", *ARGS, heartbeat=5)
+
+
+def finished(procs: list) -> str:
+    """Process 0's output, once both processes exited 0."""
+    codes = [p.finish(240) for p in procs]
+    assert codes == [0, 0], procs[0].output[-3000:] + procs[1].output[-3000:]
+    return procs[0].output
+
+
+def losses(run_dir: str) -> dict[int, float]:
+    """Step -> loss from metrics.jsonl, the last line for a step winning (as after a resume)."""
+    out = {}
+    for line in storage.read_text(storage.join(run_dir, "metrics.jsonl")).splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            out[record["step"]] = record["loss"]
+    return out
+
+
+def committed(run_dir: str) -> list[int]:
+    """The steps under run_dir/checkpoints with their commit object (an object store's commit)."""
+    ckpt = storage.join(run_dir, "checkpoints")
+    found = [int(s) for s in storage.listdir(ckpt) if s.isdigit()]
+    return sorted(s for s in found if storage.exists(storage.join(ckpt, str(s), "commit_success.txt")))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, float], dict]:
+    """The same 2-process job on local disk without a stop: its losses and final parameters."""
+    run_dir = str(tmp_path_factory.mktemp("local") / "run")
+    finished(job(run_dir))
+    return losses(run_dir), trainer.checkpoint.restore_params(run_dir)[2]
+
+
+@pytest.mark.parametrize("bucket", ["s3_bucket", "gcs_bucket"])
+def test_a_two_process_job_on_a_bucket_resumes_bit_for_bit_after_a_process_is_killed(
+        request: pytest.FixtureRequest, bucket: str, uninterrupted: tuple[dict[int, float], dict]) -> None:
+    run_dir = f"{request.getfixturevalue(bucket)}/{uuid.uuid4().hex[:8]}/run"
+    victim = job(run_dir)
+    victim[0].wait_for(r"^step +3/", timeout=240)
+    deadline = time.monotonic() + 60
+    while not committed(run_dir):  # step 2's save is asynchronous: its commit object comes later
+        assert time.monotonic() < deadline, victim[0].output[-3000:]
+        time.sleep(0.05)
+    victim[1].kill()  # kill -9: the host is gone
+    for p in victim:  # the scheduler restarts the whole job
+        p.kill()
+    done = committed(run_dir)
+    assert storage.exists(storage.join(run_dir, "lock.json")), "the killed job's lock is left behind"
+    assert max(done) < STEPS, f"the job finished before the kill: {done}"
+    # metrics.jsonl is buffered on a bucket, but every line up to a committed step is there.
+    assert set(range(1, max(done) + 1)) <= set(losses(run_dir)), losses(run_dir)
+    out = finished(job(run_dir))
+    assert f"resumed from step {max(done)}" in out, out[-3000:]
+    assert "took over the run.dir lock" in out, out[-3000:]
+    ref_losses, ref_params = uninterrupted
+    assert sorted(ref_losses) == list(range(1, STEPS + 1))
+    assert losses(run_dir) == ref_losses, (losses(run_dir), ref_losses)
+    _, step, params = trainer.checkpoint.restore_params(run_dir)
+    assert step == STEPS and jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), params, ref_params))
+    assert not storage.exists(storage.join(run_dir, "lock.json")), "the lock is released"
+    summary = json.loads(storage.read_text(storage.join(run_dir, "summary.json")))
+    assert summary["final_step"] == STEPS
