@@ -17,6 +17,7 @@ import storage
 import trainer
 from bench.procs import TINY, processes
 from conftest import stdlib_glob
+from test_storage import losses
 
 STEPS = 8
 # tests/test_distributed.py's layout and learning-rate horizon: the programs its 2-process jobs
@@ -35,16 +36,6 @@ def finished(procs: list) -> str:
     codes = [p.finish(240) for p in procs]
     assert codes == [0, 0], procs[0].output[-3000:] + procs[1].output[-3000:]
     return procs[0].output
-
-
-def losses(run_dir: str) -> dict[int, float]:
-    """Step -> loss from metrics.jsonl, the last line for a step winning (as after a resume)."""
-    out = {}
-    for line in storage.read_text(storage.join(run_dir, "metrics.jsonl")).splitlines():
-        record = json.loads(line)
-        if "loss" in record:
-            out[record["step"]] = record["loss"]
-    return out
 
 
 def committed(run_dir: str) -> list[int]:
