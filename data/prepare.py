@@ -467,11 +467,10 @@ def main(argv: list[str] | None = None) -> int:
                    "completion; dpo: JSONL prompt/chosen/rejected; rl: JSONL prompt/answer")
     p.add_argument("--chat-template", help="a tokenizer_config.json with the chat_template (default: the tokenizer's)")
     args = p.parse_args(argv)
-    from data import corpus_format  # here: the formats import Grain and JAX, which --help needs not
-
-    if args.objective not in corpus_format.names():  # argparse's own words, as a `choices` refusal
+    names = _format_names()  # after parsing: the formats import Grain and JAX, which --help needs not
+    if args.objective not in names:  # argparse's own words, as a `choices` refusal
         p.error(f"argument --objective: invalid choice: {args.objective!r} "
-                f"(choose from {', '.join(repr(n) for n in corpus_format.names())})")
+                f"(choose from {', '.join(repr(n) for n in names)})")
     try:
         manifest = prepare(
             args.input, args.output, fmt=args.format, field=args.field, tokenizer=args.tokenizer,
