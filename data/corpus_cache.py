@@ -28,8 +28,8 @@ from typing import Iterator
 
 import storage
 from configs.schema import ConfigError
-from configs.writable import check_writable
-from data.manifest import MANIFEST, SPLITS, corpus_digests, read_manifest, verify_shards
+from configs.writable import check_output, check_writable
+from data.manifest import MANIFEST, SPLITS, corpus_digests, differing_shard, read_manifest, verify_shards
 from data.publish import corpus_files
 from data.shards import SOURCE
 
@@ -66,10 +66,7 @@ def remote_manifest(url: str, key: str) -> tuple[bytes, dict]:
     before any download so that a corpus made for another tokenizer or objective costs none.
     Raises ConfigError naming `key` for a missing, denied or unreachable bucket (one listing
     request, no retries: storage.check_bucket) or a prefix that holds no corpus."""
-    try:
-        storage.check_bucket(url)
-    except storage.StorageError as e:
-        raise ConfigError(f"{key}={e}") from None
+    check_output(url, key)
     try:
         raw = storage.read_bytes(storage.join(url, MANIFEST))
     except FileNotFoundError:
@@ -145,14 +142,11 @@ def _check_download(url: str, partial: str, manifest: dict) -> None:
     files, as downloaded. Raises ConfigError naming the shard or the corpus."""
     splits = manifest["splits"]
     whole, per_split = corpus_digests(partial, {s: splits[s]["shards"] for s in SPLITS})
-    for split in SPLITS:
-        got = per_split[split]
-        for i, name in enumerate(splits[split]["shards"]):
-            for field, what in (("shard_bytes", "size"), ("shard_sha256", "sha256")):
-                if field in splits[split] and got[field][i] != splits[split][field][i]:
-                    raise ConfigError(f"{storage.join(url, name)}: its {what} as downloaded differs from the "
-                                      "manifest's: the shard is damaged, or the corpus is being replaced; prepare it "
-                                      "again (python -m data.prepare)")
+    if bad := differing_shard(manifest, per_split, ("shard_bytes", "shard_sha256")):
+        name, field = bad
+        raise ConfigError(f"{storage.join(url, name)}: its {'size' if field == 'shard_bytes' else 'sha256'} as "
+                          "downloaded differs from the manifest's: the shard is damaged, or the corpus is being "
+                          "replaced; prepare it again (python -m data.prepare)")
     if whole != manifest["content_hash"]:
         raise ConfigError(f"{url}: its files as downloaded differ from the manifest's content hash: the corpus is "
                           "damaged, or being replaced; prepare it again (python -m data.prepare)")

@@ -70,9 +70,17 @@ def corpus_digests(directory: str, splits: dict[str, list[str]]) -> tuple[str, d
     return whole.hexdigest(), per_split
 
 
-def content_hash(directory: str, splits: dict[str, list[str]]) -> str:
-    """sha256 over every shard's bytes then the lengths file, split by split (train, eval)."""
-    return corpus_digests(directory, splits)[0]
+def differing_shard(manifest: dict, per_split: dict[str, dict], fields: tuple[str, ...]) -> tuple[str, str] | None:
+    """(name, field) of the first shard whose `fields` (`shard_bytes`, `shard_sha256`) as the
+    manifest records them differ from `per_split` (corpus_digests' of the files at hand); a field
+    the manifest lacks is not compared. None when they agree."""
+    for split in SPLITS:
+        recorded = manifest["splits"][split]
+        for i, name in enumerate(recorded["shards"]):
+            for field in fields:
+                if field in recorded and per_split[split][field][i] != recorded[field][i]:
+                    return name, field
+    return None
 
 
 def verify_shards(directory: str, manifest: dict) -> None:
@@ -80,19 +88,16 @@ def verify_shards(directory: str, manifest: dict) -> None:
     prepared before shards had their own hashes is checked against its content hash as a whole).
     Raises ConfigError naming the first shard that differs."""
     splits = manifest["splits"]
+    whole, per_split = corpus_digests(directory, {s: splits[s]["shards"] for s in SPLITS})
     if not all("shard_sha256" in splits[s] for s in SPLITS):
-        if content_hash(directory, {s: splits[s]["shards"] for s in SPLITS}) != manifest.get("content_hash"):
+        if whole != manifest.get("content_hash"):
             raise ConfigError(f"{directory}: its shards' content hash differs from the manifest's (data.verify); "
                               "prepare the corpus again (python -m data.prepare)")
         return
-    for split in SPLITS:
-        for name, want in zip(splits[split]["shards"], splits[split]["shard_sha256"]):
-            own = hashlib.sha256()
-            _feed(os.path.join(directory, name), (own,))
-            if own.hexdigest() != want:
-                raise ConfigError(f"{os.path.join(directory, name)}: its sha256 differs from the manifest's "
-                                  "(data.verify): the shard is damaged or was changed; prepare the corpus again "
-                                  "(python -m data.prepare)")
+    if bad := differing_shard(manifest, per_split, ("shard_sha256",)):
+        raise ConfigError(f"{os.path.join(directory, bad[0])}: its sha256 differs from the manifest's "
+                          "(data.verify): the shard is damaged or was changed; prepare the corpus again "
+                          "(python -m data.prepare)")
 
 
 def read_manifest(directory: str, key: str = "data.path") -> dict:
