@@ -14,6 +14,14 @@ An entry point above the packages, like train.py.
 
 from __future__ import annotations
 
+from configs import handle_interrupts
+
+# What a signal before the command finishes leaves.
+KEPT = "no scores were written; run the same command again"
+
+if __name__ == "__main__":  # before the imports below (pydantic, JAX): a signal while they load gets the line too
+    handle_interrupts(KEPT)
+
 import argparse
 import os
 import sys
@@ -102,4 +110,4 @@ def evaluate(args: argparse.Namespace, spec: RunSpec, devices: list[jax.Device],
 
 
 if __name__ == "__main__":
-    sys.exit(guarded(main, "no scores were written; run the same command again"))
+    sys.exit(guarded(main, KEPT))

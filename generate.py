@@ -12,6 +12,14 @@ packages, like train.py: it is the one place that joins a checkpoint, a tokenize
 
 from __future__ import annotations
 
+from configs import handle_interrupts
+
+# What a signal before the command finishes leaves.
+KEPT = "nothing was written"
+
+if __name__ == "__main__":  # before the imports below (pydantic, JAX): a signal while they load gets the line too
+    handle_interrupts(KEPT)
+
 import argparse
 import sys
 
@@ -65,4 +73,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(guarded(main, "nothing was written"))
+    sys.exit(guarded(main, KEPT))

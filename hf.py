@@ -15,6 +15,15 @@ model/hf.py; this entry point sits above the trainer, like train.py.
 
 from __future__ import annotations
 
+from configs import handle_interrupts
+
+# What a signal before the command finishes leaves.
+KEPT = ("each file is written under a temporary name and renamed whole, so what is there is "
+        "whole; run the same command again")
+
+if __name__ == "__main__":  # before the imports below (pydantic, JAX): a signal while they load gets the line too
+    handle_interrupts(KEPT)
+
 import argparse
 import dataclasses
 import json
@@ -176,5 +185,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(guarded(main, "each file is written under a temporary name and renamed whole, so what is there is "
-                           "whole; run the same command again"))
+    sys.exit(guarded(main, KEPT))

@@ -46,6 +46,14 @@ arithmetic it reads the compile with live in planner/.
 
 from __future__ import annotations
 
+from configs import handle_interrupts
+
+# What a signal before the command finishes leaves.
+KEPT = "the compile was stopped and nothing was written"
+
+if __name__ == "__main__":  # before the imports below (pydantic, JAX): a signal while they load gets the line too
+    handle_interrupts(KEPT)
+
 import argparse
 import dataclasses
 import json
@@ -366,4 +374,4 @@ def main(argv: list[str] | None = None, on_cpu: bool = False) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(guarded(lambda: main(on_cpu=True), "the compile was stopped and nothing was written"))
+    sys.exit(guarded(lambda: main(on_cpu=True), KEPT))

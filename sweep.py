@@ -19,6 +19,15 @@ instead; `--summarize` only rewrites summary.csv, summary.md and loss_curves.png
 
 from __future__ import annotations
 
+from configs import handle_interrupts
+
+# What a signal before the command finishes leaves.
+KEPT = ("the points that finished are kept, a stopped one has its checkpoint; run the same "
+        "command to resume the sweep")
+
+if __name__ == "__main__":  # before the imports below (pydantic, JAX): a signal while they load gets the line too
+    handle_interrupts(KEPT)
+
 import argparse
 import csv
 import dataclasses
@@ -379,5 +388,4 @@ def cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(guarded(cli, "the points that finished are kept, a stopped one has its checkpoint; run the same "
-                          "command to resume the sweep"))
+    sys.exit(guarded(cli, KEPT))

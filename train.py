@@ -13,6 +13,15 @@ run's run.dir lock taken over by another run.
 
 from __future__ import annotations
 
+from configs import handle_interrupts
+
+# What an interrupted start-up leaves: the loop's own stop says which step it committed.
+KEPT = ("stopped before the training loop; checkpoints already in run.dir are intact (a save in flight is never "
+        "read); run the same command to start or resume")
+
+if __name__ == "__main__":  # before the imports below (pydantic, JAX): a signal while they load gets the line too
+    handle_interrupts(KEPT)
+
 import argparse
 import gc
 import os
@@ -79,10 +88,6 @@ def exit_quickly(code: int) -> None:
     gc.freeze()
     sys.exit(code)
 
-
-# What an interrupted start-up leaves: the loop's own stop says which step it committed.
-KEPT = ("stopped before the training loop; checkpoints already in run.dir are intact (a save in flight is never "
-        "read); run the same command to start or resume")
 
 if __name__ == "__main__":
     exit_quickly(guarded(main, KEPT))

@@ -11,7 +11,9 @@ what was kept, and leaves with 128 + the signal's number (130 for SIGINT, 143 fo
 while it imports) or inside XLA's compiler left the process to abort or crash in its teardown
 (status 134 or 139). Every file the commands write is written aside and renamed whole (Orbax's
 checkpoints, the corpus, the exports), so a command ended at any moment leaves nothing half-written
-that a later command would read.
+that a later command would read. Each entry point calls `handle_interrupts` before its own imports,
+so a signal while they load (a tenth of a second for the config schema, seconds for JAX) gets the
+line too.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Callable, Iterator
 HANDLED = (signal.SIGINT, signal.SIGTERM)
 _cleanups: list[Callable[[], None]] = []
 _kept = ""  # what the command's one line says was kept
+_installed = False
 _leaving = threading.Lock()  # the wake-up thread and the main thread's handler: one of them leaves
 
 
@@ -43,11 +46,15 @@ def _leave(signum: int, frame: FrameType | None = None) -> None:
     os._exit(128 + signum)
 
 
-def guarded(main: Callable[[], int], kept: str) -> int:
-    """`main()`'s exit status, a signal from now on ending the command with one line saying `kept`
-    (a signal the parent had ignored stays ignored)."""
-    global _kept
+def handle_interrupts(kept: str) -> None:
+    """From now on a signal ends the command with one line saying `kept` (a signal the parent had
+    ignored stays ignored). Each entry point calls it before its imports, which take a while; a
+    second call only changes what the line says."""
+    global _kept, _installed
     _kept = kept
+    if _installed:
+        return
+    _installed = True
     for signum in HANDLED:
         if signal.getsignal(signum) is not signal.SIG_IGN:
             signal.signal(signum, _leave)
@@ -55,6 +62,11 @@ def guarded(main: Callable[[], int], kept: str) -> int:
     os.set_blocking(write, False)
     signal.set_wakeup_fd(write)  # ops.faults.StopSignal sets it aside while the loop owns the signals
     threading.Thread(target=_wait, args=(read,), name="interrupt", daemon=True).start()
+
+
+def guarded(main: Callable[[], int], kept: str) -> int:
+    """`main()`'s exit status, a signal from now on ending the command with one line saying `kept`."""
+    handle_interrupts(kept)
     return main()
 
 

@@ -10,6 +10,14 @@ the prompt and answers as chat messages. Seeded: the same files on every machine
 
 from __future__ import annotations
 
+from configs import handle_interrupts
+
+# What a signal before the command finishes leaves.
+KEPT = "run the same command again"
+
+if __name__ == "__main__":  # before the imports below (pydantic, JAX): a signal while they load gets the line too
+    handle_interrupts(KEPT)
+
 import argparse
 import json
 import os
@@ -94,4 +102,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(guarded(main, "run the same command again"))
+    sys.exit(guarded(main, KEPT))

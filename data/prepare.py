@@ -14,6 +14,15 @@ manifest last (data.publish). The contract of the output is in data.manifest.
 
 from __future__ import annotations
 
+from configs import handle_interrupts
+
+# What a signal before the command finishes leaves.
+KEPT = ("--output is as it was (a corpus is written aside and swapped in whole), or on a bucket "
+        "cut short mid-upload holds no manifest.json and is no corpus; run the same command again")
+
+if __name__ == "__main__":  # before the imports below (pydantic, JAX): a signal while they load gets the line too
+    handle_interrupts(KEPT)
+
 import argparse
 import array
 import dataclasses
@@ -485,5 +494,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(guarded(main, "--output is as it was (a corpus is written aside and swapped in whole), or on a bucket "
-                           "cut short mid-upload holds no manifest.json and is no corpus; run the same command again"))
+    sys.exit(guarded(main, KEPT))
