@@ -20,7 +20,7 @@ import generate as generate_cli
 import hf as hf_cli
 import plan as plan_cli
 import storage
-from configs import ConfigError, ModelConfig, load_config
+from configs import Config, ConfigError, ModelConfig, load_config
 from conftest import ROOT, stdlib_glob
 from data.tokenizer import load_tokenizer
 from model import hf, hf_arch
@@ -59,19 +59,23 @@ def bpe_dir(folder: pathlib.Path) -> pathlib.Path:
     return folder
 
 
-def test_import_from_and_export_to_a_bucket_round_trip(s3_bucket: str, tmp_path: pathlib.Path,
-                                                       capsys: pytest.CaptureFixture) -> None:
-    root = f"{s3_bucket}/{uuid.uuid4().hex[:8]}"
-    source, run, out = storage.join(root, "hf"), storage.join(root, "run"), storage.join(root, "exported")
+def hf_on_bucket(root: str, tmp_path: pathlib.Path) -> tuple[Config, dict, dict, pathlib.Path]:
+    """A random tiny model written under root/hf as a Hugging Face folder (safetensors, config.json
+    and a BPE tokenizer): its config, parameters, HF tensors and the tokenizer's local folder."""
     cfg = load_config("tiny", ["model.vocab_size=64"])  # the tokenizer's 52 ids, padded
     params = random_params(cfg.model)
     tensors = hf.to_hf_tensors(params, cfg.model)
+    source = storage.join(root, "hf")
     write_safetensors(tensors, storage.join(source, "model.safetensors"))
     storage.write_text(storage.join(source, "config.json"), json.dumps(hf_arch.hf_config(cfg.model, {"eos_token_id": 256})))
     tok_files = bpe_dir(tmp_path / "tok")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         storage.copy_file(str(tok_files / name), storage.join(source, name))
+    return cfg, params, tensors, tok_files
 
+
+def imported_from(source: str, run: str, params: dict, capsys: pytest.CaptureFixture) -> Config:
+    """`hf.py import` of source into the run directory run: its config, the parameters checked."""
     assert hf_cli.main(["import", "--hf-dir", source, "--run-dir", run, "--config", "tiny",
                         f"data.path={stdlib_glob('json')}"]) == 0
     assert "imported " + source in capsys.readouterr().out
@@ -80,6 +84,30 @@ def test_import_from_and_export_to_a_bucket_round_trip(s3_bucket: str, tmp_path:
     assert step == 0 and got_cfg.init.from_hf == source and got_cfg.run.dir == run
     assert got_cfg.data.tokenizer == storage.join(source, "tokenizer.json")
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), imported, params)
+    return got_cfg
+
+
+def exported_to(run: str, out: str, source: str, tensors: dict, tok_files: pathlib.Path,
+                capsys: pytest.CaptureFixture) -> None:
+    """`hf.py export` of run to out: the files, the import's tokenizer and config, the tensors."""
+    assert hf_cli.main(["export", "--run-dir", run, "--out", out]) == 0
+    assert f"exported step 0 of {run} to {out}" in capsys.readouterr().out
+    assert storage.listdir(out) == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # copied from the import's source, bucket to bucket
+        assert storage.read_bytes(storage.join(out, name)) == (tok_files / name).read_bytes()
+    assert json.loads(storage.read_text(storage.join(out, "config.json"))) == json.loads(
+        storage.read_text(storage.join(source, "config.json")))
+    exported = hf_tensors(out, sorted(tensors))
+    for name, want in tensors.items():
+        np.testing.assert_array_equal(exported[name], want, err_msg=name)
+
+
+def test_import_from_and_export_to_a_bucket_round_trip(s3_bucket: str, tmp_path: pathlib.Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    root = f"{s3_bucket}/{uuid.uuid4().hex[:8]}"
+    source, run, out = storage.join(root, "hf"), storage.join(root, "run"), storage.join(root, "exported")
+    cfg, params, tensors, tok_files = hf_on_bucket(root, tmp_path)
+    got_cfg = imported_from(source, run, params, capsys)
 
     # generate.py from the bucket run, through its tokenizer on the bucket: the greedy text of the
     # weights written there.
@@ -103,22 +131,26 @@ def test_import_from_and_export_to_a_bucket_round_trip(s3_bucket: str, tmp_path:
     assert written["scores"] == json.loads((tmp_path / "scores.json").read_text())["scores"]
     capsys.readouterr()
 
-    assert hf_cli.main(["export", "--run-dir", run, "--out", out]) == 0
-    assert f"exported step 0 of {run} to {out}" in capsys.readouterr().out
-    assert storage.listdir(out) == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
-    for name in ("tokenizer.json", "tokenizer_config.json"):  # copied from the import's source, bucket to bucket
-        assert storage.read_bytes(storage.join(out, name)) == (tok_files / name).read_bytes()
-    assert json.loads(storage.read_text(storage.join(out, "config.json"))) == json.loads(
-        storage.read_text(storage.join(source, "config.json")))
-    exported = hf_tensors(out, sorted(tensors))
-    for name, want in tensors.items():
-        np.testing.assert_array_equal(exported[name], want, err_msg=name)
+    exported_to(run, out, source, tensors, tok_files, capsys)
 
     # A non-empty --out on a bucket is left alone, as on disk; a missing bucket is one line.
     assert hf_cli.main(["export", "--run-dir", run, "--out", out]) == 2
     assert "is not empty; give --overwrite" in capsys.readouterr().err
     assert hf_cli.main(["export", "--run-dir", run, "--out", "s3://no-such-bucket/x"]) == 2
     assert "--out=s3://no-such-bucket/x: bucket no-such-bucket does not exist" in capsys.readouterr().err
+
+
+def test_import_from_and_export_to_gcs_round_trip(gcs_bucket: str, tmp_path: pathlib.Path,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    """The same on the GCS server: a Hugging Face folder on gs:// imported into a run directory there
+    and exported to it again, weights, config and tokenizer whole; a missing bucket is one line."""
+    root = f"{gcs_bucket}/{uuid.uuid4().hex[:8]}"
+    source, run, out = storage.join(root, "hf"), storage.join(root, "run"), storage.join(root, "exported")
+    _, params, tensors, tok_files = hf_on_bucket(root, tmp_path)
+    imported_from(source, run, params, capsys)
+    exported_to(run, out, source, tensors, tok_files, capsys)
+    assert hf_cli.main(["export", "--run-dir", run, "--out", "gs://no-such-bucket/x"]) == 2
+    assert "--out=gs://no-such-bucket/x: bucket no-such-bucket does not exist" in capsys.readouterr().err
 
 
 def test_plan_writes_its_json_to_a_bucket(s3_bucket: str, capsys: pytest.CaptureFixture) -> None:
