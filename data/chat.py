@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+import storage
 from configs.schema import ConfigError
 
 TRAINED = np.uint32(1 << 31)  # the bit that marks a trained token in a record
@@ -42,7 +43,7 @@ def template_file(tokenizer: str, chat_template: str | None) -> str:
         return chat_template
     if tokenizer == "byte":
         return BYTE_TEMPLATE
-    return os.path.join(os.path.dirname(os.path.abspath(tokenizer)), "tokenizer_config.json")
+    return storage.join(storage.parent(storage.absolute(tokenizer)), "tokenizer_config.json")
 
 
 class ChatTemplate:
@@ -50,8 +51,7 @@ class ChatTemplate:
 
     def __init__(self, path: str) -> None:
         try:
-            with open(path) as f:
-                config = json.load(f)
+            config = json.loads(storage.read_text(path))  # beside a tokenizer on a bucket, or on disk
             source = config["chat_template"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"--chat-template: {path}: no readable chat_template ({e!r}); name a "

@@ -22,6 +22,7 @@ import plan as plan_cli
 import storage
 from configs import Config, ConfigError, ModelConfig, load_config
 from conftest import ROOT, stdlib_glob
+from data.chat import ChatTemplate, template_file
 from data.tokenizer import load_tokenizer
 from model import hf, hf_arch
 from model.decode import generate
@@ -182,6 +183,13 @@ def test_a_tokenizer_on_a_bucket_is_the_local_one(s3_bucket: str, tmp_path: path
     assert list(there.encode("the quick dog")) == list(here.encode("the quick dog"))
     with pytest.raises(ConfigError, match="data.tokenizer: no file"):
         load_tokenizer(storage.join(root, "missing.json"))
+    # data.prepare's chat template, by default the one beside the tokenizer: read from the bucket.
+    storage.write_text(storage.join(root, "tokenizer_config.json"), json.dumps(
+        {"eos_token": "<stop>", "chat_template": "{% for m in messages %}<{{ m.role }}>{{ m.content }}{{ eos_token }}"
+                                                 "{% endfor %}"}))
+    template = ChatTemplate(template_file(url, None))
+    assert template.path == storage.join(root, "tokenizer_config.json")
+    assert template.render([{"role": "user", "content": "hi"}]) == "<user>hi<stop>"
 
 
 
