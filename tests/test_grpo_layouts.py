@@ -2,7 +2,8 @@
 once on one device, fixed rewards) trained twice by the real compiled step on data x fsdp x
 tensor and on an expert-parallel mixture of experts gives the one-device losses, metrics and
 parameters; each layout takes its old and reference log-probs from its own forward, as a run
-does."""
+does. And LoRA-GRPO: only the adapters train, and the KL reference is the frozen base (the
+adapters switched off), with no copy of the weights held."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 
 from configs import load_config
 from conftest import ROOT
+from model.lora import split, switched_off
 from model.rollout import Rollout
 from trainer import abstract_program
 from trainer.objectives.dpo import reference_params
@@ -29,6 +31,7 @@ COMMON = ["train.objective=grpo", "data.source=prepared", "data.path=no-corpus-r
           "model.seq_len=16", "rl.group_size=4", "rl.max_new_tokens=4", "rl.kl_coef=0.1", "rl.temperature=1.0",
           "optim.warmup_steps=1", "optim.decay_steps=4", "optim.lr=0.1", "optim.eps=1.0", "mesh.data=1"]
 MOE = ["model.moe.num_experts=8", "model.moe.experts_per_token=2", "model.moe.d_ff=32"]
+LORA = ["model.lora.rank=4"]
 PROMPTS = ["1+2=", "37+48=", "9+90=", "55+5="]
 METRICS = ("loss", "grad_norm", "pg_loss", "kl", "ratio", "clip_fraction", "entropy")
 
@@ -123,3 +126,24 @@ def test_an_expert_parallel_moe_updates_as_one_device(rollout, moe_one):
     assert moe_one["metrics"][1]["kl"] > 0
     _compare(got, moe_one)
 
+
+def test_lora_grpo_trains_the_adapters_against_the_frozen_base(rollout):
+    program = program_of(LORA, 1)
+    start = initial_state(program)
+    # No copy of the weights is held: the reference is the policy's base, adapters switched off.
+    assert start.ref_params is None
+    before = jax.tree.map(np.asarray, start.params)
+    got = two_updates(program, *rollout)
+    (adapters, base), (adapters0, base0) = split(got["params"]), split(before)
+    jax.tree.map(np.testing.assert_array_equal, base, base0)  # the base is frozen, bit for bit
+    assert all(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(adapters), jax.tree.leaves(adapters0)))
+    assert got["metrics"][0]["kl"] == 0.0 and got["metrics"][1]["kl"] > 0
+    # A rollout batch made by the trained policy: its reference log-probs are the base's, exactly,
+    # and no longer the policy's.
+    stage = stage_of(program)
+    params = jax.device_put(got["params"], program.state_sh.params)
+    batch = stage.grpo.training_batch(params, reference_params(params, None), *rollout)
+    base_logps = stage.grpo.logps(jax.device_put(switched_off(before), program.state_sh.params),
+                                   {k: batch[k] for k in ("inputs", "targets", "weights")})
+    np.testing.assert_array_equal(batch["ref_logps"], base_logps)
+    assert not np.array_equal(batch["ref_logps"], batch["old_logps"])
