@@ -114,6 +114,21 @@ def test_a_run_resumed_at_a_rollout_boundary_is_bitwise_the_straight_one(grpo_ru
             assert resumed[step][key] == straight[step][key], (step, key)
 
 
+def test_a_run_resumed_between_the_updates_of_a_rollout_batch_is_bitwise_the_straight_one(grpo_run, history,
+                                                                                          tmp_path):
+    straight = {r["step"]: r for r in history[0] if "loss" in r}
+    # Its last step saves: after the first of the two updates of the first rollout batch.
+    first = {r["step"]: r for r in grpo_run(tmp_path / "run", "train.steps=1") if "loss" in r}
+    resumed = {r["step"]: r for r in grpo_run(tmp_path / "run") if "loss" in r}
+    assert sorted(resumed) == [2, 3, 4]
+    # Step 2 trains on the batch the checkpoint held (the weights that sampled it are gone), with
+    # its rollout's metrics, timings too; step 3 samples the next prompts (the data position).
+    assert resumed[2]["rollout_s"] == first[1]["rollout_s"]
+    for step in (2, 3, 4):
+        for key in ("loss", "grad_norm", "reward_mean", "kl", "ratio", "entropy"):
+            assert resumed[step][key] == straight[step][key], (step, key)
+
+
 def test_a_failing_reward_stops_the_run_before_the_update_with_the_checkpoint_intact(grpo_run, tmp_path):
     with pytest.raises(RewardError) as err:
         grpo_run(tmp_path / "run", "rl.reward=grpo_flaky_reward:flaky", "checkpoint.every=2")
@@ -144,10 +159,12 @@ def test_the_planner_compiles_the_rollout_decoding_beside_the_step(corpus):
     (["data.packing=document"], "data.packing: train.objective=grpo pads each prompt"),
     (["mesh.pipeline=2"], "mesh.pipeline: 2 with train.objective=grpo: rollouts decode with the whole layer stack"),
     (["model.lora.rank=4", "model.lora.dropout=0.1"], "model.lora.dropout: train.objective=grpo compares log-probs"),
-    (["checkpoint.every=3"], "checkpoint.every: 3 is not a multiple of rl.updates_per_rollout=2"),
+    (["checkpoint.local_dir={tmp}/local", "checkpoint.local_every=3"],
+     "checkpoint.local_every: 3 is not a multiple of rl.updates_per_rollout=2"),
 ])
 def test_bad_grpo_input_exits_2_naming_the_key(corpus, tmp_path, capsys, overrides, message):
     run_dir = tmp_path / "run"
+    overrides = [o.format(tmp=tmp_path) for o in overrides]
     code = train.main(["--config", TINY, f"run.dir={run_dir}", f"data.path={corpus}", *COMMON, "mesh.data=-1", *overrides])
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1, err
