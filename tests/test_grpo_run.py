@@ -1,7 +1,8 @@
 """`train.objective=grpo` end to end on the toy addition task (data/addition.py), a tiny model on
 2 fake CPU devices: the run samples, scores and updates each step, logs the rollout metrics and
 the held-out exact-match accuracy, trains `rl.updates_per_rollout` steps on one rollout batch,
-and bad GRPO input stops with one line before anything is compiled."""
+resumes bitwise at and between rollout batches, and bad GRPO input stops with one line before
+anything is compiled."""
 
 from __future__ import annotations
 
@@ -95,7 +96,8 @@ def test_a_grpo_run_samples_scores_and_updates(history):
 
 def test_data_parallel_samples_and_updates_as_one_device(grpo_run, history, tmp_path):
     """The 2-device run (data=2) draws the one-device run's completions and makes its updates
-    (bench/grpo_layouts.py does the same for data x fsdp x tensor on 8 devices)."""
+    (bench/grpo_layouts.py does the same for data x fsdp x tensor on 8 devices; test_grpo_layouts
+    compares the updates of more layouts given the same rollouts)."""
     sharded = [r for r in history[0] if "loss" in r]
     one = [r for r in grpo_run(tmp_path / "run", "mesh.data=1", devices=1) if "loss" in r]
     for a, b in zip(one, sharded, strict=True):
