@@ -172,7 +172,7 @@ FILE_SECONDS = {
     "test_storage": 80, "test_lora_dropout": 40, "test_eval_run": 39, "test_train": 37, "test_data_run": 32,
     "test_generate": 31, "test_post_training": 30, "test_cli": 30, "test_mla": 29, "test_interrupt": 29,
     "test_pipeline_train": 27, "test_plan": 27, "test_optimizers": 27, "test_context": 26, "test_distill": 25,
-    "test_post_combos": 24, "test_grpo_run": 22, "test_lock": 18, "test_hf_deepseek": 17, "test_hf_moe": 17,
+    "test_post_combos": 24, "test_grpo_run": 26, "test_grpo_layouts": 19, "test_lock": 18, "test_hf_deepseek": 17, "test_hf_moe": 17,
     "test_hf": 15, "test_accumulation": 15, "test_quant": 14, "test_loss": 14, "test_observe": 13, "test_model": 13,
     "test_lora_mla": 12, "test_grpo_step": 12, "test_trackers": 11, "test_harness": 11, "test_prepare": 11,
     "test_lookup": 10, "test_stragglers": 10, "test_attention_chunk": 10, "test_storage_tools": 12, "test_storage_corpora": 15, "test_storage_multiprocess": 55, "test_rollout": 7,

@@ -1,7 +1,8 @@
 """`train.objective=grpo` end to end on the toy addition task (data/addition.py), a tiny model on
 2 fake CPU devices: the run samples, scores and updates each step, logs the rollout metrics and
 the held-out exact-match accuracy, trains `rl.updates_per_rollout` steps on one rollout batch,
-and bad GRPO input stops with one line before anything is compiled."""
+resumes bitwise at and between rollout batches, and bad GRPO input stops with one line before
+anything is compiled."""
 
 from __future__ import annotations
 
@@ -95,7 +96,8 @@ def test_a_grpo_run_samples_scores_and_updates(history):
 
 def test_data_parallel_samples_and_updates_as_one_device(grpo_run, history, tmp_path):
     """The 2-device run (data=2) draws the one-device run's completions and makes its updates
-    (bench/grpo_layouts.py does the same for data x fsdp x tensor on 8 devices)."""
+    (bench/grpo_layouts.py does the same for data x fsdp x tensor on 8 devices; test_grpo_layouts
+    compares the updates of more layouts given the same rollouts)."""
     sharded = [r for r in history[0] if "loss" in r]
     one = [r for r in grpo_run(tmp_path / "run", "mesh.data=1", devices=1) if "loss" in r]
     for a, b in zip(one, sharded, strict=True):
@@ -111,6 +113,21 @@ def test_a_run_resumed_at_a_rollout_boundary_is_bitwise_the_straight_one(grpo_ru
     assert sorted(resumed) == [3, 4]
     for step in (3, 4):  # the same draw (the step's key), prompts (the data position) and update
         for key in ("loss", "grad_norm", "reward_mean", "kl", "ratio"):
+            assert resumed[step][key] == straight[step][key], (step, key)
+
+
+def test_a_run_resumed_between_the_updates_of_a_rollout_batch_is_bitwise_the_straight_one(grpo_run, history,
+                                                                                          tmp_path):
+    straight = {r["step"]: r for r in history[0] if "loss" in r}
+    # Its last step saves: after the first of the two updates of the first rollout batch.
+    first = {r["step"]: r for r in grpo_run(tmp_path / "run", "train.steps=1") if "loss" in r}
+    resumed = {r["step"]: r for r in grpo_run(tmp_path / "run") if "loss" in r}
+    assert sorted(resumed) == [2, 3, 4]
+    # Step 2 trains on the batch the checkpoint held (the weights that sampled it are gone), with
+    # its rollout's metrics, timings too; step 3 samples the next prompts (the data position).
+    assert resumed[2]["rollout_s"] == first[1]["rollout_s"]
+    for step in (2, 3, 4):
+        for key in ("loss", "grad_norm", "reward_mean", "kl", "ratio", "entropy"):
             assert resumed[step][key] == straight[step][key], (step, key)
 
 
@@ -144,10 +161,12 @@ def test_the_planner_compiles_the_rollout_decoding_beside_the_step(corpus):
     (["data.packing=document"], "data.packing: train.objective=grpo pads each prompt"),
     (["mesh.pipeline=2"], "mesh.pipeline: 2 with train.objective=grpo: rollouts decode with the whole layer stack"),
     (["model.lora.rank=4", "model.lora.dropout=0.1"], "model.lora.dropout: train.objective=grpo compares log-probs"),
-    (["checkpoint.every=3"], "checkpoint.every: 3 is not a multiple of rl.updates_per_rollout=2"),
+    (["checkpoint.local_dir={tmp}/local", "checkpoint.local_every=3"],
+     "checkpoint.local_every: 3 is not a multiple of rl.updates_per_rollout=2"),
 ])
 def test_bad_grpo_input_exits_2_naming_the_key(corpus, tmp_path, capsys, overrides, message):
     run_dir = tmp_path / "run"
+    overrides = [o.format(tmp=tmp_path) for o in overrides]
     code = train.main(["--config", TINY, f"run.dir={run_dir}", f"data.path={corpus}", *COMMON, "mesh.data=-1", *overrides])
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1, err

@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import grain
 import jax
@@ -35,6 +35,14 @@ from trainer.state import TrainState, frozen_base
 from ops.library_log import LibraryLog, library_log_path
 from trainer.object_store import manager_options
 from trainer.tiers import LocalTier, everywhere, local_steps, this_process_dir
+
+if TYPE_CHECKING:  # the objectives import this module (a teacher's checkpoint)
+    from trainer.objectives.registry import Stage
+
+# A checkpoint's items: the train state and data position, and what an objective's stage carries
+# past the step (its batch and that batch's fields and metrics), where it carries anything.
+ITEMS = ("state", "data", "stage", "stage_info")
+
 
 def _get(cfg: Config, key: str) -> object:
     for name in key.split("."):
@@ -268,11 +276,20 @@ class Checkpointer:
             max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, cleanup_tmp_directories=True,
             **manager_options(self.directory),
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
         self.library_log = LibraryLog(library_log_path(storage.parent(self.directory)))
         self.local: LocalTier | None = None  # the local tier, when checkpoint.local_dir is set (attach_local)
         self.restored_tier = ""  # "local" or "persistent" once restore_latest has found a step
+        # An objective's stage whose batches outlive a step (GRPO's rollouts), and their abstract
+        # shapes with the batch sharding: what a checkpoint holds of it (attach_stage).
+        self.stage: Stage | None = None
+        self.stage_target: dict = {}
         self._closed = False
+
+    def attach_stage(self, stage: Stage, target: dict) -> None:
+        """Saves hold what `stage` carries past their step, restored into `target`'s shapes and
+        shardings (a step's batch, Program.abstract_batch) and handed back to it."""
+        self.stage, self.stage_target = stage, target
 
     def attach_local(self, local: LocalTier) -> None:
         self.local = local
@@ -291,8 +308,14 @@ class Checkpointer:
         pipeline makes the same on every process (see data.pipeline), so process 0's is saved
         and any process count can restore it."""
         state = state.replace(params=saved(state.params))
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(iterator.get_state()))
-        self.manager.save(step, args=args, force=True)
+        items = {"state": ocp.args.StandardSave(state), "data": ocp.args.JsonSave(iterator.get_state())}
+        carried = None if self.stage is None else self.stage.carried(step)
+        if carried is not None:
+            batch, metrics = carried
+            fields = {k: [list(v.shape), str(v.dtype)] for k, v in batch.items()}
+            items.update(stage=ocp.args.StandardSave(batch), stage_info=ocp.args.JsonSave({"fields": fields,
+                                                                                          "metrics": metrics}))
+        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
 
     def restore(self, step: int, target: TrainState, iterator: grain.DatasetIterator) -> TrainState:
         """Restores into `target`'s shapes and shardings (any mesh) and rewinds `iterator`. A LoRA
@@ -320,7 +343,32 @@ class Checkpointer:
         found = self._restore_persistent(steps, target, iterator, warn)
         if self.local is not None:
             self.local.drop_newer_than(found[0] if found else 0, warn)
+        if found is not None and self.stage is not None:
+            self.stage.resume(self._carried(found[0], warn))
         return found
+
+    def _carried(self, step: int, warn: Callable[[str], None]) -> tuple[dict, dict] | None:
+        """What the persistent checkpoint of `step` holds of the stage (None: nothing, as at a
+        local step). A batch made for other shapes (an rl key changed on resume) or one that
+        cannot be read is left, with one warning line: the next step makes a new one (the state
+        itself was read)."""
+        if not storage.exists(storage.join(self._path(step), "stage_info")):
+            return None
+        then = f"step {step + 1} makes a new one"
+        try:
+            info = self.manager.restore(step, args=ocp.args.Composite(stage_info=ocp.args.JsonRestore())).stage_info
+            fields = {k: [list(v.shape), str(v.dtype)] for k, v in self.stage_target.items()}
+            differ = [k for k in sorted(set(info["fields"]) | set(fields)) if info["fields"].get(k) != fields.get(k)]
+            if differ:
+                k = differ[0]
+                warn(f"warning: checkpoint {self._path(step)} holds a batch made for another config ({k}: "
+                     f"{info['fields'].get(k)}, this run's {fields.get(k)}); {then}")
+                return None
+            target = ocp.args.StandardRestore(self.stage_target)
+            return self.manager.restore(step, args=ocp.args.Composite(stage=target)).stage, info["metrics"]
+        except Exception as e:  # a damaged batch costs its resampling, not the checkpoint
+            warn(f"warning: the batch checkpoint {self._path(step)} holds cannot be read ({_why(e)}); {then}")
+            return None
 
     def _restore_persistent(
         self, steps: list[int], target: TrainState, iterator: grain.DatasetIterator, warn: Callable[[str], None]

@@ -122,7 +122,7 @@ class GRPO:
         self.graphdef, self.compute, self.spec, self.rewards, self.decode = graphdef, compute, spec, rewards, decode
         temperature = spec.temperature
         # Jitted once per shape: the policy's (and the reference's) log-probs without gradients.
-        self._logps = jax.jit(lambda params, rows: jax.lax.stop_gradient(
+        self.logps = jax.jit(lambda params, rows: jax.lax.stop_gradient(
             target_logps(graphdef, compute, params, rows, temperature)[0]))
 
     def sample(self, params: dict, prompts: np.ndarray, pad: np.ndarray, key: Array) -> Rollout:
@@ -137,15 +137,23 @@ class GRPO:
         RewardError (one line) for a reward that fails, before any update."""
         r = self.sample(params, prompts, pad, key)
         rewards = self._rewards(r, examples)
+        batch = self.training_batch(params, ref_params, r, rewards)
+        return batch, self._metrics(r, rewards, completion_logps(batch["old_logps"], r))
+
+    def training_batch(self, params: dict, ref_params: dict | None, r: Rollout,
+                       rewards: np.ndarray) -> dict[str, Array]:
+        """The batch a step trains on from a rollout and its rewards (float32 [rows]): the rows,
+        the old log-probs of `params` and, when rl.kl_coef > 0, the reference's, by the trainer's
+        own forward under the activation rules in force, and each row's advantage."""
         rows = training_rows(r)
-        old = self._logps(params, rows)  # the sampling policy, by the trainer's own forward
+        old = self.logps(params, rows)  # the sampling policy, by the trainer's own forward
         # Each row's advantage on every target, so that every array of the batch is [rows, n] and
         # shards and splits into micro-batches as the rows do.
         advantages = group_advantages(rewards, self.spec.rollout.group_size)
         batch = {**rows, "old_logps": old, "advantages": jnp.broadcast_to(advantages[:, None], old.shape)}
         if self.spec.loss.kl_coef > 0:
-            batch["ref_logps"] = self._logps(ref_params, rows)
-        return batch, self._metrics(r, rewards, completion_logps(old, r))
+            batch["ref_logps"] = self.logps(ref_params, rows)
+        return batch
 
     def _rewards(self, r: Rollout, examples: Sequence[dict]) -> np.ndarray:
         """float32 [rows]: each completion's reward, its text cut before the end token."""

@@ -68,11 +68,9 @@ def _train(session: Session, devices: list, goodput: Goodput) -> list[dict[str, 
     hooks = make_hooks(ctx)
     goodput.lap("compile")
     step_fn = instrument(step_fn, session.start, goodput)
-    program = session.program
-    stage = program.spec.objective.stage(program.spec.model.graphdef, program.compute)
     ctx.watch()
     try:
-        _loop(ctx, step_fn, hooks, stage)
+        _loop(ctx, step_fn, hooks, session.stage)
     finally:
         ctx.close()
     return ctx.logger.history

@@ -3,9 +3,10 @@
 `reread` reads run.dir again once its lock is held (`trainer.checkpoint.RunDir`: a run alive at
 `prepare`'s read may have saved since) and resolves what depends on it: the config must still fit
 the checkpoints, and the learning-rate schedule's horizon (`resolve_schedule`). `make_session`
-builds the program, the checkpointer (with the local tier, trainer.tiers), this process's data
-iterator and held-out rows, and the state through `initial_state` (trainer/restore.py), the one
-place that decides where it comes from; then writes the resolved config into run.dir.
+builds the program, the checkpointer (with the local tier, trainer.tiers), the objective's stage
+(what the checkpoints hold of it), this process's data iterator and held-out rows, and the state
+through `initial_state` (trainer/restore.py), the one place that decides where it comes from;
+then writes the resolved config into run.dir.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class Session:
     ckpt: Checkpointer
     eval_rows: list[dict[str, np.ndarray]]  # this process's rows of the held-out batches; [] = no eval
     origin: str = ""  # trainer.restore.Start.origin
+    # The objective's maker of each step's batch on the host (trainer.objectives.registry.Stage;
+    # None: the data's batches), given back what the checkpoint resumed carried for it.
+    stage: Any = None
 
 
 def resolve_schedule(cfg: Config, found: RunDir) -> tuple[Config, str]:
@@ -99,6 +103,9 @@ def make_session(spec: RunSpec, devices: list, schedule_note: str = "", held_out
         raise ValueError("make_session needs a RunSpec prepared with data (trainer.program.prepare)")
     program = make_program(spec, devices)
     ckpt = checkpointer(program)
+    stage = spec.objective.stage(spec.model.graphdef, program.compute)
+    if stage is not None:
+        ckpt.attach_stage(stage, program.abstract_batch())
     iterator = make_iterator(cfg, source)
     log(describe(source, cfg, spec.objective.data_format))
     eval_rows = _eval_rows(cfg, source, held_out)
@@ -118,4 +125,4 @@ def make_session(spec: RunSpec, devices: list, schedule_note: str = "", held_out
     except BaseException:
         ckpt.close()  # its library log too: the console gets its printers back for the error
         raise
-    return Session(program, start.state, start.step, iterator, ckpt, eval_rows, start.origin)
+    return Session(program, start.state, start.step, iterator, ckpt, eval_rows, start.origin, stage)

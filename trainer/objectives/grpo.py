@@ -29,14 +29,16 @@ from model.rollout import Rollout, exact_matches, rollout
 from trainer import grpo, rewards
 from trainer.compute import Compute
 from trainer.objectives.dpo import reference_params
-from trainer.objectives.registry import EvalFn, Objective, Stage, check_prepared, register, require
+from trainer.objectives.registry import EvalFn, Made, Objective, Stage, check_prepared, register, require
 
 Array = jax.Array
 
 
-class RolloutStage:
+class RolloutStage(Stage):
     """Makes each step's batch from the data's prompts: a new rollout every
-    `rl.updates_per_rollout` steps (and at a run's first step), the same batch in between."""
+    `rl.updates_per_rollout` steps (and at a run's first step), the same batch in between. A
+    checkpoint between the updates of one rollout batch holds that batch (`carried`): the weights
+    that sampled it are gone, so a resumed run trains on it rather than sampling again."""
 
     def __init__(self, objective: "GRPOObjective", graphdef: nnx.GraphDef, compute: Compute) -> None:
         cfg = objective.cfg
@@ -67,6 +69,13 @@ class RolloutStage:
         self.made = batch, {**metrics, "rollout_s": seconds, "rollout_tokens_per_s": tokens / seconds}
         return self.made
 
+    def carried(self, step: int) -> Made | None:
+        # After step `step` the next one reuses the batch unless a new rollout batch begins there.
+        return None if step % self.spec.updates == 0 else self.made
+
+    def resume(self, made: Made | None) -> None:
+        self.made = made
+
 
 @register
 class GRPOObjective(Objective):
@@ -88,12 +97,12 @@ class GRPOObjective(Objective):
                 "log-probs of sampled tokens; set 0")
         require(cfg.model.lora.dropout == 0, "model.lora.dropout", "train.objective=grpo compares log-probs "
                 "of the same tokens before and during the update; set 0")
-        # A checkpoint between the updates of one rollout batch could not resume them bitwise (the
-        # batch was sampled by the weights at its first update): scheduled saves land on boundaries.
-        for key, every in (("checkpoint.every", cfg.checkpoint.every), ("checkpoint.local_every",
-                                                                        cfg.checkpoint.local_every)):
-            require(every % rl.updates_per_rollout == 0, key, f"{every} is not a multiple of "
-                    f"rl.updates_per_rollout={rl.updates_per_rollout}: save where a new rollout batch begins")
+        # A persistent checkpoint between the updates of one rollout batch holds the batch
+        # (RolloutStage.carried); the local tier's fixed tree holds none, so it saves on boundaries.
+        every = cfg.checkpoint.local_every
+        require(every % rl.updates_per_rollout == 0, "checkpoint.local_every", f"{every} is not a multiple of "
+                f"rl.updates_per_rollout={rl.updates_per_rollout}: the local tier holds no rollout batch; save "
+                "where a new rollout batch begins")
         rewards.build(rl)  # every reward's name and path resolve, before anything is compiled
 
     @property

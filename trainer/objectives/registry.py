@@ -30,10 +30,28 @@ Array = jax.Array
 EvalFn = Callable[[dict, Any, dict], Any]
 # (params, reference params or None, batch) -> the batch with what the objective adds before its loss
 BatchFn = Callable[[dict, Any, dict], dict]
-# (the train state, the data's next batch when asked, the step about to run) -> (the batch the
-# step trains on, the host's metrics of making it): an objective that makes its batches on the
-# host between steps (reinforcement learning's rollouts and rewards), taking data when it needs it.
-Stage = Callable[[Any, Callable[[], dict], int], tuple[dict, dict[str, float]]]
+# A batch an objective's stage made, with the host's metrics of making it.
+Made = tuple[dict, dict[str, float]]
+
+
+class Stage:
+    """An objective that makes its batches on the host between steps (reinforcement learning's
+    rollouts and rewards), taking data when it needs it. A batch made for several steps is part
+    of the run's state between them: a checkpoint holds it (`carried`) and a resumed run takes
+    it back (`resume`), so the steps after a resume are the ones the run would have made."""
+
+    def __call__(self, state: Any, next_batch: Callable[[], dict], step: int) -> Made:
+        """(the train state, the data's next batch when asked, the step about to run) -> (the
+        batch the step trains on, the host's metrics of making it)."""
+        raise NotImplementedError
+
+    def carried(self, step: int) -> Made | None:
+        """What a checkpoint of `step` must hold for the steps after it: a batch made before and
+        still to be trained on, with its metrics. None: nothing (the next step makes its own)."""
+        return None
+
+    def resume(self, made: Made | None) -> None:
+        """Takes back what a checkpoint held (`carried`; None: it held nothing)."""
 
 
 @dataclasses.dataclass(frozen=True)
