@@ -17,10 +17,11 @@ import pytest
 
 import train
 import trainer
-from configs import load_config
+from configs import ConfigError, load_config
 from conftest import ROOT
 from data.addition import addition_rows, write
 from data.prepare import prepare
+from trainer.checkpoint import check_resumable
 from trainer.rewards import RewardError
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -129,6 +130,21 @@ def test_a_run_resumed_between_the_updates_of_a_rollout_batch_is_bitwise_the_str
     for step in (2, 3, 4):
         for key in ("loss", "grad_norm", "reward_mean", "kl", "ratio", "entropy"):
             assert resumed[step][key] == straight[step][key], (step, key)
+
+
+def test_a_resumed_run_that_drops_or_adds_the_reference_is_refused_naming_the_key(corpus, history):
+    """rl.kl_coef=0 holds no frozen copy of the starting weights, the run's checkpoints do (0.1):
+    one line naming the key, not a checkpoint that reads as unreadable. DPO's LoRA switch likewise."""
+    def cfg(*extra: str):
+        return load_config(TINY, [f"run.dir={history[1]}", f"data.path={corpus}", *COMMON,
+                                  "rl.reward=exact_match,grpo_run_reward:letters", *extra])
+
+    check_resumable(cfg())
+    with pytest.raises(ConfigError, match=r"^rl.kl_coef=0.0 drops the frozen copy of the starting weights, which the "
+                                          r"checkpoints of run.dir=.* hold; resume with rl.kl_coef=0.1 or use a new"):
+        check_resumable(cfg("rl.kl_coef=0"))
+    with pytest.raises(ConfigError, match=r"^train.objective='lm' drops the frozen copy"):
+        check_resumable(cfg("train.objective=lm"))
 
 
 def test_a_failing_reward_stops_the_run_before_the_update_with_the_checkpoint_intact(grpo_run, tmp_path):

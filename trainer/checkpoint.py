@@ -200,6 +200,24 @@ def check_resumable(cfg: Config, found: RunDir | None = None) -> None:
             f"optim.clip={cfg.optim.clip} turns clipping {'on' if cfg.optim.clip else 'off'}, which changes the "
             f"optimizer state saved in run.dir={cfg.run.dir}; use a new run.dir"
         )
+    _check_reference(cfg, old)
+
+
+def _check_reference(cfg: Config, old: Config) -> None:
+    """The frozen copy of the starting weights (DPO's and GRPO's reference) is in the saved state
+    or not: a resumed run must agree, or its checkpoints read as unreadable."""
+    from trainer import objectives  # here: the objectives import the step code that imports this module
+
+    was, now = (objectives.get(c.train.objective)(c) for c in (old, cfg))
+    if was.holds_reference == now.holds_reference:
+        return
+    changed = [k for k in ("train.objective", *now.reference_keys, *was.reference_keys) if _get(old, k) != _get(cfg, k)]
+    key = changed[0] if changed else "train.objective"
+    raise ConfigError(
+        f"{key}={_get(cfg, key)!r} {'adds' if now.holds_reference else 'drops'} the frozen copy of the starting "
+        f"weights, which the checkpoints of run.dir={cfg.run.dir} {'lack' if now.holds_reference else 'hold'}; "
+        f"resume with {key}={_get(old, key)!r} or use a new run.dir"
+    )
 
 
 def _tier_note(found: RunDir) -> str:

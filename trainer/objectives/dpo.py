@@ -105,6 +105,8 @@ class DPO(Objective):
         require(cfg.model.mtp_depth == 0, "model.mtp_depth", f"{cfg.model.mtp_depth} with train.objective=dpo: the "
                 "DPO loss is the main head's log-probs, so the prediction modules would get no gradient; set 0")
 
+    reference_keys = ("model.lora.enabled",)
+
     @property
     def holds_reference(self) -> bool:
         # Under LoRA the reference is the base the adapters sit on (their B zeroed): no copy to hold.

@@ -109,6 +109,8 @@ class GRPOObjective(Objective):
     def rows_per_example(self) -> int:  # type: ignore[override]
         return self.cfg.rl.group_size  # a prompt's group of completions
 
+    reference_keys = ("rl.kl_coef", "model.lora.enabled")
+
     @property
     def holds_reference(self) -> bool:
         # kl_coef 0: no reference at all; under LoRA it is the base with the adapters switched off.

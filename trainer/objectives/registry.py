@@ -90,6 +90,9 @@ class Objective:
             raise ConfigError(f"pipeline.schedule={self.cfg.pipeline.schedule} computes the language-model loss "
                               f"itself; train.objective={self.name} pipelines with pipeline.schedule=gpipe")
 
+    # The keys `holds_reference` reads: a resumed run that changes one is named by it.
+    reference_keys: tuple[str, ...] = ()
+
     @property
     def holds_reference(self) -> bool:
         """Whether the train state holds a frozen copy of the starting weights (`ref_params`)."""
