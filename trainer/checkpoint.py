@@ -206,9 +206,11 @@ def check_resumable(cfg: Config, found: RunDir | None = None) -> None:
 def _check_reference(cfg: Config, old: Config) -> None:
     """The frozen copy of the starting weights (DPO's and GRPO's reference) is in the saved state
     or not: a resumed run must agree, or its checkpoints read as unreadable."""
-    from trainer import objectives  # here: the objectives import the step code that imports this module
+    # Here: the objectives import the step code that imports this module. Importing the registry
+    # runs trainer/objectives/__init__ first, which registers every objective.
+    from trainer.objectives.registry import get
 
-    was, now = (objectives.get(c.train.objective)(c) for c in (old, cfg))
+    was, now = (get(c.train.objective)(c) for c in (old, cfg))
     if was.holds_reference == now.holds_reference:
         return
     changed = [k for k in ("train.objective", *now.reference_keys, *was.reference_keys) if _get(old, k) != _get(cfg, k)]
