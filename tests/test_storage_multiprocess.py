@@ -17,6 +17,7 @@ import storage
 import trainer
 from bench.procs import TINY, processes
 from conftest import stdlib_glob
+from ops.stragglers import SLOW_ENV
 from test_storage import losses
 
 STEPS = 8
@@ -26,9 +27,10 @@ ARGS = [f"data.path={stdlib_glob('json')}", "train.log_every=1", "mesh.data=2", 
         "optim.decay_steps=12", "checkpoint.every=2", f"train.steps={STEPS}"]
 
 
-def job(run_dir: str) -> list:
-    """The 2-process job on run_dir, started."""
-    return processes(2, "--config", TINY, f"run.dir={run_dir}", *ARGS, heartbeat=5)
+def job(run_dir: str, step_sleep_s: float = 0.0) -> list:
+    """The 2-process job on run_dir, started; each step `step_sleep_s` longer on both processes."""
+    slow = {i: {SLOW_ENV: str(step_sleep_s)} for i in range(2)} if step_sleep_s else None
+    return processes(2, "--config", TINY, f"run.dir={run_dir}", *ARGS, heartbeat=5, env=slow)
 
 
 def finished(procs: list) -> str:
@@ -57,7 +59,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, f
 def test_a_two_process_job_on_a_bucket_resumes_bit_for_bit_after_a_process_is_killed(
         request: pytest.FixtureRequest, bucket: str, uninterrupted: tuple[dict[int, float], dict]) -> None:
     run_dir = f"{request.getfixturevalue(bucket)}/{uuid.uuid4().hex[:8]}/run"
-    victim = job(run_dir)
+    victim = job(run_dir, step_sleep_s=0.5)  # time to see step 2 committed and kill before step 8 on a loaded host
     victim[0].wait_for(r"^step +3/", timeout=240)
     deadline = time.monotonic() + 60
     while not committed(run_dir):  # step 2's save is asynchronous: its commit object comes later

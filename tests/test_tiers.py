@@ -74,7 +74,8 @@ def test_a_replaced_host_resumes_from_the_peers_local_step(tmp_path, n):
     assert len(redone) == 2 and redone[0] == redone[1] == before[10]["loss"], "step 10 again, bit for bit"
     assert sorted({r["step"] for r in after}) == list(range(1, 13))
     tiers = json.loads((run_dir / "summary.json").read_text())["restarts_by_tier"]
-    assert list(tiers) == ["local"] and tiers["local"]["recomputed_steps"] == 1, tiers
+    # Step 10, and step 11 where the first job got that far before the kill (a loaded host).
+    assert list(tiers) == ["local"] and tiers["local"]["recomputed_steps"] == max(before) - 9, (tiers, sorted(before))
     named = [(i, line) for i, line in enumerate(job[0].lines) if line.startswith("straggler:")]
     assert all("straggler" not in p.output for p in [*job[1:], *again]), "with no slow process nothing is named"
     if n == 2:
