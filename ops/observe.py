@@ -32,21 +32,25 @@ TB_DIR = "tb"
 PROFILE_DIR = "profile"
 
 
+# What tensorboardX imports only for what this stack never asks of it: torch (to accept torch
+# tensors; without it, numpy arrays) and the S3 and GCS clients of its own bucket support (run.dir's
+# event files go to a bucket through `storage`). Most of the import's CPU time, in every run.
+_UNUSED_BY_TENSORBOARD = ("torch", "boto3", "google.cloud.storage")
+
+
 @contextlib.contextmanager
-def _without_torch() -> Iterator[None]:
-    """Imports inside it see torch as absent, unless it is already loaded. tensorboardX's package
-    imports its SummaryWriter, which imports torch where installed (only to accept torch tensors;
-    without it, numpy arrays): most of the import's CPU time, and torch's memory, in every run,
-    for an event writer and two protobuf classes that never touch torch."""
-    if "torch" in sys.modules:
-        yield
-        return
-    sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` raises ImportError
+def _without_unused() -> Iterator[None]:
+    """Imports inside it see the modules of _UNUSED_BY_TENSORBOARD as absent, those already loaded
+    aside; afterwards they import as ever."""
+    blocked = [name for name in _UNUSED_BY_TENSORBOARD if name not in sys.modules]
+    for name in blocked:
+        sys.modules[name] = None  # type: ignore[assignment]  # `import name` raises ImportError
     try:
         yield
     finally:
-        if sys.modules.get("torch", 0) is None:
-            del sys.modules["torch"]
+        for name in blocked:
+            if sys.modules.get(name, 0) is None:
+                del sys.modules[name]
 
 
 class TensorBoard:
@@ -58,7 +62,7 @@ class TensorBoard:
         # Imported here, not at the top: a machine without tensorboardX (the GPU box has no
         # network) can still import the trainer and time steps with bench.step. And here, not at
         # the first record: the import takes a while, which would be timed as the step it falls in.
-        with _without_torch():
+        with _without_unused():
             from tensorboardX.event_file_writer import EventsWriter
             from tensorboardX.proto.event_pb2 import Event
             from tensorboardX.proto.summary_pb2 import Summary
@@ -115,7 +119,7 @@ def _records(path: str) -> list[bytes]:
 
 def read_scalars(tb_dir: str) -> dict[str, list[tuple[int, float]]]:
     """tag -> [(step, value), ...] from every event file in `tb_dir`, oldest file first."""
-    with _without_torch():
+    with _without_unused():
         from tensorboardX.proto.event_pb2 import Event
 
     scalars: dict[str, list[tuple[int, float]]] = {}
