@@ -181,9 +181,10 @@ def read_all(path: str) -> bytes:
         return f.read()
 
 
-def plan_tasks(files: list[str], fmt: str, field: str) -> Iterator[Task]:
+def plan_tasks(files: list[str], fmt: str, field: str | None) -> Iterator[Task]:
     """The tasks covering all files, in output order. Reads raw bytes (jsonl) or decodes columns
-    (parquet) lazily, so only the tasks in flight are in memory."""
+    (parquet) lazily, so only the tasks in flight are in memory. `field` None: parquet rows whole,
+    as dicts (the examples of SFT, DPO and RL, as a jsonl line's object)."""
     if fmt == "text":
         batch: list[str] = []
         size = 0
@@ -226,7 +227,7 @@ def _jsonl_tasks(path: str) -> Iterator[Task]:
     yield pending
 
 
-def _parquet_tasks(path: str, field: str) -> Iterator[Task]:
+def _parquet_tasks(path: str, field: str | None) -> Iterator[Task]:
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -236,25 +237,32 @@ def _parquet_tasks(path: str, field: str) -> Iterator[Task]:
         pf = pq.ParquetFile(storage.open_file(path) if storage.is_remote(path) else path)
     except (OSError, pa.ArrowException) as e:
         raise ConfigError(f"{path}: not a readable parquet file ({e})") from None
-    schema = pf.schema_arrow
-    if field not in schema.names:
-        raise ConfigError(f"{path}: no column {field!r} (columns: {', '.join(schema.names)}); give --field")
-    kind = schema.field(field).type
-    is_view = getattr(pa.types, "is_string_view", lambda _: False)  # pyarrow >= 16
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or is_view(kind)):
-        raise ConfigError(f"{path}: column {field!r} holds {kind}, not strings; give --field")
+    if field is not None:
+        _check_text_column(path, pf.schema_arrow, field)
     rows_total = max(pf.metadata.num_rows, 1)
     bytes_per_row = storage.size(path) / rows_total
     row = 1
     pending = Task("parquet", [path], payload=[])
-    for batch in pf.iter_batches(batch_size=PARQUET_TASK_ROWS, columns=[field]):
-        values = batch.column(0).to_pylist()
+    for batch in pf.iter_batches(batch_size=PARQUET_TASK_ROWS, columns=None if field is None else [field]):
+        values = batch.to_pylist() if field is None else batch.column(0).to_pylist()
         if pending.payload:
             yield pending
         pending = Task("parquet", [path], first=row, payload=values, size=int(len(values) * bytes_per_row), last=False)
         row += len(values)
     pending.last = True
     yield pending
+
+
+def _check_text_column(path: str, schema: Any, field: str) -> None:
+    """Raises ConfigError unless the parquet `schema` has a string column `field`."""
+    import pyarrow as pa
+
+    if field not in schema.names:
+        raise ConfigError(f"{path}: no column {field!r} (columns: {', '.join(schema.names)}); give --field")
+    kind = schema.field(field).type
+    is_view = getattr(pa.types, "is_string_view", lambda _: False)  # pyarrow >= 16
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or is_view(kind)):
+        raise ConfigError(f"{path}: column {field!r} holds {kind}, not strings; give --field")
 
 
 @dataclasses.dataclass
@@ -318,9 +326,15 @@ def read_task(task: Task, field: str) -> Documents:
     return docs
 
 
-def json_rows(task: Task, stats: FileStats) -> Iterator[tuple[int, bytes, Any]]:
-    """(line, raw bytes, the parsed JSON value) of each line of a jsonl task; blank lines and
-    lines that are not JSON are skipped and counted in `stats`."""
+def example_rows(task: Task, stats: FileStats) -> Iterator[tuple[int, bytes, Any]]:
+    """(line or row, its bytes, the example) of each line of a jsonl task (its parsed JSON value)
+    or row of a parquet task read whole (a dict; its bytes the row as `json.dumps` writes it, so
+    the held-out split puts a row where it puts the jsonl line of the same row, columns in the same
+    order); blank lines and lines that are not JSON are skipped and counted in `stats`."""
+    if task.fmt == "parquet":
+        for i, row in enumerate(task.payload):
+            yield task.first + i, json.dumps(row, default=str).encode(), row
+        return
     lines = task.payload.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()

@@ -45,7 +45,7 @@ import storage
 from configs import ConfigError, guarded, on_interrupt
 from configs import check_output as check_destination
 from data.chat import ChatTemplate, Skip, template_file
-from data.formats import (FORMATS, Documents, FileStats, Matched, Task, detect_format, expand_inputs, json_rows,
+from data.formats import (FORMATS, Documents, FileStats, Matched, Task, detect_format, expand_inputs, example_rows,
                           plan_tasks, read_task)
 from data.manifest import FORMAT_VERSION, MANIFEST, SPLITS, corpus_digests, is_prepared_file, lengths_name, shard_name
 from data.publish import publish
@@ -131,12 +131,12 @@ def tokenize_task(task: Task) -> Chunk:
 
 
 def _tokenize_examples(task: Task, tokenizer: Tokenizer, opts: Options, template: ChatTemplate) -> Chunk:
-    """A task of JSONL examples (SFT, DPO) -> their records (the corpus format's `record`); rows
-    that are no example are counted under their reason."""
+    """A task of examples (SFT, DPO, RL; jsonl lines or parquet rows) -> their records (the corpus
+    format's `record`); rows that are no example are counted under their reason."""
     path = task.paths[0]
     stats = FileStats(path)
     kept, held = [], []
-    for line, raw, obj in json_rows(task, stats):
+    for line, raw, obj in example_rows(task, stats):
         try:
             record = _format(opts.objective).record(obj, template, tokenizer.encode_batch)
         except Skip as why:
@@ -292,8 +292,8 @@ class Options:
         names = _format_names()
         if self.objective not in names:
             raise ConfigError(f"--objective: expected one of {', '.join(names)}, got {self.objective!r}")
-        if _format(self.objective).examples and self.fmt not in (None, "jsonl"):
-            raise ConfigError(f"--objective {self.objective}: reads JSONL rows, not --format {self.fmt}")
+        if _format(self.objective).examples and self.fmt == "text":
+            raise ConfigError(f"--objective {self.objective}: reads jsonl or parquet rows, not --format text")
 
 
 def _chat_template(opts: Options) -> ChatTemplate | None:
@@ -352,7 +352,7 @@ def _write(tmp: str, inputs: Matched, tok: Tokenizer, opts: Options, progress: b
     writers = {split: SplitWriter(tmp, split, opts.shard_docs) for split in SPLITS}
     stats = {path: FileStats(path) for path in files}
     bar = Progress(sum(storage.size(f) for f in files)) if progress else None
-    tasks = plan_tasks(files, opts.fmt, opts.field)
+    tasks = plan_tasks(files, opts.fmt, None if _format(opts.objective).examples else opts.field)
     for chunk in run_tasks(tasks, opts, opts.workers):
         offsets = np.concatenate([[0], np.cumsum(chunk.lengths)])
         for start, stop, held in zip(offsets[:-1], offsets[1:], chunk.held):

@@ -92,3 +92,17 @@ def test_a_chat_prompt_gets_the_generation_prompt_and_bad_rows_are_skipped():
                      ({"prompt": [{"text": "x"}], "answer": "2"}, "bad_prompt"), ([1], "not_object")]:
         with pytest.raises(Skip, match=why):
             fmt.record(row, template, tokenizer.encode_batch)
+
+
+def test_parquet_rows_prepare_as_their_jsonl_lines(toy, tmp_path):
+    """The same prompts and answers as a parquet file (one row per example, the jsonl line's keys
+    as columns) prepare to the same corpus: the same records in each split, byte for byte."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    rows = toy["addition"][:300]
+    (tmp_path / "rl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "rl.parquet"), row_group_size=64)
+    splits = {fmt: prepare([str(tmp_path / f"rl.{fmt}")], str(tmp_path / fmt), progress=False, objective="rl",
+                           eval_fraction=0.2)["splits"] for fmt in ("jsonl", "parquet")}
+    assert 0 < splits["parquet"]["eval"]["documents"] < splits["parquet"]["train"]["documents"]
+    for split in ("train", "eval"):
+        assert splits["parquet"][split]["shard_sha256"] == splits["jsonl"][split]["shard_sha256"], split

@@ -2,7 +2,7 @@
 seq_len + 1 tokens with its loss mask of the response (data/pairs.py); nothing is packed. A batch
 is [pairs, 2, seq_len + 1], so `train.global_batch` counts pairs.
 
-`data.prepare --objective dpo` reads JSONL rows {"prompt", "chosen", "rejected"}, strings or
+`data.prepare --objective dpo` reads JSONL lines or parquet rows {"prompt", "chosen", "rejected"}, strings or
 lists of messages (then through the chat template); a record is [chosen length] + chosen +
 rejected (data/chat.py).
 """

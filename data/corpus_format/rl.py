@@ -1,6 +1,6 @@
 """`rl`: prompts with reference answers, for reinforcement learning from verifiable rewards.
 
-`data.prepare --objective rl` reads JSONL rows {"prompt", "answer"}: a string prompt is used as
+`data.prepare --objective rl` reads JSONL lines or parquet rows {"prompt", "answer"}: a string prompt is used as
 it is (the toy task's "37+48=", data/addition.py), a list of messages goes through the chat
 template with the generation prompt after it (as SFT's); the answer is a string. A record is SFT's
 (data/chat.py): the prompt's tokens, then the answer's with the trained bit set.

@@ -1,7 +1,7 @@
 """`sft`: supervised examples as documents with a loss mask of the assistant (completion) tokens,
 packed whole (`data.packing=document`, which keeps conversations apart; configs/validate.py).
 
-`data.prepare --objective sft` reads JSONL rows: {"messages": [...]} through the chat template,
+`data.prepare --objective sft` reads JSONL lines or parquet rows: {"messages": [...]} through the chat template,
 every assistant turn trained, or {"prompt", "completion"}; a record is one sequence with bit 31
 set on the trained tokens (data/chat.py).
 """
