@@ -17,6 +17,7 @@ import pytest
 
 import train
 import trainer
+from bench.procs import two_processes
 from configs import ConfigError, load_config
 from conftest import ROOT
 from data.addition import addition_rows, write
@@ -130,6 +131,19 @@ def test_a_run_resumed_between_the_updates_of_a_rollout_batch_is_bitwise_the_str
     for step in (2, 3, 4):
         for key in ("loss", "grad_norm", "reward_mean", "kl", "ratio", "entropy"):
             assert resumed[step][key] == straight[step][key], (step, key)
+
+
+def test_a_two_process_grpo_job_is_refused_before_compiling(corpus, tmp_path):
+    """Rollouts run on one process for now: both processes of a 2 x 4 job say so in one line once
+    they have met, exit 2, and nothing is written."""
+    run_dir = tmp_path / "run"
+    procs = two_processes("--config", TINY, f"run.dir={run_dir}", f"data.path={corpus}", *COMMON, "mesh.data=-1",
+                          "train.global_batch=8", "rl.reward=exact_match", heartbeat=5)
+    codes = [p.finish(120) for p in procs]
+    for p in procs:
+        assert "error: dist.num_processes: 2 processes with train.objective=grpo: rollouts run on one process" in p.output
+        assert "compiled" not in p.output and "Traceback" not in p.output, p.output
+    assert codes == [2, 2] and not run_dir.exists(), [p.output for p in procs]
 
 
 def test_a_resumed_run_that_drops_or_adds_the_reference_is_refused_naming_the_key(corpus, history):

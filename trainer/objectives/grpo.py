@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from configs import ConfigError
 from data.corpus_format.rl import prompts_and_answers
 from data.tokenizer import load_tokenizer
 from model.loss import LossFn
@@ -51,8 +50,6 @@ class RolloutStage(Stage):
     def __call__(self, state: Any, next_batch: Callable[[], dict], step: int) -> tuple[dict, dict[str, float]]:
         if self.made is not None and (step - 1) % self.spec.updates:
             return self.made
-        if jax.process_count() > 1:
-            raise ConfigError("train.objective=grpo: rollouts run on one process for now (dist.num_processes)")
         t0 = time.perf_counter()
         data = next_batch()
         prompts, pad, answers = prompts_and_answers(np.asarray(data["tokens"]), np.asarray(data["loss_mask"]),
@@ -91,6 +88,9 @@ class GRPOObjective(Objective):
                 "model.seq_len + 1 and packs nothing; leave data.packing=concat")
         require(rl.max_new_tokens < cfg.model.seq_len, "rl.max_new_tokens", f"{rl.max_new_tokens} leaves no room "
                 f"for a prompt in model.seq_len={cfg.model.seq_len}")
+        # After the processes met (trainer.startup.bring_up), before anything is compiled.
+        require(jax.process_count() == 1, "dist.num_processes", f"{jax.process_count()} processes with "
+                "train.objective=grpo: rollouts run on one process for now")
         require(cfg.mesh.pipeline == 1, "mesh.pipeline", f"{cfg.mesh.pipeline} with train.objective=grpo: rollouts "
                 "decode with the whole layer stack on every device; pipeline layouts are not supported yet")
         require(cfg.model.mtp_depth == 0, "model.mtp_depth", "train.objective=grpo trains the main head's "
