@@ -6,11 +6,13 @@ run.dir's lock is released and nothing there reads as a checkpoint, so the same 
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from typing import Callable
 
 import pytest
 
@@ -90,23 +92,30 @@ def _running(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("command, kept", [
-    (["plan.py", "--config", "tiny", "--devices", "8"], "the compile was stopped and nothing was written"),
-    (["hf.py", "export", "--run-dir", "{tmp}/run", "--out", "{tmp}/out"],
-     "each file is written under a temporary name and renamed whole, so what is there is whole; run the same "
-     "command again"),
-    (["generate.py", "--run-dir", "{tmp}/run", "--prompt", "a"], "nothing was written"),
-], ids=["plan.py", "hf.py", "generate.py"])
-def test_a_command_interrupted_while_it_imports_jax_leaves_one_line(tmp_path, command, kept):
-    """Ctrl-C while JAX is being imported (`-X importtime` names each module as it finishes: the
-    first of JAX's own is the moment), the commands' arguments already parsed."""
-    argv = [a.replace("{tmp}", str(tmp_path)) for a in command]
+# Each entry point's command line, and its module's line of what a signal leaves (KEPT).
+COMMANDS = {
+    "train.py": ["train.py", "--config", "tiny", "run.dir={tmp}/run"],
+    "sweep.py": ["sweep.py", "configs/sweeps/tiny_lr.yaml"],
+    "plan.py": ["plan.py", "--config", "tiny", "--devices", "8"],
+    "eval.py": ["eval.py", "--run-dir", "{tmp}/run", "--tasks", "arc_easy"],
+    "data.prepare": ["-m", "data.prepare", "--input", "{tmp}/in.jsonl", "--output", "{tmp}/out"],
+    "data.examples": ["-m", "data.examples", "--output", "{tmp}/examples"],
+    "hf.py": ["hf.py", "export", "--run-dir", "{tmp}/run", "--out", "{tmp}/out"],
+    "generate.py": ["generate.py", "--run-dir", "{tmp}/run", "--prompt", "a"],
+}
+
+
+def _interrupted_once_imported(tmp_path, name: str, moment: Callable[[str], bool]) -> None:
+    """`name`'s command sent SIGINT once `-X importtime` reports a module for which `moment` holds
+    (each module is named as it finishes): exit 130 and the command's one line."""
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in COMMANDS[name]]
+    kept = importlib.import_module(name.removesuffix(".py")).KEPT
     proc = subprocess.Popen([sys.executable, "-X", "importtime", *argv], cwd=ROOT, env=dict(cpu_env(1)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = []
     for line in proc.stderr:
         seen.append(line)
-        if line.startswith("import time:") and line.rpartition("|")[2].strip().startswith("jax."):
+        if line.startswith("import time:") and moment(line.rpartition("|")[2].strip()):
             proc.send_signal(signal.SIGINT)
             break
     rest = proc.stderr.read()
@@ -115,36 +124,17 @@ def test_a_command_interrupted_while_it_imports_jax_leaves_one_line(tmp_path, co
     _one_line(output, signal.SIGINT, kept)
 
 
-@pytest.mark.parametrize("command, kept", [
-    (["train.py", "--config", "tiny", "run.dir={tmp}/run"], KEPT),
-    (["sweep.py", "configs/sweeps/tiny_lr.yaml"],
-     "the points that finished are kept, a stopped one has its checkpoint; run the same command to resume the sweep"),
-    (["plan.py", "--config", "tiny", "--devices", "8"], "the compile was stopped and nothing was written"),
-    (["eval.py", "--run-dir", "{tmp}/run", "--tasks", "arc_easy"], "no scores were written; run the same command again"),
-    (["-m", "data.prepare", "--input", "{tmp}/in.jsonl", "--output", "{tmp}/out"],
-     "--output is as it was (a corpus is written aside and swapped in whole), or on a bucket cut short mid-upload "
-     "holds no manifest.json and is no corpus; run the same command again"),
-    (["-m", "data.examples", "--output", "{tmp}/examples"], "run the same command again"),
-    (["hf.py", "export", "--run-dir", "{tmp}/run", "--out", "{tmp}/out"],
-     "each file is written under a temporary name and renamed whole, so what is there is whole; run the same "
-     "command again"),
-    (["generate.py", "--run-dir", "{tmp}/run", "--prompt", "a"], "nothing was written"),
-], ids=["train.py", "sweep.py", "plan.py", "eval.py", "data.prepare", "data.examples", "hf.py", "generate.py"])
-def test_a_command_interrupted_while_it_loads_its_config_schema_leaves_one_line(tmp_path, command, kept):
+@pytest.mark.parametrize("name", ["plan.py", "hf.py", "generate.py"])
+def test_a_command_interrupted_while_it_imports_jax_leaves_one_line(tmp_path, name):
+    """Ctrl-C while JAX is being imported (the first of JAX's own modules is the moment), the
+    commands' arguments already parsed."""
+    _interrupted_once_imported(tmp_path, name, lambda module: module.startswith("jax."))
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_a_command_interrupted_while_it_loads_its_config_schema_leaves_one_line(tmp_path, name):
     """Ctrl-C in the first tenth of a second, once the first module of the config schema is imported
     (configs.interrupt aside), before any argument is parsed: each entry point has its handler in
     before its own imports."""
-    argv = [a.replace("{tmp}", str(tmp_path)) for a in command]
-    proc = subprocess.Popen([sys.executable, "-X", "importtime", *argv], cwd=ROOT, env=dict(cpu_env(1)),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    seen = []
-    for line in proc.stderr:
-        seen.append(line)
-        module = line.rpartition("|")[2].strip()
-        if line.startswith("import time:") and module.startswith("configs.") and module != "configs.interrupt":
-            proc.send_signal(signal.SIGINT)
-            break
-    rest = proc.stderr.read()
-    assert proc.wait(30) == 130, "".join(seen) + rest
-    output = "".join(line for line in (seen + rest.splitlines(keepends=True)) if not line.startswith("import time:"))
-    _one_line(output, signal.SIGINT, kept)
+    _interrupted_once_imported(tmp_path, name,
+                               lambda module: module.startswith("configs.") and module != "configs.interrupt")
