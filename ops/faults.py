@@ -7,6 +7,8 @@
   thread's stack and exits 4; if a peer process stops sending heartbeats it says which and
   exits 5, so no process waits forever in a collective.
 - `poisoned`: fault injection (`debug.nan_steps`), batches that make given steps non-finite.
+- `stops_on_outage`: a bucket run.dir's object store that stopped answering past its clients'
+  retries becomes one line and exit 7 (StoreDown), whichever write met it first.
 """
 
 from __future__ import annotations
