@@ -387,9 +387,9 @@ def test_a_server_down_past_the_retries_stops_the_run_with_one_line_and_the_same
     30 s a request: not tested here, docs/storage.md.)"""
     require("moto.server", "dev")
     own = OwnServer("s3", tmp_path)
-    env = {**own.env(), SLOW_ENV: "0.5", "AWS_MAX_ATTEMPTS": "2"}
+    env = {**own.env(), "AWS_MAX_ATTEMPTS": "2"}
     command = ("--config", TINY, *args(f"s3://{BUCKET}/run", "train.steps=4"))
-    run = Train(*command, env=env)
+    run = Train(*command, env={**env, SLOW_ENV: "1"})  # steps 3 and 4: 2 s to see step 2 committed
     try:
         run.wait_for(r"^step +2/4")
         client, deadline = own._s3(), time.monotonic() + 30
@@ -397,6 +397,8 @@ def test_a_server_down_past_the_retries_stops_the_run_with_one_line_and_the_same
             assert time.monotonic() < deadline, "step 2 never committed"
             time.sleep(0.02)
         own.server.stop()
+        # Step 3's line comes once step 4 is dispatched, just before step 4's save begins.
+        assert "step 3/4" not in run.output, "the server stopped too late: step 4's save may have begun"
         assert run.finish(60) == 7, run.output[-3000:]
         out = run.output[run.output.index("step 2/4"):]  # what it printed since the server stopped
         errors = [line for line in out.splitlines() if line.strip() and not line.startswith("step ")]
