@@ -8,7 +8,9 @@ anything is compiled or written);
 `train.preempt_exit_code` (143) after SIGTERM, 130 after SIGINT, with the checkpoint committed (a
 signal before the loop: one line, 143 or 130, nothing trained); 3 too
 many non-finite steps; 4 a step past `train.step_timeout_s`; 5 a peer process lost; 6 this
-run's run.dir lock taken over by another run.
+run's run.dir lock taken over by another run; 7 a bucket run.dir's object store stopped answering
+past its clients' retries (one line naming run.dir and the last committed step; the lock is left
+for the next run, which resumes from that step).
 """
 
 from __future__ import annotations

@@ -7,10 +7,13 @@
   thread's stack and exits 4; if a peer process stops sending heartbeats it says which and
   exits 5, so no process waits forever in a collective.
 - `poisoned`: fault injection (`debug.nan_steps`), batches that make given steps non-finite.
+- `stops_on_outage`: a bucket run.dir's object store that stopped answering past its clients'
+  retries becomes one line and exit 7 (StoreDown), whichever write met it first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import faulthandler
 import hashlib
@@ -23,11 +26,12 @@ import sys
 import threading
 import time
 from types import FrameType
-from typing import Iterator
+from typing import Callable, Iterator
 
 import jax
 import numpy as np
 
+import storage
 from configs import Config
 from configs.schema import nan_steps
 from sharding.distributed import FINISHED, peer_beats, publish_beat
@@ -37,6 +41,7 @@ from ops.stragglers import StepClock, find_stragglers, own_means
 EXIT_BAD_STEPS = 3
 EXIT_HUNG = 4
 EXIT_PEER_LOST = 5
+EXIT_STORE_DOWN = 7  # 6 is ops.lease's EXIT_LOCK_LOST
 
 PROJECT_DIRS = ("configs", "model", "sharding", "data", "trainer")
 
@@ -55,6 +60,41 @@ class Preempted(RunStopped):
 
 class TooManyBadSteps(RunStopped):
     exit_code = EXIT_BAD_STEPS
+
+
+def store_down(error: BaseException | None, run_dir: str) -> BaseException | None:
+    """The error in `error`'s chain saying that the object store of a bucket `run_dir` stopped
+    answering (storage.unreachable), or None: also for a local run.dir."""
+    return storage.unreachable(error) if storage.is_remote(run_dir) else None
+
+
+@contextlib.contextmanager
+def stops_on_outage(run_dir: str, committed: Callable[[], int | None]) -> Iterator[None]:
+    """Turns any error of the block whose chain says the store of a bucket run.dir stopped
+    answering (an asynchronous save, a metrics rewrite, summary.json) into StoreDown: one line, its
+    own exit status, and `committed()`, the last step known committed."""
+    try:
+        yield
+    except Exception as e:
+        down = store_down(e, run_dir)
+        if down is None:
+            raise
+        raise StoreDown(run_dir, committed(), down) from e
+
+
+class StoreDown(RunStopped):
+    """The object store holding run.dir stopped answering past its clients' retries. The run.dir
+    lock is left as it is (the store cannot take its release); the next run on this host takes
+    it over, and resumes from `committed`, the last checkpoint known committed."""
+
+    exit_code = EXIT_STORE_DOWN
+
+    def __init__(self, run_dir: str, committed: int | None, error: BaseException):
+        last = f"step {committed}" if committed is not None else "none yet"
+        why = (str(error).splitlines() or [type(error).__name__])[0]
+        super().__init__(f"run.dir={run_dir}: the object store stopped answering after its clients' retries ({why}); "
+                         f"the last committed checkpoint: {last} (nothing later is restored); run the same command "
+                         "once the store answers")
 
 
 def code_version() -> str:

@@ -70,6 +70,11 @@ class ObjectLease:
                   file=sys.stderr, flush=True)
             os._exit(EXIT_LOCK_LOST)  # the main thread may be inside XLA: no clean unwinding
 
+    def abandon(self) -> None:
+        """Stops the heartbeat without waiting for a write in flight, and leaves the lease object
+        as it is: the store no longer answers. The next run on this host finds its pid gone."""
+        self._stop.set()
+
     def release(self) -> None:
         self._stop.set()
         self._thread.join()

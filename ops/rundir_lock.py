@@ -36,6 +36,7 @@ import storage
 from configs import ConfigError
 from configs.interrupt import on_interrupt
 from ops import object_lock
+from ops.faults import StoreDown
 from ops.lease import (BEATS_PER_TIMEOUT, EXIT_LOCK_LOST, LOCK_FILE, _describe, _host_key, _parse, _pid_alive,
                        new_record)
 from sharding import distributed
@@ -160,7 +161,7 @@ def acquire(run_dir: str, timeout_s: float, log: Callable[[str], None]) -> Lease
 def hold(run_dir: str, timeout_s: float, wait_s: float, log: Callable[[str], None]) -> Iterator[None]:
     """Holds run.dir's lock for the block, released however it ends. Process 0 takes it once
     for the whole job; every process raises the same ConfigError if it refused, before any of
-    them writes. `wait_s`: how long the others wait for process 0's answer. On an object store
+    them writes. A run stopped by its object store (StoreDown) leaves the lease where it is. `wait_s`: how long the others wait for process 0's answer. On an object store
     the lease is an object (ops.object_lock), with the same record and semantics."""
     lease, refusal = None, ""
     take = object_lock.acquire if storage.is_remote(run_dir) else acquire
@@ -176,6 +177,11 @@ def hold(run_dir: str, timeout_s: float, wait_s: float, log: Callable[[str], Non
         # A signal outside the loop ends the command at once (configs.interrupt): it frees the lock first.
         with on_interrupt(lease.release if lease is not None else lambda: None):
             yield
+    except StoreDown:
+        if lease is not None:  # its release would wait out the store's retries and fail: the next run takes it over
+            lease.abandon()
+            lease = None
+        raise
     finally:
         if lease is not None:
             lease.release()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import functools
 import glob
+import logging
 import os
 import shutil
 import tempfile
@@ -106,6 +107,9 @@ def _filesystem(kind: str, endpoint: str | None) -> Any:
             # minute, as gcsfs's and TensorStore's own retries do. The standard variables win.
             where["config_kwargs"] = {"retries": {"mode": "standard", "max_attempts": S3_ATTEMPTS}}
         return fsspec.filesystem("s3", use_listings_cache=False, skip_instance_cache=True, **where)
+    # gcsfs logs the error its retries ended on, traceback and all, then raises it: the caller
+    # reports it (a run's outage is one line, ops.faults.StoreDown), so the record only repeats it.
+    logging.getLogger("gcsfs").addFilter(lambda record: "out of retries" not in record.getMessage())
     return fsspec.filesystem("gcs", use_listings_cache=False, skip_instance_cache=True)
 
 

@@ -2,8 +2,9 @@
 started once per session (tests/storage_servers.py): moto's S3 server and fake-gcs-server.
 The path layer on a local directory and on both buckets; a tiny run on each bucket, resumed,
 equal bit for bit to the same run uninterrupted on local disk, also through a kill -9 during a
-save and through its server's restart; a missing bucket and an unreachable endpoint refused with
-one line before anything compiles."""
+save and through its server's restart; a server stopped for good mid-run: one line, exit 7, and
+the same command resuming once it is back; a missing bucket and an unreachable endpoint refused
+with one line before anything compiles."""
 
 from __future__ import annotations
 
@@ -346,6 +347,70 @@ def test_a_server_restarted_mid_run_is_retried_and_the_run_ends_as_uninterrupted
         restarted = time.monotonic()
         assert run.finish(120) == 0, run.output[-3000:]
         assert run.seen_at(r"^done: step 4") > restarted, "the run waited for the server"
+        run_dir = own.copy("run", tmp_path / "copy")
+    finally:
+        run.kill()
+        own.server.stop()
+    ref_losses, ref_params = uninterrupted
+    assert losses(run_dir) == ref_losses
+    assert steps(run_dir) == ([2, 4], [])
+    _, step, params = trainer.checkpoint.restore_params(run_dir)
+    assert step == 4 and jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), params, ref_params))
+
+
+def test_an_outage_is_told_by_the_errors_chain() -> None:
+    """The clients' errors after their retries, raised while handling a refused connection, or
+    TensorStore's status; an error of another kind is none, even with a cause."""
+    def raised(outer: Exception, inner: Exception) -> Exception:
+        try:
+            try:
+                raise inner
+            except Exception:
+                raise outer
+        except Exception as e:
+            return e
+
+    refused = raised(OSError("writing s3://b/run/metrics.jsonl"), ConnectionRefusedError(111, "refused"))
+    assert isinstance(storage.unreachable(refused), ConnectionRefusedError)
+    assert storage.unreachable(ValueError("UNAVAILABLE: connect failed")) is not None
+    assert storage.unreachable(raised(ValueError("bad shape"), KeyError("x"))) is None
+    assert storage.unreachable(None) is None
+
+
+def test_a_server_down_past_the_retries_stops_the_run_with_one_line_and_the_same_command_resumes(
+        tmp_path: pathlib.Path, uninterrupted: tuple[dict[int, float], dict]) -> None:
+    """The S3 server stops for good once step 2 is committed; step 4's metrics rewrite, a
+    second of retries later (AWS_MAX_ATTEMPTS=2: the standard variable, not the run's default),
+    ends the run with one line naming run.dir and the last committed step, and exit 7, the lock
+    object left there. With the server back, the same command takes the lock over, resumes from
+    step 2 and ends as the uninterrupted run, bit for bit. (On GCS gcsfs's own retries take about
+    30 s a request: not tested here, docs/storage.md.)"""
+    require("moto.server", "dev")
+    own = OwnServer("s3", tmp_path)
+    env = {**own.env(), "AWS_MAX_ATTEMPTS": "2"}
+    command = ("--config", TINY, *args(f"s3://{BUCKET}/run", "train.steps=4"))
+    run = Train(*command, env={**env, SLOW_ENV: "1"})  # steps 3 and 4: 2 s to see step 2 committed
+    try:
+        run.wait_for(r"^step +2/4")
+        client, deadline = own._s3(), time.monotonic() + 30
+        while not client.list_objects_v2(Bucket=BUCKET, Prefix="run/checkpoints/2/commit_success").get("KeyCount"):
+            assert time.monotonic() < deadline, "step 2 never committed"
+            time.sleep(0.02)
+        own.server.stop()
+        # Step 3's line comes once step 4 is dispatched, just before step 4's save begins.
+        assert "step 3/4" not in run.output, "the server stopped too late: step 4's save may have begun"
+        assert run.finish(60) == 7, run.output[-3000:]
+        out = run.output[run.output.index("step 2/4"):]  # what it printed since the server stopped
+        errors = [line for line in out.splitlines() if line.strip() and not line.startswith("step ")]
+        assert len(errors) == 1, out
+        assert errors[0].startswith(f"error: run.dir=s3://{BUCKET}/run: the object store stopped answering"), errors
+        assert "the last committed checkpoint: step 2" in errors[0] and "run the same command" in errors[0], errors
+        own.server = own._start(own.server.port)
+        lock = client.get_object(Bucket=BUCKET, Key="run/lock.json")["Body"].read()
+        assert json.loads(lock)["pid"] == run.proc.pid, "the lock was left as it was"
+        rerun = Train(*command, env=env)
+        assert rerun.finish(120) == 0, rerun.output[-3000:]
+        assert "resumed from step 2" in rerun.output and "took over the run.dir lock" in rerun.output, rerun.output
         run_dir = own.copy("run", tmp_path / "copy")
     finally:
         run.kill()

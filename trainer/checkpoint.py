@@ -305,6 +305,10 @@ class Checkpointer:
         self.stage: Stage | None = None
         self.stage_target: dict = {}
         self._closed = False
+        # The newest step in `directory` known committed, kept here so that it can be told without
+        # asking the store (StoreDown's line), and the save in flight that may commit next.
+        self.committed: int | None = self.manager.latest_step()
+        self._async, self._saving = cfg.async_save, None
 
     def attach_stage(self, stage: Stage, target: dict) -> None:
         """Saves hold what `stage` carries past their step, restored into `target`'s shapes and
@@ -335,7 +339,16 @@ class Checkpointer:
             fields = {k: [list(v.shape), str(v.dtype)] for k, v in batch.items()}
             items.update(stage=ocp.args.StandardSave(batch), stage_info=ocp.args.JsonSave({"fields": fields,
                                                                                           "metrics": metrics}))
-        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        self.manager.save(step, args=ocp.args.Composite(**items), force=True)  # raises if the previous save failed
+        self._finished()
+        self._saving = step
+        if not self._async:
+            self._finished()
+
+    def _finished(self) -> None:
+        """The save in flight committed (Orbax has joined it without an error)."""
+        if self._saving is not None:
+            self.committed, self._saving = self._saving, None
 
     def restore(self, step: int, target: TrainState, iterator: grain.DatasetIterator) -> TrainState:
         """Restores into `target`'s shapes and shardings (any mesh) and rewinds `iterator`. A LoRA
@@ -452,10 +465,12 @@ class Checkpointer:
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("checkpoints moved aside")
         self.manager.reload()
+        self.committed = self.manager.latest_step()
         return moved
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
+        self._finished()
         if self.local is not None:
             self.local.wait()
 
@@ -468,5 +483,6 @@ class Checkpointer:
             if self.local is not None:
                 self.local.close()
             self.manager.close()
+            self._finished()
         finally:
             self.library_log.stop()

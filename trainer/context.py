@@ -17,7 +17,7 @@ import jax
 
 from configs import Config
 from model import flops_per_token
-from ops.faults import StopSignal, Watchdog
+from ops.faults import StopSignal, Watchdog, store_down
 from ops.goodput import Goodput, invocation_outcome
 from ops.metrics import MetricsLogger
 from ops.stragglers import StepClock, injected_sleep
@@ -69,6 +69,8 @@ class RunContext:
         self.watchdog.close()
         self.stop.restore()
         self.session.ckpt.close()
+        if store_down(sys.exc_info()[1], self.cfg.run.dir):
+            return  # the store stopped answering: each write would wait out its client's retries again
         self.logger.flush()  # metrics.jsonl whole before summary.json reads it (an object store's is buffered)
         summary = self.goodput.finish(self.cfg, self.logger)  # summary.json and its lines, also when stopped
         self.logger.trackers.finish(summary, invocation_outcome(sys.exc_info()[1]))

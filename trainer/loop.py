@@ -21,7 +21,7 @@ import jax
 from configs import Config
 from data import eval_batches, global_batches
 from ops import rundir_lock
-from ops.faults import Preempted, poisoned
+from ops.faults import Preempted, poisoned, stops_on_outage
 from ops.goodput import Goodput
 from ops.metrics import MetricsLogger, log
 from ops.observe import instrument
@@ -35,7 +35,8 @@ def run(cfg: Config, devices: list | None = None) -> list[dict[str, Any]]:
     `devices` (default: all). Returns the logged metrics of this invocation.
 
     Raises ConfigError for bad input or a run.dir in use by a live run, Preempted after a signal
-    (checkpoint committed) and TooManyBadSteps after `train.max_bad_steps` non-finite steps in a row."""
+    (checkpoint committed), TooManyBadSteps after `train.max_bad_steps` non-finite steps in a row
+    and StoreDown when a bucket run.dir's store stops answering past its clients' retries."""
     goodput = Goodput()
     spec, devices = bring_up(cfg, devices)
     # Bad input has been refused with run.dir untouched; from here on this run writes there, alone.
@@ -45,10 +46,13 @@ def run(cfg: Config, devices: list | None = None) -> list[dict[str, Any]]:
         spec, schedule_note = reread(spec)
         session = make_session(spec, devices, schedule_note, held_out=eval_batches)
         goodput.tier = session.origin if session.start > 0 else ""
-        try:
-            return _train(session, devices, goodput)
-        finally:
-            session.ckpt.close()  # also when compiling fails: it gives the console its printers back (LibraryLog)
+        # An error that says the store stopped answering: one line (StoreDown), once the saves in
+        # flight are joined, so that the last committed step it names is known.
+        with stops_on_outage(cfg.run.dir, lambda: session.ckpt.committed):
+            try:
+                return _train(session, devices, goodput)
+            finally:
+                session.ckpt.close()  # also when compiling fails: it gives the console its printers back (LibraryLog)
 
 
 def _train(session: Session, devices: list, goodput: Goodput) -> list[dict[str, Any]]:

@@ -1,0 +1,45 @@
+"""Telling an object store that stopped answering from every other failure: an error whose chain
+(its causes and the errors it was raised while handling) holds a refused, reset or timed-out
+connection, as each client raises one once its own retries are spent (botocore and s3fs, gcsfs and
+aiohttp, TensorStore's status codes). Read by the one place that turns such an error into a
+run's stop (trainer.loop), and by what skips writing to a store already known to be down.
+"""
+
+from __future__ import annotations
+
+# The clients' own exception classes, by name: importing botocore or aiohttp here would load them
+# for every local run. Each is raised only after the client's retries are spent.
+CONNECTION_ERRORS = frozenset({
+    "EndpointConnectionError", "ConnectionClosedError", "ConnectTimeoutError", "ReadTimeoutError",  # botocore
+    "ClientConnectorError", "ServerDisconnectedError", "ServerTimeoutError", "ClientOSError",  # aiohttp (gcsfs, s3fs)
+})
+# TensorStore (Orbax's writes, the lock object) reports a store it could not reach with these codes.
+STATUS_PREFIXES = ("UNAVAILABLE:", "DEADLINE_EXCEEDED:")
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """`error`, then its causes and contexts, outermost first, each once."""
+    found, todo = [], [error]
+    while todo:
+        e = todo.pop(0)
+        if e is None or any(e is f for f in found):
+            continue
+        found.append(e)
+        todo += [e.__cause__, e.__context__]
+    return found
+
+
+def _is_connection(error: BaseException) -> bool:
+    if isinstance(error, ConnectionError):  # refused, reset, aborted
+        return True
+    if any(cls.__name__ in CONNECTION_ERRORS for cls in type(error).__mro__):
+        return True
+    return str(error).startswith(STATUS_PREFIXES)
+
+
+def unreachable(error: BaseException | None) -> BaseException | None:
+    """The outermost error in `error`'s chain that says the store did not answer (its message
+    names the object, where the client's does), or None when none does."""
+    if error is None:
+        return None
+    return next((e for e in _chain(error) if _is_connection(e)), None)
