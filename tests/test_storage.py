@@ -329,6 +329,16 @@ class OwnServer:
         return str(to / prefix)
 
 
+def ends_as(run_dir: str, uninterrupted: tuple[dict[int, float], dict]) -> None:
+    """run_dir's losses, committed steps (2 and 4) and final parameters are the uninterrupted
+    run's, bit for bit."""
+    ref_losses, ref_params = uninterrupted
+    assert losses(run_dir) == ref_losses
+    assert steps(run_dir) == ([2, 4], [])
+    _, step, params = trainer.checkpoint.restore_params(run_dir)
+    assert step == 4 and jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), params, ref_params))
+
+
 @pytest.mark.parametrize("kind", ["s3", "gs"])
 def test_a_server_restarted_mid_run_is_retried_and_the_run_ends_as_uninterrupted(
         tmp_path: pathlib.Path, kind: str, uninterrupted: tuple[dict[int, float], dict]) -> None:
@@ -351,11 +361,7 @@ def test_a_server_restarted_mid_run_is_retried_and_the_run_ends_as_uninterrupted
     finally:
         run.kill()
         own.server.stop()
-    ref_losses, ref_params = uninterrupted
-    assert losses(run_dir) == ref_losses
-    assert steps(run_dir) == ([2, 4], [])
-    _, step, params = trainer.checkpoint.restore_params(run_dir)
-    assert step == 4 and jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), params, ref_params))
+    ends_as(run_dir, uninterrupted)
 
 
 def test_an_outage_is_told_by_the_errors_chain() -> None:
@@ -389,7 +395,7 @@ def test_a_server_down_past_the_retries_stops_the_run_with_one_line_and_the_same
     own = OwnServer("s3", tmp_path)
     env = {**own.env(), "AWS_MAX_ATTEMPTS": "2"}
     command = ("--config", TINY, *args(f"s3://{BUCKET}/run", "train.steps=4"))
-    run = Train(*command, env={**env, SLOW_ENV: "1"})  # steps 3 and 4: 2 s to see step 2 committed
+    run = Train(*command, env={**env, SLOW_ENV: "2"})  # steps 3 and 4: 4 s to see step 2 committed
     try:
         run.wait_for(r"^step +2/4")
         client, deadline = own._s3(), time.monotonic() + 30
@@ -415,11 +421,7 @@ def test_a_server_down_past_the_retries_stops_the_run_with_one_line_and_the_same
     finally:
         run.kill()
         own.server.stop()
-    ref_losses, ref_params = uninterrupted
-    assert losses(run_dir) == ref_losses
-    assert steps(run_dir) == ([2, 4], [])
-    _, step, params = trainer.checkpoint.restore_params(run_dir)
-    assert step == 4 and jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), params, ref_params))
+    ends_as(run_dir, uninterrupted)
 
 
 def test_a_denied_bucket_is_one_line_before_compiling(s3_bucket: str, capfd: pytest.CaptureFixture,
