@@ -209,6 +209,27 @@ def _gather_bwd(axes: tuple[str | None, ...], _: None, g: Array) -> tuple[Array]
 fp8_gather.defvjp(_gather_fwd, _gather_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def gather(w: Array, axes: tuple[str | None, ...]) -> Array:
+    """`w` (a weight as stored, in the compute dtype) constrained to the compute layout of its
+    logical `axes` (`model.gather_dtype=compute`): one value the partitioner gathers once, which
+    every matmul that reads the weight shares. Left to each matmul, the partitioner gathers the
+    weight once per matmul, and under remat XLA merges the recomputed projection's gather with the
+    input gradient's only when the two sit close in the layer's graph (a distance threshold the
+    TPU compiler's collective CSE applies): a query or key weight, whose uses lie the whole
+    recomputed layer apart, was then gathered a third time. The backward passes the gradient
+    unchanged, as `fp8_gather` does, so it reduces over the batch shards where its matmul
+    produces it (a constraint's own transpose would all-reduce the whole gradient first)."""
+    return nn.with_logical_constraint(w, axes)
+
+
+def _plain_gather_fwd(w: Array, axes: tuple[str | None, ...]) -> tuple[Array, None]:
+    return gather(w, axes), None
+
+
+gather.defvjp(_plain_gather_fwd, _gather_bwd)
+
+
 def qeinsum(spec: str, x: Array, w: Array, quant: str, grad_reduce: str = "compute") -> Array:
     """A block's matmul `x` [activation] by `w` [weight, already in the compute dtype] under
     `model.quant` ('none': the plain einsum) and `model.grad_reduce`."""
