@@ -54,8 +54,11 @@ def param(rngs: nnx.Rngs, init: nnx.Initializer, shape: Sequence[int], axes: Seq
 def project(spec: str, x: Array, p: nnx.Param, cfg: ModelConfig) -> Array:
     """`jnp.einsum(spec, x, w)` for a block weight `p`, in x's dtype, under `model.quant` and
     `model.grad_reduce`; with `model.gather_dtype=fp8` the weight is gathered from its shards
-    in FP8, else in the compute dtype, once for all its matmuls (model/quant.py `gather`)."""
+    in FP8; else, under remat, in the compute dtype once for all its matmuls (model/quant.py `gather`)."""
     w = p[...]
+    if cfg.gather_dtype == "compute" and cfg.remat == "none":
+        # Nothing recomputed: the forward matmul and the input gradient's each gather for themselves.
+        return qeinsum(spec, x, w.astype(x.dtype), cfg.quant, cfg.grad_reduce)
     names = p.get_metadata()["out_sharding"]
     axes = tuple(names[len(names) - w.ndim:])  # inside the layer scan, `layers` is sliced off the value
     move = fp8_gather if cfg.gather_dtype == "fp8" else gather
@@ -65,7 +68,7 @@ def project(spec: str, x: Array, p: nnx.Param, cfg: ModelConfig) -> Array:
 
     if cfg.remat == "none":
         # Without a remat policy autodiff would keep the gathered weight of every layer for the
-        # backward pass; FSDP gathers it again there instead. Under a policy the layer's
+        # backward pass; FSDP gathers it again there (in FP8) instead. Under a policy the layer's
         # own recompute does that, and a second checkpoint here would gather it a third time.
         gathered = jax.checkpoint(gathered, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
     return gathered(x, w)
