@@ -54,10 +54,13 @@ def param(rngs: nnx.Rngs, init: nnx.Initializer, shape: Sequence[int], axes: Seq
 def project(spec: str, x: Array, p: nnx.Param, cfg: ModelConfig) -> Array:
     """`jnp.einsum(spec, x, w)` for a block weight `p`, in x's dtype, under `model.quant` and
     `model.grad_reduce`; with `model.gather_dtype=fp8` the weight is gathered from its shards
-    in FP8; else, under remat, in the compute dtype once for all its matmuls (model/quant.py `gather`)."""
+    in FP8; else, under remat and without `model.quant`, in the compute dtype once for all its
+    matmuls (model/quant.py `gather`)."""
     w = p[...]
-    if cfg.gather_dtype == "compute" and cfg.remat == "none":
-        # Nothing recomputed: the forward matmul and the input gradient's each gather for themselves.
+    if cfg.gather_dtype == "compute" and (cfg.remat == "none" or cfg.quant != "none"):
+        # remat none: nothing recomputed, the forward matmul and the input gradient's each gather
+        # for themselves. model.quant: the matmul rounds the weight, and the partitioner may gather
+        # the rounded array (libtpu gathers int8), where a gather pinned here would move bf16.
         return qeinsum(spec, x, w.astype(x.dtype), cfg.quant, cfg.grad_reduce)
     names = p.get_metadata()["out_sharding"]
     axes = tuple(names[len(names) - w.ndim:])  # inside the layer scan, `layers` is sliced off the value
