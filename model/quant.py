@@ -35,7 +35,9 @@ casts before its gather), and turned back into the compute dtype after the gathe
 itself runs as `model.quant` says on the rounded weight. The backward pass is straight-through
 (the gradient of the rounded weight is the weight's) and leaves the gradient reduction to
 `model.grad_reduce`: the reduce-scatters keep their dtype. The embedding and output head are
-gathered in the compute dtype.
+gathered in the compute dtype. Under remat an unquantized block weight goes through `gather`, the
+same constraint in the compute dtype without the rounding, so the recomputed forward matmul and
+the input gradient's share one all-gather.
 
 Why written here and not through a library: both are `jnp.einsum` on low-precision operand
 types with `preferred_element_type` inside one `jax.custom_vjp` each, about a hundred lines
