@@ -219,7 +219,7 @@ def gather(w: Array, axes: tuple[str | None, ...]) -> Array:
     weight once per matmul, and under remat XLA merges the recomputed projection's gather with the
     input gradient's only when the two sit close in the layer's graph (a distance threshold the
     TPU compiler's collective CSE applies): a query or key weight, whose uses lie the whole
-    recomputed layer apart, was then gathered a third time. The backward passes the gradient
+    recomputed layer apart, would be gathered a third time. The backward passes the gradient
     unchanged, as `fp8_gather` does, so it reduces over the batch shards where its matmul
     produces it (a constraint's own transpose would all-reduce the whole gradient first)."""
     return nn.with_logical_constraint(w, axes)

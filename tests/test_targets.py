@@ -227,7 +227,7 @@ def test_v5p_fsdp_under_remat_gathers_each_block_weight_once_a_pass(tmp_path_fac
     gradient's matmul share one gather (MaxText's Llama-3-70B program: 14 a layer). Left to the
     partitioner, a weight is gathered once per matmul and XLA merges the backward's two only when
     they sit close in the layer's graph: the query and key weights, with splash attention between
-    their uses, were gathered a third time (16 a layer). A llama3-1b cut to 2 small layers on 4 chips."""
+    their uses, would be gathered a third time (16 a layer). A llama3-1b cut to 2 small layers on 4 chips."""
     _need("tpu-v5p")
     layers = 2
     result, out, status = plan(tmp_path_factory, "--config", os.path.join(ROOT, "configs", "llama3-1b.yaml"),
