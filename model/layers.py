@@ -24,7 +24,7 @@ from model.attention import attend
 from model.attn_kernels.registry import Options
 from model.inputs import TokenInputs
 from model.lora import adapt
-from model.quant import fp8_gather, qeinsum
+from model.quant import fp8_gather, gather, qeinsum
 from model.rope import yarn_frequencies
 
 Array = jax.Array
@@ -54,15 +54,20 @@ def param(rngs: nnx.Rngs, init: nnx.Initializer, shape: Sequence[int], axes: Seq
 def project(spec: str, x: Array, p: nnx.Param, cfg: ModelConfig) -> Array:
     """`jnp.einsum(spec, x, w)` for a block weight `p`, in x's dtype, under `model.quant` and
     `model.grad_reduce`; with `model.gather_dtype=fp8` the weight is gathered from its shards
-    in FP8 (model/quant.py)."""
-    if cfg.gather_dtype == "compute":
-        return qeinsum(spec, x, p[...].astype(x.dtype), cfg.quant, cfg.grad_reduce)
+    in FP8; else, under remat and without `model.quant`, in the compute dtype once for all its
+    matmuls (model/quant.py `gather`)."""
     w = p[...]
+    if cfg.gather_dtype == "compute" and (cfg.remat == "none" or cfg.quant != "none"):
+        # remat none: nothing recomputed, the forward matmul and the input gradient's each gather
+        # for themselves. model.quant: the matmul rounds the weight, and the partitioner may gather
+        # the rounded array (libtpu gathers int8), where a gather pinned here would move bf16.
+        return qeinsum(spec, x, w.astype(x.dtype), cfg.quant, cfg.grad_reduce)
     names = p.get_metadata()["out_sharding"]
     axes = tuple(names[len(names) - w.ndim:])  # inside the layer scan, `layers` is sliced off the value
+    move = fp8_gather if cfg.gather_dtype == "fp8" else gather
 
     def gathered(x: Array, w: Array) -> Array:
-        return qeinsum(spec, x, fp8_gather(w.astype(x.dtype), axes), cfg.quant, cfg.grad_reduce)
+        return qeinsum(spec, x, move(w.astype(x.dtype), axes), cfg.quant, cfg.grad_reduce)
 
     if cfg.remat == "none":
         # Without a remat policy autodiff would keep the gathered weight of every layer for the

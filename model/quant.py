@@ -35,7 +35,9 @@ casts before its gather), and turned back into the compute dtype after the gathe
 itself runs as `model.quant` says on the rounded weight. The backward pass is straight-through
 (the gradient of the rounded weight is the weight's) and leaves the gradient reduction to
 `model.grad_reduce`: the reduce-scatters keep their dtype. The embedding and output head are
-gathered in the compute dtype.
+gathered in the compute dtype. Under remat an unquantized block weight goes through `gather`, the
+same constraint in the compute dtype without the rounding, so the recomputed forward matmul and
+the input gradient's share one all-gather.
 
 Why written here and not through a library: both are `jnp.einsum` on low-precision operand
 types with `preferred_element_type` inside one `jax.custom_vjp` each, about a hundred lines
@@ -207,6 +209,27 @@ def _gather_bwd(axes: tuple[str | None, ...], _: None, g: Array) -> tuple[Array]
 
 
 fp8_gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def gather(w: Array, axes: tuple[str | None, ...]) -> Array:
+    """`w` (a weight as stored, in the compute dtype) constrained to the compute layout of its
+    logical `axes` (`model.gather_dtype=compute`): one value the partitioner gathers once, which
+    every matmul that reads the weight shares. Left to each matmul, the partitioner gathers the
+    weight once per matmul, and under remat XLA merges the recomputed projection's gather with the
+    input gradient's only when the two sit close in the layer's graph (a distance threshold the
+    TPU compiler's collective CSE applies): a query or key weight, whose uses lie the whole
+    recomputed layer apart, would be gathered a third time. The backward passes the gradient
+    unchanged, as `fp8_gather` does, so it reduces over the batch shards where its matmul
+    produces it (a constraint's own transpose would all-reduce the whole gradient first)."""
+    return nn.with_logical_constraint(w, axes)
+
+
+def _plain_gather_fwd(w: Array, axes: tuple[str | None, ...]) -> tuple[Array, None]:
+    return gather(w, axes), None
+
+
+gather.defvjp(_plain_gather_fwd, _gather_bwd)
 
 
 def qeinsum(spec: str, x: Array, w: Array, quant: str, grad_reduce: str = "compute") -> Array:

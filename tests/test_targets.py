@@ -221,6 +221,29 @@ def test_llama3_8b_with_splash_on_v5p_64_needs_less_than_maxtext(tmp_path_factor
     assert re.search(r"bf16\[[0-9,]*8192,128256\]", unfused)  # the logits are there, in bf16
 
 
+def test_v5p_fsdp_under_remat_gathers_each_block_weight_once_a_pass(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Under `model.remat=full`, FSDP on a v5p gathers each of a layer's seven block weights once
+    in the forward and once in the backward, where the recomputed projection and the input
+    gradient's matmul share one gather (MaxText's Llama-3-70B program: 14 a layer). Left to the
+    partitioner, a weight is gathered once per matmul and XLA merges the backward's two only when
+    they sit close in the layer's graph: the query and key weights, with splash attention between
+    their uses, would be gathered a third time (16 a layer). A llama3-1b cut to 2 small layers on 4 chips."""
+    _need("tpu-v5p")
+    layers = 2
+    result, out, status = plan(tmp_path_factory, "--config", os.path.join(ROOT, "configs", "llama3-1b.yaml"),
+                               "--devices", "4", "--hardware", "tpu-v5p", "mesh.data=1", "mesh.fsdp=4",
+                               "train.global_batch=4", "model.seq_len=512", f"model.num_layers={layers}",
+                               "model.attention=splash", "model.remat=full", "model.d_model=1024",
+                               "model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=128",
+                               "model.d_ff=2048", "model.vocab_size=8192")
+    p = result["plans"][0]
+    assert status == 0, out
+    (gathers,) = [c for c in p["collectives"] if c["kind"] == "all-gather" and c["dtype"] == "bf16"]
+    assert not gathers["lowered_as"], gathers
+    # + the tied embedding table, gathered once for the output head (the lookup trades rows)
+    assert gathers["count"] == 2 * 7 * layers + 1, gathers
+
+
 def _outside_fusions(hlo: str) -> str:
     """The instructions of an HLO module's text outside its fused computations."""
     kept, fused = [], False
