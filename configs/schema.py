@@ -31,9 +31,10 @@ from configs.moe import MoEConfig
 # for any other name matches nothing. tests/test_config.py checks the model uses exactly these.
 # `sublayers`: the dense layers inside one group of `model.moe.every` layers (model/transformer.py);
 # `latent`: the low-rank dims of multi-head latent attention (model/mla.py);
-# `lora_rank`: the rank dim of a LoRA adapter (model/lora.py); no rule maps it, so it stays whole.
+# `lora_rank`: the rank dim of a LoRA adapter (model/lora.py); no rule maps it, so it stays whole;
+# `norm`: the scale of a model-width RMSNorm (model/layers.py); no default rule, so replicated.
 LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", "expert",
-                "sublayers", "latent", "lora_rank")
+                "sublayers", "latent", "lora_rank", "norm")
 
 
 class ConfigError(ValueError):

@@ -86,7 +86,9 @@ def project_adapted(module: nnx.Module, name: str, spec: str, x: Array, inputs: 
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs, axis: str = "embed"):
+    # The scale of a model-width norm is `norm`, a dim no default rule maps: each device keeps the
+    # few KB whole rather than gathering them at every use (two gathers a layer under FSDP).
+    def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs, axis: str = "norm"):
         self.scale = param(rngs, nnx.initializers.ones, (dim,), (axis,))
         self.eps = eps
 

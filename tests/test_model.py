@@ -63,7 +63,7 @@ def test_parameter_shapes_and_logical_axes():
     assert axes["layers"]["attn"]["k"] == ("layers", "embed", "kv_heads", "head_dim")
     assert shapes["layers"]["mlp"]["down"] == (L, f, d)
     assert axes["layers"]["mlp"]["down"] == ("layers", "mlp", "embed")
-    assert axes["layers"]["attn_norm"]["scale"] == ("layers", "embed")
+    assert axes["layers"]["attn_norm"]["scale"] == ("layers", "norm")  # replicated: no default rule
     # Every parameter is annotated, and with as many names as it has dims.
     for shape, names in zip(jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple)),
                             jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))):

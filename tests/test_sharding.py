@@ -76,8 +76,8 @@ EXPECTED = {
         ("layers", "attn", "o"): P("pipeline", "tensor", None, "fsdp"),
         ("layers", "mlp", "gate"): P("pipeline", "fsdp", "tensor"),
         ("layers", "mlp", "down"): P("pipeline", "tensor", "fsdp"),
-        ("layers", "attn_norm", "scale"): P("pipeline", "fsdp"),
-        ("final_norm", "scale"): P("fsdp"),
+        ("layers", "attn_norm", "scale"): P("pipeline", None),  # a norm's scale is replicated: no gathers
+        ("final_norm", "scale"): P(None),
     },
     "data=8": {
         "embedding": P("tensor", "fsdp"),  # both axes of size 1: effectively replicated
