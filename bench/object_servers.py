@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -44,13 +45,16 @@ class Server:
 
     def __init__(self, argv: list[str], port: int, env: dict[str, str] | None = None) -> None:
         self.port, self.url = port, f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
+        # Its stderr kept aside (a server logs every request), read back only if it fails to start.
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=self.log, cwd=ROOT,
                                      env=None if env is None else {**os.environ, **env})
         try:
             _wait_http(self.url + "/", self.proc)
-        except RuntimeError:
+        except RuntimeError as e:
             self.stop()
-            raise
+            self.log.seek(0)
+            raise RuntimeError(f"{e}: {self.log.read().decode(errors='replace')[-2000:]}") from None
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -315,7 +315,20 @@ class OwnServer:
     def restart(self, down_s: float) -> None:
         self.server.stop()
         time.sleep(down_s)
-        self.server = self._start(self.server.port)
+        self.start_again()
+
+    def start_again(self) -> None:
+        """The server started again on its port, with what it held; a start that fails (now and
+        then moto's replay of its recording) is tried again, twice."""
+        for attempt in range(3):
+            try:
+                self.server = self._start(self.server.port)
+                return
+            except RuntimeError as e:
+                if attempt == 2:
+                    raise
+                print(f"starting the server again: {e}")
+                time.sleep(1.0)
 
     def copy(self, prefix: str, to: pathlib.Path) -> str:
         """The objects under `prefix` as local files under `to` (the server's own directory for GCS)."""
@@ -411,7 +424,7 @@ def test_a_server_down_past_the_retries_stops_the_run_with_one_line_and_the_same
         assert len(errors) == 1, out
         assert errors[0].startswith(f"error: run.dir=s3://{BUCKET}/run: the object store stopped answering"), errors
         assert "the last committed checkpoint: step 2" in errors[0] and "run the same command" in errors[0], errors
-        own.server = own._start(own.server.port)
+        own.start_again()
         lock = client.get_object(Bucket=BUCKET, Key="run/lock.json")["Body"].read()
         assert json.loads(lock)["pid"] == run.proc.pid, "the lock was left as it was"
         rerun = Train(*command, env=env)
