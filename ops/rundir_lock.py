@@ -161,8 +161,9 @@ def acquire(run_dir: str, timeout_s: float, log: Callable[[str], None]) -> Lease
 def hold(run_dir: str, timeout_s: float, wait_s: float, log: Callable[[str], None]) -> Iterator[None]:
     """Holds run.dir's lock for the block, released however it ends. Process 0 takes it once
     for the whole job; every process raises the same ConfigError if it refused, before any of
-    them writes. A run stopped by its object store (StoreDown) leaves the lease where it is. `wait_s`: how long the others wait for process 0's answer. On an object store
-    the lease is an object (ops.object_lock), with the same record and semantics."""
+    them writes. `wait_s`: how long the others wait for process 0's answer. On an object store
+    the lease is an object (ops.object_lock), with the same record and semantics; a run stopped by
+    its object store (StoreDown) leaves it where it is."""
     lease, refusal = None, ""
     take = object_lock.acquire if storage.is_remote(run_dir) else acquire
     if jax.process_index() == 0:

@@ -222,6 +222,12 @@ def _check_reference(cfg: Config, old: Config) -> None:
     )
 
 
+def _fields(batch: dict) -> dict[str, list]:
+    """Each array's [shape, dtype] (arrays or their abstract shapes), as a checkpoint's stage_info
+    records them: a resumed run takes a held batch back only into the same."""
+    return {k: [list(v.shape), str(v.dtype)] for k, v in batch.items()}
+
+
 def _tier_note(found: RunDir) -> str:
     """Where the checkpoints are when only the local tier holds any (a user sees run.dir/checkpoints empty)."""
     if found.checkpoints or not found.local:
@@ -336,9 +342,8 @@ class Checkpointer:
         carried = None if self.stage is None else self.stage.carried(step)
         if carried is not None:
             batch, metrics = carried
-            fields = {k: [list(v.shape), str(v.dtype)] for k, v in batch.items()}
-            items.update(stage=ocp.args.StandardSave(batch), stage_info=ocp.args.JsonSave({"fields": fields,
-                                                                                          "metrics": metrics}))
+            items.update(stage=ocp.args.StandardSave(batch),
+                         stage_info=ocp.args.JsonSave({"fields": _fields(batch), "metrics": metrics}))
         self.manager.save(step, args=ocp.args.Composite(**items), force=True)  # raises if the previous save failed
         self._finished()
         self._saving = step
@@ -390,7 +395,7 @@ class Checkpointer:
         then = f"step {step + 1} makes a new one"
         try:
             info = self.manager.restore(step, args=ocp.args.Composite(stage_info=ocp.args.JsonRestore())).stage_info
-            fields = {k: [list(v.shape), str(v.dtype)] for k, v in self.stage_target.items()}
+            fields = _fields(self.stage_target)
             differ = [k for k in sorted(set(info["fields"]) | set(fields)) if info["fields"].get(k) != fields.get(k)]
             if differ:
                 k = differ[0]
