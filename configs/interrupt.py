@@ -42,7 +42,10 @@ def _leave(signum: int, frame: FrameType | None = None) -> None:
         except Exception:  # noqa: BLE001 (leaving anyway: the next run judges a stale lock by its pid)
             pass
     sys.stdout.flush()
-    print(f"interrupted by {signal.Signals(signum).name}: {_kept}", file=sys.stderr, flush=True)
+    sys.stderr.flush()
+    # One write of the whole line: another thread (or the interpreter's own C-level output, such as
+    # -X importtime's) writing to stderr meanwhile cannot land inside it.
+    os.write(sys.stderr.fileno(), f"interrupted by {signal.Signals(signum).name}: {_kept}\n".encode())
     os._exit(128 + signum)
 
 
