@@ -61,6 +61,12 @@ class MoEConfig:
     # multiples of 128, its tile.
     grouped_matmul: Literal["auto", "ragged_dot", "megablox"] = "auto"
     """The dropless experts' grouped matmuls (auto: megablox on TPU where its tiles divide, else ragged_dot)."""
+    # ragged: each device sends each other device only the rows routed to its experts
+    # (jax.lax.ragged_all_to_all; XLA:CPU lacks it, so on CPU devices, for tests, the same exchange
+    # is emulated by a dense all-to-all). dense: every device sends every other a buffer padded to
+    # the worst case, whatever the routing. Both hold the same worst-case receive buffer.
+    dispatch: Literal["auto", "ragged", "dense"] = "auto"
+    """Under mesh.expert > 1, how routed tokens reach their experts (auto: ragged on TPU and GPU, dense on CPU)."""
 
     @property
     def enabled(self) -> bool:

@@ -4,16 +4,20 @@ With `mesh.expert` = P > 1 the expert weights are split over the `expert` mesh a
 `expert` dim (each device holds E / P experts) and the batch is split over it too. Under
 `shard_map`, each device:
 1. takes its tokens' (token, expert) assignments, drops those over capacity (capacity mode:
-   `capacity_factor` applies to each device's own tokens), sorts the rest by expert, so each
-   destination device's rows are contiguous, and writes them into a send buffer
-   [P, R, embed] (R rows per destination: every assignment when dropless, since all of them
-   may choose one device; E/P x capacity in capacity mode);
-2. all-to-all over `expert`: device j receives the rows for its experts from every device;
-3. runs its experts on them as grouped matmuls (model.moe.expert_rows, padding rows masked);
-4. all-to-all back, and each token sums its experts' outputs by its router weights.
+   `capacity_factor` applies to each device's own tokens) and sorts the rest by expert, so each
+   destination device's rows are contiguous;
+2. sends each device the rows for its experts. `model.moe.dispatch=ragged` (auto's choice on TPU
+   and GPU) sends only those rows, each device's slice at its own length (a ragged all-to-all,
+   sharding/ragged.py; a small all-gather of every device's per-expert counts first tells each
+   where its slices land and what it receives). `dense` writes them into a buffer padded to the
+   worst case, [P, R, embed] (R: every assignment when dropless, since all of them may choose one
+   device; E/P x capacity in capacity mode), and all-to-alls it whole, whatever the routing;
+3. runs its experts on what it received as grouped matmuls (model.moe.expert_rows, padding rows
+   masked); both ways hold the same worst-case receive buffer, P x R rows;
+4. sends the outputs back the same way, and each token sums its experts' outputs by its router weights.
 The routing itself (router, top-k, losses) runs before, in the model, on the global batch.
-With P = 1 (any multi-device layout without `mesh.expert`) the all-to-alls move nothing and
-each device sorts and computes its own tokens' assignments against all the experts.
+With P = 1 (any multi-device layout without `mesh.expert`) nothing moves and each device sorts
+and computes its own tokens' assignments against all the experts.
 
 Inside the shard_map the expert weights are whole except for their `expert` dim: the
 partitioner gathers their FSDP and tensor shards at its boundary, and the devices of a tensor
@@ -31,6 +35,7 @@ from jax.sharding import PartitionSpec
 
 from model.kernels import DispatchFn, Experts
 from model.moe import GroupedMatmul, capacity, capacity_keep, combine, expert_rows
+from sharding.ragged import Slices, exchange
 from sharding.rules import Rules, logical_to_spec, mesh_axes
 
 Array = jax.Array
@@ -39,49 +44,90 @@ Array = jax.Array
 @dataclasses.dataclass(frozen=True)
 class _Shards:
     """The static half of one device's dispatch: the `expert` mesh axis, how many devices it
-    has, the capacity factor and the dropless experts' grouped matmul."""
+    has, the capacity factor, the dropless experts' grouped matmul, whether only the routed rows
+    move (`ragged`) and whether the platform has a ragged all-to-all of its own (`native`)."""
 
     axis: str
     shards: int
     capacity_factor: float
     matmul: GroupedMatmul
+    ragged: bool = False
+    native: bool = False
 
 
 def _dispatch_local(x: Array, ids: Array, weights: Array, experts: Experts, on: _Shards) -> tuple[Array, Array]:
     """One device's part (inside shard_map): x [b, l, d], ids and weights [b, l, k] local,
     experts this device's (gate/up [E/P, d, f], down [E/P, f, d])."""
-    axis, shards = on.axis, on.shards
     b, l, d = x.shape
     k, local = ids.shape[-1], experts.gate.shape[0]
-    num_experts = local * shards
+    num_experts = local * on.shards
     flat = ids.reshape(-1)
-    n = flat.shape[0]
     cap = capacity(b * l, num_experts, k, on.capacity_factor)
     kept = capacity_keep(flat, num_experts, cap)
-    dest = jnp.where(kept, flat // local, shards)  # `shards`: dropped, written nowhere
-    order = jnp.argsort(jnp.where(kept, flat, num_experts), stable=True)
+    tokens = x.reshape(b * l, d)[jnp.arange(flat.shape[0]) // k]  # assignment a is token a // k
+    move = _ragged if on.ragged else _dense
+    y = move(tokens, jnp.where(kept, flat, num_experts), experts, cap, on).reshape(b, l, k, d)
+    kept = kept.reshape(ids.shape)
+    return combine(y, weights, kept), kept
+
+
+def _dense(tokens: Array, key: Array, experts: Experts, cap: int, on: _Shards) -> Array:
+    """Each assignment's expert output, the rows moved in buffers padded to the worst case: tokens
+    [n, d], key [n] its global expert (E: dropped)."""
+    axis, shards, local = on.axis, on.shards, experts.gate.shape[0]
+    n, d = tokens.shape
+    dest = key // local  # `shards`: dropped, written nowhere
+    order = jnp.argsort(key, stable=True)
     counts = jnp.bincount(dest, length=shards + 1)[:shards]
     starts = jnp.cumsum(counts) - counts
     slot = jnp.zeros(n, jnp.int32).at[order].set(
         jnp.arange(n, dtype=jnp.int32) - starts[jnp.minimum(dest[order], shards - 1)])
     rows = n if cap == 0 else min(n, local * cap)
-    tokens = x.reshape(b * l, d)[jnp.arange(n) // k]
-    send = jnp.zeros((shards, rows, d), x.dtype).at[dest, slot].set(tokens, mode="drop")
-    send_ids = jnp.full((shards, rows), local, jnp.int32).at[dest, slot].set(flat % local, mode="drop")
+    send = jnp.zeros((shards, rows, d), tokens.dtype).at[dest, slot].set(tokens, mode="drop")
+    send_ids = jnp.full((shards, rows), local, jnp.int32).at[dest, slot].set(key % local, mode="drop")
     recv = jax.lax.all_to_all(send, axis, 0, 0)  # [source device, rows, d]
     recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0)
     # No expert receives more than `cap` rows from each of the `shards` devices.
     y = expert_rows(recv.reshape(shards * rows, d), recv_ids.reshape(-1), experts, shards * cap, on.matmul)
     back = jax.lax.all_to_all(y.reshape(shards, rows, d), axis, 0, 0)  # [destination device, rows, d]
-    y = back[jnp.minimum(dest, shards - 1), slot].reshape(b, l, k, d)
-    kept = kept.reshape(ids.shape)
-    return combine(y, weights, kept), kept
+    return back[jnp.minimum(dest, shards - 1), slot]
 
 
-def expert_parallel(rules: Rules, shards: int, matmul: GroupedMatmul = jax.lax.ragged_dot) -> DispatchFn:
+def _ragged(tokens: Array, key: Array, experts: Experts, cap: int, on: _Shards) -> Array:
+    """As `_dense`, moving only the routed rows: the assignments sorted by expert (so by device),
+    each device's slice sent at its own length. Every device learns every other's per-expert
+    counts (one small all-gather), from which it knows where its slices land, how many rows it
+    receives, and which of its experts each received row is for; the outputs go back the same way."""
+    axis, shards, local = on.axis, on.shards, experts.gate.shape[0]
+    n, d = tokens.shape
+    order = jnp.argsort(key, stable=True)
+    per_expert = jnp.bincount(key, length=local * shards + 1)[:-1].astype(jnp.int32)
+    table = jax.lax.all_gather(per_expert, axis).reshape(shards, shards, local)  # [source, device, expert]
+    me = jax.lax.axis_index(axis)
+    rows = table.sum(-1)  # [source, device]
+    sent_before = jnp.cumsum(rows, axis=1) - rows  # where a source's slice for each device starts in its sorted rows
+    landed_before = jnp.cumsum(rows, axis=0) - rows  # where a source's slice starts in each device's buffer
+    there = Slices(sent_before[me], rows[me], landed_before[me], rows[:, me])
+    # No source sends one device more than all its rows, or (capacity) its experts' caps.
+    buffer = shards * (n if cap == 0 else min(n, local * cap))
+    recv = exchange(tokens[order], jnp.zeros((buffer, d), tokens.dtype), there, axis, on.native)
+    # The buffer holds the sources' slices in order, each sorted by expert: segment (source, expert).
+    ends = jnp.cumsum(table[:, me].reshape(-1))
+    segment = jnp.searchsorted(ends, jnp.arange(buffer), side="right")
+    recv_ids = jnp.where(segment < shards * local, segment % local, local)
+    y = expert_rows(recv, recv_ids, experts, shards * cap, on.matmul)
+    back_slices = Slices(landed_before[:, me], rows[:, me], sent_before[:, me], rows[me])
+    back = exchange(y, jnp.zeros((n, d), y.dtype), back_slices, axis, on.native)
+    return jnp.zeros_like(back).at[order].set(back)  # dropped assignments sort last and get no rows back
+
+
+def expert_parallel(rules: Rules, shards: int, matmul: GroupedMatmul = jax.lax.ragged_dot,
+                    ragged: str = "") -> DispatchFn:
     """The MoE dispatcher for `shards` devices on the mesh axis of the `expert` dim (rules: the
     activation rules inside the layer stack, which split `batch` over it too); `matmul`: the
-    dropless experts' grouped matmul (a Pallas kernel runs per device here, as it must)."""
+    dropless experts' grouped matmul (a Pallas kernel runs per device here, as it must).
+    `ragged`: "" moves padded buffers; "native" only the routed rows by the platform's ragged
+    all-to-all; "emulated" the same with the exchange built from a dense one (CPU devices)."""
     axis = mesh_axes("expert", rules)
     assert len(axis) == 1, f"the expert dim must map to one mesh axis, got {axis}"
     x_spec = logical_to_spec(("batch", "length", "embed"), rules)
@@ -89,7 +135,8 @@ def expert_parallel(rules: Rules, shards: int, matmul: GroupedMatmul = jax.lax.r
     w_spec = PartitionSpec(axis[0])
 
     def dispatch(x: Array, ids: Array, weights: Array, experts: Experts, capacity_factor: float) -> tuple[Array, Array]:
-        fn = functools.partial(_dispatch_local, on=_Shards(axis[0], shards, capacity_factor, matmul))
+        on = _Shards(axis[0], shards, capacity_factor, matmul, bool(ragged), ragged == "native")
+        fn = functools.partial(_dispatch_local, on=on)
         # check_vma off, as for the sequence split's kernels (sharding/context.py): under the
         # pipeline's vmap the stage axis joins some operands' varying axes and not others'.
         return jax.shard_map(fn, in_specs=(x_spec, route_spec, route_spec, Experts(w_spec, w_spec, w_spec)),

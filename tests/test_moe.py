@@ -45,6 +45,8 @@ LAYOUTS = {
     "expert=8": ["mesh.data=1", "mesh.expert=8"],
     "fsdp=8 (one expert shard: each device dispatches its own tokens)": ["mesh.data=1", "mesh.fsdp=8"],
     "expert=2 x fsdp=2 x tensor=2": ["mesh.data=1", "mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"],
+    # Only the routed rows move (the exchange emulated on CPU devices, tests/test_moe_ragged.py).
+    "expert=4 x data=2, ragged dispatch": ["mesh.data=2", "mesh.expert=4", "model.moe.dispatch=ragged"],
     # Pipeline microbatches see their own router statistics: the reference accumulates the same split.
     "expert=2 x pipeline=2 x data=2": ["mesh.data=2", "mesh.expert=2", "mesh.pipeline=2", "pipeline.microbatches=2"],
 }
@@ -102,7 +104,8 @@ def test_expert8_equals_one_device(reference, expert8):
     _compare(expert8, reference)
 
 
-@pytest.mark.parametrize("layout", ["expert=2 x fsdp=2 x tensor=2", "fsdp=8 (one expert shard: each device dispatches its own tokens)"])
+@pytest.mark.parametrize("layout", ["expert=2 x fsdp=2 x tensor=2", "fsdp=8 (one expert shard: each device dispatches its own tokens)",
+                                    "expert=4 x data=2, ragged dispatch"])
 def test_expert_fsdp_tensor_equals_one_device(reference, layout):
     _compare(step_outputs(config(*LAYOUTS[layout])), reference)
 

@@ -329,19 +329,22 @@ def test_two_tpu_slices_reduce_data_over_dcn_and_gather_fsdp_inside(tmp_path_fac
     assert {c["kind"] for c in data} == {"all-reduce"}, data
 
 
-def test_moe_tokens_travel_by_all_to_all_on_the_expert_axis(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """A small mixture of experts on 8 H100s with `mesh.expert=8`: the H100 program sends the
-    tokens to their experts and back as bf16 all-to-alls over `expert` (NVLink), and the planner
-    charges them there; without `mesh.expert` only the embedding lookup's remain, over `fsdp`."""
+def test_moe_tokens_travel_by_ragged_all_to_all_on_the_expert_axis(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A small mixture of experts on 8 H100s with `mesh.expert=8`: the H100 program sends only the
+    routed rows to their experts and back (`model.moe.dispatch=auto`: ragged-all-to-alls over
+    `expert`, on NVLink), no padded bf16 all-to-all, and the planner charges them there; without
+    `mesh.expert` only the embedding lookup's all-to-alls remain, over `fsdp`."""
     _need("h100")
     base = ["--config", "tiny", "--devices", "8", "--hardware", "h100", "model.dtype=bfloat16",
             "model.moe.num_experts=8", "model.moe.capacity_factor=1.25", "mesh.data=1"]
     with_ep, _, status = plan(tmp_path_factory, *base, "mesh.expert=8")
+    collectives = with_ep["plans"][0]["collectives"]
+    ragged = [c for c in collectives if c["kind"] == "ragged-all-to-all"]
+    assert status == 0 and ragged, collectives
+    assert {tuple(c["axes"]) for c in ragged} == {("expert",)} and not any(c["inter_node"] for c in ragged)
+    assert any("bf16" in c["dtype"] and c["bytes"] > 0 for c in ragged), ragged
+    assert not [c for c in collectives if c["kind"] == "all-to-all" and "bf16" in c["dtype"]], collectives
     without, _, _ = plan(tmp_path_factory, *base, "mesh.fsdp=8")
-    a2a = [c for c in with_ep["plans"][0]["collectives"] if c["kind"] == "all-to-all"]
-    assert status == 0 and a2a, with_ep["plans"][0]["collectives"]
-    assert {tuple(c["axes"]) for c in a2a} == {("expert",)} and not any(c["inter_node"] for c in a2a)
-    assert any(c["dtype"] == "bf16" and c["bytes"] > 0 for c in a2a), a2a
     # Without it the only all-to-alls are the embedding lookup's, over fsdp: this device's rows
     # ([16 / 8, 32, 64] bf16) traded forward and back.
     lookup = [c for c in without["plans"][0]["collectives"] if c["kind"] == "all-to-all"]
@@ -362,6 +365,10 @@ def test_moe_experts_run_as_the_megablox_kernel_on_tpu(tmp_path_factory: pytest.
     kernels = re.findall(r'custom_call_target="tpu_custom_call".*?op_name="[^"]*jit\((t?gmm)\)/pallas_call"', text)
     assert status == 0 and set(kernels) == {"gmm", "tgmm"}, out
     assert "ragged-dot" not in text and not re.search(r"bf16\[2,4096,(128|256)\]", text)
+    # The rows travel as libtpu's own ragged-all-to-alls (only the routed ones), none as a padded
+    # all-to-all of bf16 rows.
+    assert re.search(r"= bf16\[[\d,]+\]\{[^}]*\} ragged-all-to-all\(", text), out
+    assert not re.search(r"= bf16\[[\d,]+\]\{[^}]*\} all-to-all\(", text)
 
 
 @pytest.mark.parametrize("hardware", ["h100", "tpu-v5p"])

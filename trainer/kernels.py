@@ -26,7 +26,8 @@ from trainer.layout import Layout
 def bound_kernels(cfg: Config, layout: Layout, platform: str) -> Kernels:
     """What replaces the model's own kernels on `layout` over devices of `platform`."""
     return Kernels(attention=attention_kernel(cfg, layout, platform),
-                   dispatch=expert_dispatcher(layout, grouped_matmul(cfg, layout, platform)),
+                   dispatch=expert_dispatcher(layout, grouped_matmul(cfg, layout, platform),
+                                              ragged_exchange(cfg, platform)),
                    lookup=traded_lookup(layout.param_rules, layout.act_rules, layout.sizes))
 
 
@@ -58,13 +59,27 @@ def grouped_matmul(cfg: Config, layout: Layout, platform: str) -> GroupedMatmul:
     return functools.partial(megablox_matmul, interpret=platform != "tpu")
 
 
-def expert_dispatcher(layout: Layout, matmul: GroupedMatmul = jax.lax.ragged_dot) -> DispatchFn | None:
+def ragged_exchange(cfg: Config, platform: str) -> str:
+    """How expert parallelism moves routed rows on devices of `platform` (`model.moe.dispatch`):
+    "native" (only the routed rows, the platform's ragged all-to-all: TPU and GPU), "emulated"
+    (the same code, its exchange built from a dense all-to-all: XLA:CPU has no ragged one) or ""
+    (buffers padded to the worst case; auto's choice on CPU)."""
+    choice = cfg.model.moe.dispatch
+    if choice == "dense" or (choice == "auto" and platform == "cpu"):
+        return ""
+    return "emulated" if platform == "cpu" else "native"
+
+
+def expert_dispatcher(layout: Layout, matmul: GroupedMatmul = jax.lax.ragged_dot,
+                      ragged: str = "") -> DispatchFn | None:
     """The MoE dispatch of a multi-device layout: each device routes its own tokens (over
     `expert` when mesh.expert > 1; with one expert shard the all-to-alls are no-ops and the
     experts' weights are gathered, as FSDP gathers a dense MLP's). Left to the partitioner, the
     sort of the assignments would run over the global batch. On one device, or when the rules
     give the `expert` dim no mesh axis, every expert runs on the one device (None with
-    ragged_dot, the model's default). `matmul`: the dropless experts' grouped matmul."""
+    ragged_dot, the model's default). `matmul`: the dropless experts' grouped matmul; `ragged`:
+    `ragged_exchange`'s choice (it matters only under mesh.expert > 1)."""
     if math.prod(layout.sizes.values()) == 1 or not mesh_axes("expert", layout.stage_rules):
         return None if matmul is jax.lax.ragged_dot else functools.partial(local_dispatch, matmul=matmul)
-    return expert_parallel(layout.stage_rules, layout.sizes["expert"], matmul)
+    return expert_parallel(layout.stage_rules, layout.sizes["expert"], matmul,
+                           ragged if layout.sizes["expert"] > 1 else "")
