@@ -77,11 +77,14 @@ def _run(ragged: str, capacity_factor: float, skewed: bool) -> tuple:
     rules = (("batch", ("expert",)), ("expert", "expert"))
     dispatch = expert_parallel(rules, P, ragged=ragged)
     put = lambda a: jax.device_put(a, NamedSharding(mesh, PartitionSpec("expert")))  # noqa: E731
-    x, experts = put(x), put(experts)
-    with activation_rules(mesh, rules):
-        y, kept = jax.jit(dispatch, static_argnums=4)(x, put(ids), put(weights), experts, capacity_factor)
-        loss = lambda x, e: (dispatch(x, ids, weights, e, capacity_factor)[0] ** 2).sum()  # noqa: E731
-        grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, experts)
+    x, experts, ids, weights = put(x), put(experts), put(ids), put(weights)
+
+    def loss(x, experts):
+        y, kept = dispatch(x, ids, weights, experts, capacity_factor)
+        return (y ** 2).sum(), (y, kept)
+
+    with activation_rules(mesh, rules):  # one program: outputs and gradients
+        (_, (y, kept)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, experts)
     return np.asarray(y), np.asarray(kept), [np.asarray(g) for g in jax.tree.leaves(grads)]
 
 
