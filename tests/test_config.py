@@ -146,6 +146,7 @@ EXPLICIT: dict[str, tuple[Any, list[str]]] = {
     "model.moe.num_experts": (4, []),
     "model.moe.router": ("topk_softmax", []),
     "model.moe.grouped_matmul": ("ragged_dot", []),
+    "model.moe.dispatch": ("ragged", []),
     "mesh.across": ("pipeline", ["mesh.pipeline=2"]),
     "model.head_dim": (16, []),
     "model.dtype": ("bfloat16", []),
