@@ -1,6 +1,6 @@
 """Stragglers and hangs named (ops/stragglers.py, ops/faults.py): the rule on given times,
 and a real 2-process job whose process 1 never dispatches its step. A slowed process of a real
-4-process job is named in tests/test_tiers.py (its first job, which a replaced host interrupts)."""
+2-process job is named in tests/test_tiers.py (its first job, which a replaced host interrupts)."""
 
 from __future__ import annotations
 
