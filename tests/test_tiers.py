@@ -42,19 +42,20 @@ def wait_for_dirs(paths: list[str], timeout: float = 60) -> None:
 
 
 def test_a_replaced_host_resumes_from_the_peers_local_step(tmp_path):
-    """2 processes, persistent every 4 steps, local every 3: killed after step 10, the job restarts
-    from the local step 9 (process 1's copy gone with its host, fetched from its peer, process 0),
-    not the persistent step 8, and computes step 10 again bit for bit. Process 1 of the first job is
-    slowed (ops.stragglers) and named within K=3 steps; process 0 is never named, in either job.
-    Two processes are enough for each claim: a peer to fetch from, another process to be named
-    against (a process start is seconds of CPU time)."""
+    """2 processes x 2 devices, persistent every 4 steps, local every 3: killed after step 10, the
+    job restarts from the local step 9 (process 1's copy gone with its host, fetched from its peer,
+    process 0), not the persistent step 8, and computes step 10 again bit for bit. Process 1 of the
+    first job is slowed (ops.stragglers) and named within K=3 steps; process 0 is never named, in
+    either job. Two processes are enough for each claim: a peer to fetch from, another process to
+    be named against (a process start is seconds of CPU time); 2 devices each, not 4, as no claim
+    is about devices (a multi-process step costs CPU time per device)."""
     n = 2
     run_dir, local_dir = tmp_path / "run", tmp_path / "local"
     cmd = args(run_dir, local_dir, "train.steps=12", "straggler.steps=3")
     cfg = load_config(TINY, cmd[2:])
-    job = processes(n, *cmd, heartbeat=5, env={1: {SLOW_ENV: "0.3"}})
+    job = processes(n, *cmd, heartbeat=5, env={1: {SLOW_ENV: "0.3"}}, devices=2)
     job[0].wait_for(r"^step +10/12", timeout=240)
-    layout = layout_tag({"data": 8}, n)
+    layout = layout_tag({"data": 4}, n)
     wait_for_dirs([os.path.join(process_dir(cfg, layout, i), "9") for i in range(n)])
     job[1].kill()  # the host is gone, its disk with it
     shutil.rmtree(process_dir(cfg, layout, 1))
@@ -63,14 +64,14 @@ def test_a_replaced_host_resumes_from_the_peers_local_step(tmp_path):
     before = {r["step"]: r for r in records(run_dir)}
     persistent = sorted(int(d) for d in os.listdir(run_dir / "checkpoints") if d.isdigit())
     assert 10 in before and max(persistent) == 8, (sorted(before), persistent)
-    again = processes(n, *cmd, heartbeat=5)
+    again = processes(n, *cmd, heartbeat=5, devices=2)
     codes = [p.finish(240) for p in again]
     out = again[0].output
     assert codes == [0] * n, out + again[1].output
     assert ("restoring from the local tier: step 9 (process(es) [1] fetched their shards from peers); "
             "the persistent tier's newest is step 8") in out, out
     assert "resumed from step 9" in out
-    assert "no other process holds a copy" not in out, "mesh.data=8 spans the processes: each has a peer"
+    assert "no other process holds a copy" not in out, "mesh.data=4 spans the processes: each has a peer"
     after = records(run_dir)
     redone = [r["loss"] for r in after if r["step"] == 10]
     assert len(redone) == 2 and redone[0] == redone[1] == before[10]["loss"], "step 10 again, bit for bit"
