@@ -104,14 +104,15 @@ def two_processes(*args: str, per_process: tuple[list[str], list[str]] = ([], []
 
 
 def processes(n: int, *args: str, per_process: tuple[list[str], ...] | None = None, heartbeat: int = 20,
-              env: dict[int, dict[str, str]] | None = None) -> list[Train]:
-    """`train.py ARGS` as processes 0..n-1 of one job on 127.0.0.1, 8/n fake CPU devices each;
-    `per_process` adds each one's own overrides, `env` each one's own environment variables."""
+              env: dict[int, dict[str, str]] | None = None, devices: int = 0) -> list[Train]:
+    """`train.py ARGS` as processes 0..n-1 of one job on 127.0.0.1, `devices` fake CPU devices each
+    (default 8/n); `per_process` adds each one's own overrides, `env` each one's own environment
+    variables."""
     port = free_port()
     common = [*args, f"dist.coordinator=127.0.0.1:{port}", f"dist.num_processes={n}",
               f"dist.heartbeat_timeout_s={heartbeat}", "dist.init_timeout_s=60"]
     extra = per_process or tuple([] for _ in range(n))
-    return [Train(*common, f"dist.process_id={i}", *extra[i], devices=8 // n, env=(env or {}).get(i, {}))
+    return [Train(*common, f"dist.process_id={i}", *extra[i], devices=devices or 8 // n, env=(env or {}).get(i, {}))
             for i in range(n)]
 
 

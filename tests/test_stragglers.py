@@ -1,6 +1,6 @@
 """Stragglers and hangs named (ops/stragglers.py, ops/faults.py): the rule on given times,
 and a real 2-process job whose process 1 never dispatches its step. A slowed process of a real
-4-process job is named in tests/test_tiers.py (its first job, which a replaced host interrupts)."""
+2-process job is named in tests/test_tiers.py (its first job, which a replaced host interrupts)."""
 
 from __future__ import annotations
 
@@ -32,8 +32,9 @@ def test_the_rule_names_only_a_process_slow_in_each_of_the_last_k_steps():
 
 
 def test_a_step_timeout_names_the_process_that_had_not_arrived(tmp_path):
+    # One device a process: the claim is about processes, and every device costs each process CPU time.
     job = processes(2, "--config", TINY, f"run.dir={tmp_path / 'run'}", DATA, "train.steps=4", "train.step_timeout_s=4",
-                    env={1: {SLOW_ENV: "600"}})
+                    env={1: {SLOW_ENV: "600"}}, devices=1)
     try:
         assert job[0].finish(180) == 4, job[0].output
     finally:
