@@ -1,5 +1,5 @@
 """A multi-process job with its run directory on an object store (docs/storage.md), against the
-real servers of tests/storage_servers.py: 2 real train.py processes x 2 fake CPU devices on each
+real servers of tests/storage_servers.py: 2 real train.py processes x 4 fake CPU devices on each
 bucket, one killed with kill -9 after a committed checkpoint, the whole job started again; it
 resumes from the last committed step and its losses and parameters equal those of the same job
 run uninterrupted on local disk, bit for bit."""
@@ -21,17 +21,16 @@ from ops.stragglers import SLOW_ENV
 from test_storage import losses
 
 STEPS = 6
-# Data parallel across the processes, each one's arrays sharded over its own 2 devices (fsdp): a
-# checkpoint is written in shards. 2 devices a process, not 4: a step of a multi-process job costs
-# CPU time for each device in it (its collectives cross processes), and this job runs five times.
-ARGS = [f"data.path={stdlib_glob('json')}", "train.log_every=1", "mesh.data=2", "mesh.fsdp=2",
+# tests/test_distributed.py's layout and learning-rate horizon: the programs its 2-process jobs
+# compile, served here by the shared compilation cache.
+ARGS = [f"data.path={stdlib_glob('json')}", "train.log_every=1", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
         "optim.decay_steps=12", "checkpoint.every=2", f"train.steps={STEPS}"]
 
 
 def job(run_dir: str, step_sleep_s: float = 0.0) -> list:
     """The 2-process job on run_dir, started; each step `step_sleep_s` longer on both processes."""
     slow = {i: {SLOW_ENV: str(step_sleep_s)} for i in range(2)} if step_sleep_s else None
-    return processes(2, "--config", TINY, f"run.dir={run_dir}", *ARGS, heartbeat=5, env=slow, devices=2)
+    return processes(2, "--config", TINY, f"run.dir={run_dir}", *ARGS, heartbeat=5, env=slow)
 
 
 def finished(procs: list) -> str:
