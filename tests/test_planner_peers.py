@@ -2,7 +2,8 @@
 ../shared/peers/, tests/fixtures/peers/snippets, nothing compiled): Pallas kernels (megablox
 gmm/tgmm, splash attention) charged their own FLOPs, an unknown Pallas kernel charged its bytes
 and named, `ragged-all-to-all` read as a collective at its bound with its balanced-routing
-estimate, and a nested `dynamic-slice` of a stacked buffer charged the slice. The expected
+estimate (the GPU's asynchronous form too, from a snippet of meshlm's H100 program), and a nested
+`dynamic-slice` of a stacked buffer charged the slice. The expected
 figures are written from the shapes in the snippets, not from the planner. One real-target
 test compiles a splash + megablox step with libtpu and checks its FLOPs against the model's."""
 
@@ -97,6 +98,20 @@ def test_ragged_all_to_all_is_charged_its_buffer_and_a_balanced_estimate() -> No
     assert [c.wire_bytes for c in ops] == [c.bytes for c in ops]  # the bound
     assert [c.balanced for c in ops] == [8192 * row_bytes * 3 / 4] * 2  # even routing: 3/4 of its rows leave
     assert static_counts(text)["ragged-all-to-all"] == 2
+
+
+def test_the_gpu_s_asynchronous_ragged_all_to_all_is_charged_its_output_buffer() -> None:
+    """XLA's GPU compiler writes a ragged all-to-all as a start/done pair whose start carries
+    (input rows, output buffer, four offset vectors) and the output again in one tuple (a snippet of
+    meshlm's expert=8 step compiled for 8 H100s): its bound is the output buffer alone."""
+    ops, _ = collectives(_text("h100-expert8-ragged-async.hlo"), {"expert": 8}, 8)
+    row_bytes = 64 * BF16
+    assert [(c.kind, c.axes, c.bytes) for c in ops] == [
+        ("ragged-all-to-all", ("expert",), 160 * row_bytes),  # dispatch: up to 160 rows arrive
+        ("ragged-all-to-all", ("expert",), 128 * row_bytes),  # combine: this device's 128 rows come home
+    ]
+    assert [c.balanced for c in ops] == [128 * row_bytes * 7 / 8] * 2
+    assert [c.dtype for c in ops] == ["bf16", "bf16"]
 
 
 def test_bench_collectives_shows_the_ragged_dispatch() -> None:
