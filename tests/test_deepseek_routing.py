@@ -110,12 +110,14 @@ def _bias_steps(layer: MoE, x: jax.Array, steps: int, rate: float) -> tuple[np.n
         updates, opt = tx.update(grads, opt, p)
         return jax.tree.map(jnp.add, p, updates), opt, s, grads
 
-    opt, seen, first = tx.init(params), [], None
+    # Jitted, as `step` is: eagerly each operation of the optimizer's init and of the layer would
+    # compile alone.
+    opt, seen, first = jax.jit(tx.init)(params), [], None
     for _ in range(steps):
         params, opt, s, grads = step(params, opt)
         seen.append(np.asarray(s))
         first = grads if first is None else first
-    seen.append(np.asarray(stats(params)))
+    seen.append(np.asarray(jax.jit(stats)(params)))
     layer_state = nnx.state(layer)
     nnx.replace_by_pure_dict(layer_state, params)
     nnx.update(layer, layer_state)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ROOT, require, stdlib_glob
+from conftest import ROOT, require, stdlib_glob, stopped_at
 
 torch = require("torch", "hf", lazy=True)
 transformers = require("transformers", "hf", lazy=True)
@@ -241,25 +241,27 @@ def test_adapters_shard_with_their_weights(hf_dir, tmp_path):
         assert any(w[1:]), (name, w)  # the weight itself is split over the mesh
 
 
-def test_resume_is_bitwise_exact(runs, hf_dir, tmp_path, capsys):
-    straight = losses(runs("layout", *LAYOUT)[1])
-    cfg = lora_config(hf_dir, str(tmp_path / "run"), *LAYOUT, "train.steps=2")
-    first = trainer.run(cfg)
+def test_resume_is_bitwise_exact(runs, tmp_path, capsys):
+    """The straight 8-device run's checkpoint at step 2, alone in a copy of its run directory,
+    resumed: its last losses, bitwise."""
+    cfg, history = runs("layout", *LAYOUT)
+    stopped_at(cfg.run.dir, tmp_path / "run", 2)
     capsys.readouterr()
-    second = trainer.run(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=STEPS)))
+    second = trainer.run(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(tmp_path / "run"))))
     assert "resumed from step 2" in capsys.readouterr().out
-    np.testing.assert_array_equal(losses(first + second), straight)
+    np.testing.assert_array_equal(losses(second), losses(history)[2:])
 
 
 def test_a_random_base_is_drawn_again_on_resume(tiny, tmp_path, capsys):
-    """Without init.from_hf the frozen base is the seed's: a resumed run draws it again, bitwise."""
+    """Without init.from_hf the frozen base is the seed's: the straight run's checkpoint at step 2,
+    alone in a copy of its run directory, resumed, draws it again: its last losses, bitwise."""
     common = [*TRAIN, *LORA, "mesh.data=1"]
     straight = losses(trainer.run(tiny(*common, f"run.dir={tmp_path / 'straight'}"), devices=jax.devices()[:1]))
-    first = trainer.run(tiny(*common, "train.steps=2", f"run.dir={tmp_path / 'resumed'}"), devices=jax.devices()[:1])
+    stopped_at(tmp_path / "straight", tmp_path / "resumed", 2)
     second = trainer.run(tiny(*common, f"run.dir={tmp_path / 'resumed'}"), devices=jax.devices()[:1])
     assert "resumed from step 2" in capsys.readouterr().out
     assert straight[-1] < straight[0] - 0.1
-    np.testing.assert_array_equal(losses(first + second), straight)
+    np.testing.assert_array_equal(losses(second), straight[2:])
 
 
 def test_merged_export_loads_in_transformers_with_our_logits(runs, tmp_path):

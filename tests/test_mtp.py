@@ -150,9 +150,9 @@ def test_mtp_layouts_give_the_loss_and_gradients_of_one_device(one_device, layou
         np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
 
 
-def test_export_drops_the_mtp_modules(plain):
+def test_export_drops_the_mtp_modules(plain, weighted):
     *_, params0, cfg0 = plain
-    _, _, _, params, cfg = outputs(["model.mtp_depth=1"])
+    *_, params, cfg = weighted
     ours = hf.to_hf_tensors(params, cfg.model)
     assert ours.keys() == hf.to_hf_tensors(params0, cfg0.model).keys()
     assert not any("mtp" in name or "eh_proj" in name for name in ours)
@@ -219,9 +219,10 @@ def test_a_run_logs_the_mtp_loss(tiny, capsys):
     assert "lm_loss" in capsys.readouterr().out.split("mtp_loss")[0].splitlines()[-1]
 
 
-def test_the_chunked_head_gives_the_mtp_loss_of_the_whole_one():
-    """model.loss_chunk: each module's head and loss 16 positions at a time, as the main head's."""
-    whole = outputs(["model.mtp_depth=2"])
+def test_the_chunked_head_gives_the_mtp_loss_of_the_whole_one(weighted):
+    """model.loss_chunk: each module's head and loss 16 positions at a time, as the main head's
+    (against `weighted`, the same two modules with the whole head)."""
+    whole = weighted
     chunked = outputs(["model.mtp_depth=2", "model.loss_chunk=16"])
     np.testing.assert_allclose(chunked[0], whole[0], rtol=1e-6)
     np.testing.assert_allclose(np.asarray(chunked[2][1]), np.asarray(whole[2][1]), rtol=1e-6)
@@ -229,8 +230,10 @@ def test_the_chunked_head_gives_the_mtp_loss_of_the_whole_one():
 
 def test_mtp_with_experts_on_expert_parallel_gives_one_devices_loss_and_gradients():
     """A mixture-of-experts model's modules hold an MoE block too; its tokens reach the experts
-    by the layout's dispatch, outside the layer stack."""
-    moe = ["model.num_layers=2", "model.moe.num_experts=8", "model.moe.experts_per_token=2", "model.moe.d_ff=32"]
+    by the layout's dispatch, outside the layer stack. One module: a second one's block would run
+    the same dispatch again."""
+    moe = ["model.num_layers=2", "model.moe.num_experts=8", "model.moe.experts_per_token=2", "model.moe.d_ff=32",
+           "model.mtp_depth=1"]
     ref_loss, ref_grads = training_loss_and_grads(["mesh.data=1", *moe], jax.devices()[:1])
     loss, grads = training_loss_and_grads(["mesh.data=1", "mesh.expert=8", *moe], jax.devices())
     assert np.abs(ref_grads["mtp"][0]["block"]["mlp"]["gate"]).max() > 0  # the module's block is an MoE
@@ -260,6 +263,7 @@ def test_an_mtp_moe_blocks_load_moves_its_routing_bias():
     np.testing.assert_allclose(g, g[0] / over[0] * over, rtol=1e-5)
     assert np.abs(np.asarray(grads["layers"]["mlp"]["router_bias"])).max() > 0  # the stack's biases still move
     tx, _ = make_optimizer(cfg.optim, 10, program.spec.model.axes, router_bias_rate=0.01)
-    updates, _ = tx.update(grads, tx.init(params), params)
+    # One program: eager dispatch would compile each of the optimizer's operations on each shape alone.
+    updates = jax.jit(lambda g, p: tx.update(g, tx.init(p), p)[0])(grads, params)
     np.testing.assert_allclose(np.asarray(updates["mtp"][0]["block"]["mlp"]["router_bias"]),
                                -0.01 * np.sign(over), rtol=1e-6)
