@@ -22,6 +22,16 @@ def main(argv: list[str]) -> None:
 
     from bench.procs import free_port
 
+    # The recorder appends each request to the file in several writes (a large body is more than
+    # one buffer); the threaded server records concurrent requests at once, and their pieces
+    # interleaved into lines a replay cannot read. One request recorded at a time.
+    one_at_a_time, record = threading.Lock(), recorder._record_request
+
+    def record_whole(*args: object, **kwargs: object) -> None:
+        with one_at_a_time:
+            record(*args, **kwargs)
+
+    recorder._record_request = record_whole
     if os.path.exists(recording) and os.path.getsize(recording):
         private = ThreadedMotoServer("127.0.0.1", free_port(), verbose=False)
         private.start()
