@@ -114,12 +114,10 @@ def buffer_bytes(kind: str, start: bool, type_text: str, line: str) -> int:
     Asynchronous ops (GPU `*-start`) carry (operands, results) in one tuple, and a combined op
     (one reduce-scatter for all of a layer's gradients) holds a tuple on each side: an
     all-gather's buffer is its results, a reduce-scatter's its operands (the unreduced input),
-    a permute's its operand, a ragged all-to-all's its result (the output buffer; its operands
-    are the input rows, that buffer again and four offset vectors). An all-reduce's type is its
-    result(s) either way."""
-    if start and kind in ("all-gather", "reduce-scatter", "collective-permute", "all-to-all", "ragged-all-to-all"):
+    a permute's its operand. An all-reduce's type is its result(s) either way."""
+    if start and kind in ("all-gather", "reduce-scatter", "collective-permute", "all-to-all"):
         parts = tuple_parts(type_text)
-        side = parts[-1] if kind in ("all-gather", "all-to-all", "ragged-all-to-all") else parts[0]
+        side = parts[-1] if kind in ("all-gather", "all-to-all") else parts[0]
         return shape_bytes(side)
     if re.search(r"to_apply=%[\w.\-]*_promoted\b", line):
         # The CPU backend reduces bf16 in f32 (it widens the op and names the reducer
@@ -289,7 +287,9 @@ def collectives(
             continue
         name, type_text, kind, start = op.groups()
         if start and kind == "ragged-all-to-all":
-            type_text = tuple_parts(type_text)[-1]  # its result: the rest are its operands (buffer_bytes)
+            # Its buffer and its element types are its result's, the output buffer: the start's
+            # tuple also holds its operands (the input rows, that buffer again, four offset vectors).
+            type_text = tuple_parts(type_text)[-1]
         size = buffer_bytes(kind, bool(start), type_text, line)
         groups = [[local[i] for i in g] for g in device_groups(line, len(local))]
         if not groups:  # a permute with no source-target pairs (a shift by zero blocks) sends nothing

@@ -44,15 +44,14 @@ Array = jax.Array
 @dataclasses.dataclass(frozen=True)
 class _Shards:
     """The static half of one device's dispatch: the `expert` mesh axis, how many devices it
-    has, the capacity factor, the dropless experts' grouped matmul, whether only the routed rows
-    move (`ragged`) and whether the platform has a ragged all-to-all of its own (`native`)."""
+    has, the capacity factor, the dropless experts' grouped matmul and how the rows move
+    (`expert_parallel`'s `ragged`)."""
 
     axis: str
     shards: int
     capacity_factor: float
     matmul: GroupedMatmul
-    ragged: bool = False
-    native: bool = False
+    ragged: str = ""
 
 
 def _dispatch_local(x: Array, ids: Array, weights: Array, experts: Experts, on: _Shards) -> tuple[Array, Array]:
@@ -110,14 +109,15 @@ def _ragged(tokens: Array, key: Array, experts: Experts, cap: int, on: _Shards) 
     there = Slices(sent_before[me], rows[me], landed_before[me], rows[:, me])
     # No source sends one device more than all its rows, or (capacity) its experts' caps.
     buffer = shards * (n if cap == 0 else min(n, local * cap))
-    recv = exchange(tokens[order], jnp.zeros((buffer, d), tokens.dtype), there, axis, on.native)
+    native = on.ragged == "native"
+    recv = exchange(tokens[order], jnp.zeros((buffer, d), tokens.dtype), there, axis, native)
     # The buffer holds the sources' slices in order, each sorted by expert: segment (source, expert).
     ends = jnp.cumsum(table[:, me].reshape(-1))
     segment = jnp.searchsorted(ends, jnp.arange(buffer), side="right")
     recv_ids = jnp.where(segment < shards * local, segment % local, local)
     y = expert_rows(recv, recv_ids, experts, shards * cap, on.matmul)
     back_slices = Slices(landed_before[:, me], rows[:, me], sent_before[:, me], rows[me])
-    back = exchange(y, jnp.zeros((n, d), y.dtype), back_slices, axis, on.native)
+    back = exchange(y, jnp.zeros((n, d), y.dtype), back_slices, axis, native)
     return jnp.zeros_like(back).at[order].set(back)  # dropped assignments sort last and get no rows back
 
 
@@ -135,8 +135,7 @@ def expert_parallel(rules: Rules, shards: int, matmul: GroupedMatmul = jax.lax.r
     w_spec = PartitionSpec(axis[0])
 
     def dispatch(x: Array, ids: Array, weights: Array, experts: Experts, capacity_factor: float) -> tuple[Array, Array]:
-        on = _Shards(axis[0], shards, capacity_factor, matmul, bool(ragged), ragged == "native")
-        fn = functools.partial(_dispatch_local, on=on)
+        fn = functools.partial(_dispatch_local, on=_Shards(axis[0], shards, capacity_factor, matmul, ragged))
         # check_vma off, as for the sequence split's kernels (sharding/context.py): under the
         # pipeline's vmap the stage axis joins some operands' varying axes and not others'.
         return jax.shard_map(fn, in_specs=(x_spec, route_spec, route_spec, Experts(w_spec, w_spec, w_spec)),
