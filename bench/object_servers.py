@@ -99,6 +99,16 @@ def s3_env(server: Server, secret: str) -> dict[str, str]:
             "AWS_SECRET_ACCESS_KEY": secret, "AWS_DEFAULT_REGION": "us-east-1"}
 
 
+def s3_client(server: Server, secret: str) -> object:
+    """A botocore S3 client of `server`, with `s3_env`'s credentials and region."""
+    import botocore.session
+
+    env = s3_env(server, secret)
+    return botocore.session.get_session().create_client(
+        "s3", endpoint_url=server.url, region_name=env["AWS_DEFAULT_REGION"],
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
+
+
 def gcs_server(root: str = "", port: int = 0) -> Server:
     """fake-gcs-server on `port` (default: a free one), its objects in memory, or with `root` in
     that local directory, one file per object under root/BUCKET/KEY, where a server started again

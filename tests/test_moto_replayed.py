@@ -10,15 +10,7 @@ import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-from bench.object_servers import Server, moto_server, s3_env
-
-
-def _client(server: Server):
-    import boto3
-
-    env = s3_env(server, "secret")
-    return boto3.client("s3", endpoint_url=server.url, aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-                        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name=env["AWS_DEFAULT_REGION"])
+from bench.object_servers import moto_server, s3_client
 
 
 def test_concurrent_large_writes_are_recorded_whole_and_replayed(tmp_path):
@@ -26,19 +18,20 @@ def test_concurrent_large_writes_are_recorded_whole_and_replayed(tmp_path):
     server = moto_server(recording=recording)
     bodies = {f"shard-{i}": os.urandom(3 << 20) for i in range(12)}  # more than a file buffer each
     try:
-        _client(server).create_bucket(Bucket="meshlm-test")
+        s3_client(server, "secret").create_bucket(Bucket="meshlm-test")
         with ThreadPoolExecutor(len(bodies)) as pool:
-            list(pool.map(lambda kv: _client(server).put_object(Bucket="meshlm-test", Key=kv[0], Body=kv[1]),
-                          bodies.items()))
+            put = lambda kv: s3_client(server, "secret").put_object(Bucket="meshlm-test", Key=kv[0], Body=kv[1])  # noqa: E731
+            list(pool.map(put, bodies.items()))
     finally:
         server.stop()
     with open(recording) as f:
         lines = f.readlines()
     entries = [json.loads(line) for line in lines]  # every line one whole request
-    assert sorted(e["url"].rsplit("/", 1)[-1] for e in entries if e["method"] == "PUT" and "shard-" in e["url"]) == sorted(bodies)
+    puts = [e["url"].rsplit("/", 1)[-1] for e in entries if e["method"] == "PUT" and "shard-" in e["url"]]
+    assert sorted(puts) == sorted(bodies)
     again = moto_server(recording=recording, port=server.port)
     try:
-        client = _client(again)
+        client = s3_client(again, "secret")
         assert {o["Key"] for o in client.list_objects_v2(Bucket="meshlm-test")["Contents"]} == set(bodies)
         assert client.get_object(Bucket="meshlm-test", Key="shard-3")["Body"].read() == bodies["shard-3"]
     finally:

@@ -26,7 +26,7 @@ import trainer
 from configs import ConfigError, load_config
 from conftest import require, stdlib_glob
 from bench.procs import TINY, Train
-from bench.object_servers import Server, create_gcs_bucket, gcs_env, gcs_server, s3_env
+from bench.object_servers import Server, create_gcs_bucket, gcs_env, gcs_server, s3_client, s3_env
 from ops.lease import new_record as _lock_record
 from ops.stragglers import SLOW_ENV
 from storage_servers import BUCKET, SECRET, free_port, moto_server  # the bucket fixtures: conftest.py
@@ -304,10 +304,7 @@ class OwnServer:
         return gcs_server(str(self.objects), port) if self.kind == "gs" else moto_server(recording=self.recording, port=port)
 
     def _s3(self) -> object:
-        import botocore.session
-
-        return botocore.session.get_session().create_client("s3", endpoint_url=self.server.url, region_name="us-east-1",
-                                                            aws_access_key_id="testing", aws_secret_access_key=SECRET)
+        return s3_client(self.server, SECRET)
 
     def env(self) -> dict[str, str]:
         return gcs_env(self.server, "meshlm-test") if self.kind == "gs" else s3_env(self.server, SECRET)
