@@ -44,7 +44,8 @@ train: $(STAMP)
 # MESHLM_REQUIRE_EXTRAS=1: the extras and compilers were installed above, so a test that needs
 # a missing one fails instead of skipping (tests/conftest.py, `require`). `--dist loadfile`: each
 # pytest worker runs whole files (most tests are single-threaded Python or one XLA compile; a
-# file's module fixtures are compiled once). The fake-CPU-device run has one worker per core and
+# file's module fixtures are compiled once), in the order tests/conftest.py sorts them (longest
+# first: `--no-loadscope-reorder` keeps xdist from sorting by number of tests). The fake-CPU-device run has one worker per core and
 # one more (TEST_WORKERS): a test that waits on processes it started (their start-up, a signal, a
 # lock's heartbeat, a killed peer's timeout) leaves its worker's core idle, and the extra worker
 # runs a file there meanwhile. The
@@ -53,7 +54,7 @@ train: $(STAMP)
 # real_target); each prints its 15 slowest tests.
 TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
 test: $(STAMP) $(COMPILERS_STAMP)
-	MESHLM_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 -m "not real_target" tests
+	MESHLM_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 -m "not real_target" tests
 	MESHLM_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q -n auto --dist loadfile --durations=15 -m real_target tests
 
 # A real one-node SLURM runs a sweep's array job and a 2-process srun (scripts/slurm_check.sh).

@@ -161,22 +161,26 @@ def tiny(tmp_path):
     return make
 
 
-# Worker seconds per file (`--durations=0` of a fake-CPU run), heaviest first. `--dist loadfile`
-# hands each xdist worker whole files in collection order, so with the files in alphabetical
-# order a worker could pick up a long file last while the others sat idle; handed out longest
-# first, the last files are short ones and the workers end together. A file not listed goes
-# after these, in its own order; a stale weight only costs time.
+# Worker seconds per file (the wall time of its tests in a fake-CPU run), heaviest first.
+# `--dist loadfile --no-loadscope-reorder` hands each xdist worker whole files in collection
+# order (xdist's default order instead is by number of tests, which put the few long
+# multi-process tests last while the other workers sat idle); handed out longest first, the last
+# files are short ones and the workers end together. A file not listed goes after these, in its
+# own order; a stale weight only costs time.
 FILE_SECONDS = {
-    "test_pipeline": 95, "test_mtp": 55, "test_faults": 71, "test_deepseek_routing": 64, "test_tiers": 45,
-    "test_distributed": 61, "test_lora_post": 59, "test_lora": 54, "test_moe": 45, "test_bench_step": 44,
-    "test_storage": 80, "test_lora_dropout": 40, "test_eval_run": 39, "test_train": 37, "test_data_run": 32,
-    "test_generate": 31, "test_post_training": 30, "test_cli": 30, "test_mla": 29, "test_interrupt": 29,
-    "test_pipeline_train": 27, "test_plan": 27, "test_optimizers": 27, "test_context": 26, "test_distill": 25,
-    "test_post_combos": 24, "test_grpo_run": 26, "test_grpo_layouts": 19, "test_lock": 18, "test_hf_deepseek": 17, "test_hf_moe": 17,
-    "test_hf": 15, "test_accumulation": 15, "test_quant": 14, "test_loss": 14, "test_observe": 13, "test_model": 13,
-    "test_lora_mla": 12, "test_grpo_step": 12, "test_trackers": 11, "test_harness": 11, "test_prepare": 11,
-    "test_lookup": 10, "test_stragglers": 10, "test_attention_chunk": 10, "test_storage_tools": 12, "test_storage_corpora": 15, "test_storage_multiprocess": 55, "test_rollout": 7,
-    "test_sharding": 7, "test_sweep": 6, "test_tensor_parallel": 5,
+    "test_storage": 123, "test_pipeline": 98, "test_distributed": 69, "test_faults": 59,
+    "test_lora": 48, "test_deepseek_routing": 46, "test_moe": 46, "test_storage_multiprocess": 46,
+    "test_lora_post": 46, "test_context": 39, "test_lora_dropout": 38, "test_bench_step": 37,
+    "test_mtp": 34, "test_tiers": 34, "test_plan": 32, "test_train": 32, "test_cli": 31,
+    "test_data_run": 29, "test_post_training": 28, "test_pipeline_train": 26,
+    "test_storage_corpora": 25, "test_generate": 24, "test_eval_run": 24, "test_quant": 23,
+    "test_distill": 22, "test_grpo_run": 22, "test_post_combos": 21, "test_mla": 20,
+    "test_storage_tools": 18, "test_grpo_layouts": 18, "test_hf_deepseek": 17, "test_hf_moe": 15,
+    "test_optimizers": 15, "test_interrupt": 14, "test_observe": 14, "test_lock": 14, "test_hf": 13,
+    "test_accumulation": 12, "test_grpo_learns": 12, "test_trackers": 11, "test_harness": 11,
+    "test_lora_mla": 9, "test_prepare": 9, "test_stragglers": 8, "test_attention_chunk": 7,
+    "test_sharding": 7, "test_loss": 7, "test_moe_ragged": 7, "test_sweep": 7, "test_model": 6,
+    "test_grpo_step": 6, "test_lookup": 6,
 }
 
 
