@@ -67,13 +67,14 @@ def rollout() -> tuple[Rollout, np.ndarray]:
     prompts = np.array([[stage.tokenizer.eod_id] * (length - len(t)) + t for t in tokens], np.int32)
     pad = np.array([length - len(t) for t in tokens], np.int32)
     r = stage.grpo.sample(initial_state(program).params, prompts, pad, jax.random.key(3))
-    rewards = np.random.default_rng(0).normal(size=len(PROMPTS) * 4).astype(np.float32)
+    rewards = np.random.default_rng(1).normal(size=len(PROMPTS) * 4).astype(np.float32)
     return jax.tree.map(np.asarray, r), rewards
 
 
-def two_updates(program: Any, r: Rollout, rewards: np.ndarray) -> dict:
+def two_updates(program: Any, r: Rollout, rewards: np.ndarray, nudge: float = 0.0) -> dict:
     """The compiled step's metrics of two updates on the rollout batch (the second with ratios off
-    1 and a KL), and the parameters after them, on the host."""
+    1 and a KL), and the parameters after them, on the host. `nudge`: each parameter scaled by
+    1 +- nudge (random signs) between the updates."""
     state = initial_state(program)
     stage = stage_of(program)
     with program.tracing():
@@ -81,9 +82,14 @@ def two_updates(program: Any, r: Rollout, rewards: np.ndarray) -> dict:
         batch = jax.device_put(stage.grpo.training_batch(state.params, ref, r, rewards), program.batch_sh)
     step, _ = program.compile(state)
     metrics = []
+    signs = np.random.default_rng(0)
     for _ in range(2):
         state, m = step(state, batch)
         metrics.append({k: float(m[k]) for k in METRICS})
+        if nudge:
+            nudged = jax.tree.map(lambda a: np.asarray(a) * (1 + nudge * signs.choice([-1, 1], np.shape(a))).astype(a.dtype),
+                                  state.params)
+            state = state.replace(params=jax.device_put(nudged, program.state_sh.params))
     return {"metrics": metrics, "params": jax.tree.map(np.asarray, state.params), "batch": batch}
 
 
@@ -117,6 +123,15 @@ def test_data_fsdp_tensor_updates_as_one_device(rollout, dense_one):
     program = program_of(["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], 8)
     assert program.spec.layout.sizes["tensor"] == 2 and program.spec.layout.sizes["fsdp"] == 2
     _compare(two_updates(program, *rollout), dense_one)
+
+
+def test_the_moe_comparison_is_not_on_a_routing_tie(rollout, moe_one):
+    """A layout sums in its own order, which moves the parameters by about an ulp. Where a token's
+    router scores nearly tie for the top k, that flips the token's experts: the layouts would then
+    agree or not by chance, whatever their code. The one-device run, nudged by an ulp between its
+    updates one way and the other (a tie is crossed from one side only), gives its own second update."""
+    for nudge in (1.2e-7, -1.2e-7):
+        _compare(two_updates(program_of(MOE, 1), *rollout, nudge=nudge), moe_one)
 
 
 def test_an_expert_parallel_moe_updates_as_one_device(rollout, moe_one):
