@@ -26,10 +26,7 @@ minimum (planner/minimum.py); the step time is a roofline over the compiled kern
 
 `--search` tries every factorization of N over pipeline x data x fsdp x tensor, and for a
 mixture of experts x expert (the sizes that divide the expert count; axes named on the command
-line stay as given), on an expert-parallel mesh without tensor parallelism both the default
-storage and the weights outside the experts split over fsdp x expert (planner/rank.py
-EXPERT_STORAGE), each
-pipeline schedule on a pipelined mesh (unless
+line stay as given), each pipeline schedule on a pipelined mesh (unless
 `pipeline.schedule` is given) and each remat policy of `--remat`, skips layouts the layout
 checks reject (with the reason) and, per mesh and schedule, policies that recompute more than one
 that already fits (they can only be slower); it ranks what fits by predicted step time (a

@@ -42,17 +42,20 @@ import numpy as np
 from configs import Config
 from model import lora
 from sharding.cast import is_matmul_weight
-from sharding.rules import axes_size, logical_to_spec, mesh_axes, to_rules
+from sharding.rules import as_axes, axes_size, logical_to_spec, mesh_axes, stored_rules, to_rules
 
 
 def gathered_bytes(shapes: dict, axes: dict, cfg: Config, sizes: dict[str, int]) -> float:
     """Bytes of the parameters one device holds once its FSDP group has gathered them."""
     compute = np.dtype(cfg.model.dtype).itemsize
-    rules = to_rules(cfg.sharding.params)
-    kept = {**sizes, "fsdp": 1, "context": 1}  # the FSDP group (and context: trainer/layout.py) gathers its shards
+    rules = stored_rules(cfg.sharding.params, sizes)
     total = 0.0
     for shape, names in zip(jax.tree.leaves(shapes), jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))):
-        split = math.prod(axes_size(entry, kept) for entry in logical_to_spec(names, rules))
+        # The FSDP group gathers its shards, and so do the context and expert groups that store the
+        # weights split (sharding.stored_rules); an expert dim stays split over its own axis.
+        split = math.prod(math.prod(sizes[a] for a in as_axes(entry) if a not in ("fsdp", "context")
+                                    and (a != "expert" or name == "expert"))
+                          for name, entry in zip(names, logical_to_spec(names, rules)))
         total += math.prod(shape.shape) / split * (compute if is_matmul_weight(names) else 4)
     return total
 

@@ -23,33 +23,20 @@ Per device, from the config and the exact state sizes (nothing compiled):
 
 from __future__ import annotations
 
-import json
 import math
 
 import jax
 import numpy as np
 
 from configs import Config
-from configs.schema import MESH_AXES, ShardingConfig
+from configs.schema import MESH_AXES
 from model import flops_per_token
 from model.flops import moe_layer_count
 from pipeline import bubble_fraction
 from sharding.hardware import BATCH_AXES, Hardware, collective_seconds
 from sharding.cast import is_matmul_weight
 from sharding.mesh import resolve_mesh_shape
-from sharding.rules import as_axes, axes_size, logical_to_spec, mesh_axes, to_rules
-
-
-def _expert_storage() -> tuple[str, ...]:
-    """The parameter rules that store the weights outside the experts over fsdp x expert and the
-    experts' hidden dim over fsdp, as one override. A rule claims a mesh axis in table order, so
-    `expert` comes first: the experts' own dim keeps the expert axis, and their `embed` dim, which
-    would take it next, stays whole."""
-    rules = {"expert": "expert", **ShardingConfig().params, "embed": ["fsdp", "expert"], "mlp": "fsdp"}
-    return (f"sharding.params={json.dumps(rules, separators=(',', ':'))}",)
-
-
-EXPERT_STORAGE = _expert_storage()
+from sharding.rules import as_axes, axes_size, logical_to_spec, mesh_axes, stored_rules, to_rules
 
 
 def activation_bytes(cfg: Config, sizes: dict[str, int]) -> float:
@@ -75,7 +62,7 @@ def storage_gather_bytes(cfg: Config, sizes: dict[str, int], shapes: dict, axes:
     n = sizes["expert"]
     if n == 1:
         return 0.0
-    rules, kept = to_rules(cfg.sharding.params), {**sizes, "fsdp": 1, "expert": 1}
+    rules, kept = stored_rules(cfg.sharding.params, sizes), {**sizes, "fsdp": 1, "expert": 1}
     total = 0.0
     for shape, names in zip(jax.tree.leaves(shapes), jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))):
         spec = logical_to_spec(names, rules)

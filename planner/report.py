@@ -14,7 +14,7 @@ from configs import Config
 from configs.schema import MESH_AXES
 from model import flops_per_token
 from sharding.hardware import Hardware, predict
-from planner.rank import EXPERT_STORAGE, rank
+from planner.rank import rank
 from sharding.mesh import resolve_mesh_shape
 from pipeline import bubble_formula, bubble_fraction
 
@@ -203,9 +203,8 @@ def _layout_text(p: dict) -> str:
                   if key.removeprefix("mesh.") in MESH_AXES and value.lstrip("-").isdigit()}
         if "pipeline.schedule" in given:
             layout["schedule"] = given["pipeline.schedule"]
-    # The storage --search tries, by name; rules given on the command line as written.
-    storage = ["dense weights over fsdp*expert" if (o,) == EXPERT_STORAGE else o for o in p.get("overrides", [])
-               if o.startswith("sharding.params")]
+    # Rules given on the command line, as written.
+    storage = [o for o in p.get("overrides", []) if o.startswith("sharding.params")]
     return " ".join([f"{k}={v}" for k, v in layout.items() if v != 1 or k in ("data", "fsdp")] + storage)
 
 

@@ -1,5 +1,5 @@
 """The layouts a plan tries: the command line's own, or with --search one per mesh shape,
-parameter storage, pipeline schedule and remat policy (plan.py)."""
+pipeline schedule and remat policy (plan.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import math
 import pipeline
 from configs import ConfigError
 from configs.schema import MESH_AXES
-from planner.rank import EXPERT_STORAGE
 
 
 def _pinned(overrides: list[str]) -> dict[str, str]:
@@ -52,16 +51,8 @@ def candidates(overrides: list[str], n: int, search: bool, remats: list[str], ex
         return [[f"pipeline.schedule={s}"] for s in ([pinned["pipeline.schedule"]] if "pipeline.schedule" in pinned
                                                      else runs)]
 
-    def storages(mesh: dict[str, int]) -> list[list[str]]:
-        """The default storage, and on an expert-parallel mesh without tensor parallelism the one
-        that splits the weights outside the experts over fsdp x expert too (unless the rules of
-        stored parameters are given): it trades gathers over `expert` for their state's memory."""
-        if mesh["expert"] == 1 or mesh["tensor"] > 1 or any(o.startswith("sharding.params") for o in base):
-            return [[]]
-        return [[], list(EXPERT_STORAGE)]
-
     meshes = [{**fixed, **m} for m in meshes]
     return [
-        base + [f"mesh.{a}={m[a]}" for a in MESH_AXES] + st + s + [f"model.remat={r}"]
-        for m in meshes for st in storages(m) for s in schedules(m) for r in policies
+        base + [f"mesh.{a}={m[a]}" for a in MESH_AXES] + s + [f"model.remat={r}"]
+        for m in meshes for s in schedules(m) for r in policies
     ]

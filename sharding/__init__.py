@@ -10,7 +10,9 @@ from sharding.rules import (
     logical_to_spec,
     mesh_axes,
     shardings,
+    stored_rules,
     to_rules,
+    with_axis,
 )
 
 __all__ = [
@@ -24,5 +26,7 @@ __all__ = [
     "mesh_axes",
     "resolve_mesh_shape",
     "shardings",
+    "stored_rules",
     "to_rules",
+    "with_axis",
 ]

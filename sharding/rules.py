@@ -25,6 +25,37 @@ def to_rules(table: dict[str, Any]) -> Rules:
     return tuple((name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in table.items())
 
 
+def with_axis(rules: Rules, name: str, axis: str) -> Rules:
+    """`rules` with `axis` appended to the mesh axes of the logical `name`."""
+    return tuple((logical, as_axes(entry) + (axis,) if logical == name else entry) for logical, entry in rules)
+
+
+def with_fallback_axis(rules: Rules, name: str, axis: str) -> Rules:
+    """`rules` with each rule of the logical `name` tried first with `axis` appended, then as it
+    was: an array whose other dims have already claimed `axis` falls back to the rule as given
+    (Flax takes the first rule whose axes are all free). A rule already naming `axis` stays alone."""
+    out: list[tuple[str, Any]] = []
+    for logical, entry in rules:
+        if logical == name and axis not in as_axes(entry):
+            out.append((logical, as_axes(entry) + (axis,)))
+        out.append((logical, entry))
+    return tuple(out)
+
+
+def stored_rules(table: dict[str, Any], sizes: dict[str, int]) -> Rules:
+    """The rules of stored parameters (`sharding.params`) on a mesh of `sizes`. The devices of a
+    context group hold different positions of the same rows, and those of an expert group
+    different experts but the same weights outside them: what they would each hold whole is
+    split over them as well, FSDP-style, on the `embed` dim. The experts' own weights, whose
+    `expert` dim comes first in the table and takes the expert axis, keep the rule as given."""
+    rules = to_rules(table)
+    if sizes.get("context", 1) > 1:
+        rules = with_axis(rules, "embed", "context")
+    if sizes.get("expert", 1) > 1:
+        rules = with_fallback_axis(rules, "embed", "expert")
+    return rules
+
+
 def logical_to_spec(axes: Sequence[str | None], rules: Rules) -> PartitionSpec:
     return nn.logical_to_mesh_axes(tuple(axes), rules)
 

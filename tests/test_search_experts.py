@@ -1,15 +1,17 @@
 """`plan.py --search` on a mixture of experts (planner/rank.py): it tries expert-parallel layouts
-(sizes that divide the expert count) and the storage that splits the weights outside the experts
-over fsdp x expert, ranks them analytically, compiles only the `--top` best, and proposes one
-that fits (real H100 compile: tests marked real_target)."""
+(sizes that divide the expert count), ranks them analytically (the weights outside the experts
+stored over fsdp x expert, their gathers counted), compiles only the `--top` best, and proposes
+one that fits (real H100 compile: tests marked real_target)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from conftest import ROOT, real_target_env
@@ -17,10 +19,12 @@ from configs import load_config
 from plan import check, state_bytes
 from planner import candidates
 from sharding.hardware import HARDWARE
-from planner.rank import EXPERT_STORAGE, expert_bytes
+from planner.rank import expert_bytes
 from planner.targets import has_compiler
 from sharding import resolve_mesh_shape
 from sharding.rules import logical_to_spec, to_rules
+from trainer import prepare
+from trainer.layout import plan_layout
 
 TINY_DEEPSEEK = os.path.join(ROOT, "configs", "tiny-deepseek.yaml")
 
@@ -36,14 +40,19 @@ def test_search_tries_the_expert_sizes_that_divide_the_experts():
     assert _sizes(candidates(["mesh.expert=4"], 8, True, ["full"], experts=8), "expert") == {4}  # pinned
 
 
-def test_search_tries_the_expert_storage_only_where_it_splits_something():
-    tried = candidates(["mesh.pipeline=1"], 8, True, ["full"], experts=8)
-    stored = [c for c in tried if EXPERT_STORAGE[0] in c]
-    assert stored
-    assert all("mesh.expert=1" not in c and "mesh.tensor=1" in c for c in stored)
-    assert len(stored) < len(tried) == len({tuple(c) for c in tried})
-    given = candidates(["mesh.pipeline=1", "sharding.params.embed=fsdp"], 8, True, ["full"], experts=8)
-    assert not any(EXPERT_STORAGE[0] in c for c in given)  # rules given on the command line stay
+def test_an_expert_mesh_stores_the_weights_outside_the_experts_split_over_it():
+    """On expert=4 x fsdp=2 the weights outside the experts are stored over fsdp x expert (an
+    expert group holds the same ones), the experts keep their axis and their `embed` rule; rules
+    that already name `expert` for `embed` are taken as given, and without expert parallelism
+    nothing changes."""
+    rules = plan_layout(load_config(TINY_DEEPSEEK, ["mesh.expert=4", "mesh.fsdp=2", "mesh.data=1"]), 8).param_rules
+    assert tuple(logical_to_spec(("layers", "expert", "embed", "mlp"), rules))[1:] == ("expert", "fsdp", "tensor")
+    assert logical_to_spec(("layers", "embed", "heads", "head_dim"), rules)[1] == ("fsdp", "expert")
+    assert tuple(logical_to_spec(("vocab", "embed"), rules)) == ("tensor", ("fsdp", "expert"))
+    given = load_config(TINY_DEEPSEEK, ["mesh.expert=4", "mesh.fsdp=2", "mesh.data=1", "sharding.params.embed=[expert,fsdp]"])
+    assert plan_layout(given, 8).param_rules == to_rules(given.sharding.params)
+    plain = load_config(TINY_DEEPSEEK, ["mesh.fsdp=8", "mesh.data=1"])
+    assert plan_layout(plain, 8).param_rules == to_rules(plain.sharding.params)
 
 
 def test_the_expert_all_to_all_estimate_counts_each_routed_copy():
@@ -58,18 +67,20 @@ def test_the_expert_all_to_all_estimate_counts_each_routed_copy():
 
 
 def test_the_storage_gathers_are_what_the_storage_saves_three_times():
-    """Split over expert (4) the weights outside the experts take (n-1)/n of their bytes off each
-    device (the exact shard sizes, state_bytes); gathering them forward and backward and reducing
-    their gradients moves 3 x that (float32 compute: the gathered dtype is the stored one)."""
-    base = ["mesh.expert=4", "mesh.data=2", "mesh.pipeline=1", "model.remat=full"]
-    plain, stored = check(TINY_DEEPSEEK, base, 8), check(TINY_DEEPSEEK, [*base, *EXPERT_STORAGE], 8)
-    experts = logical_to_spec(("layers", "expert", "embed", "mlp"), to_rules(stored.sharding.params))
-    assert experts[1] == "expert" and experts[3] == "fsdp", experts  # the experts stay split by expert
-    entries = load_config(TINY_DEEPSEEK, ["sharding.params.embed=[fsdp,expert]", "sharding.params.mlp=fsdp"])
-    assert logical_to_spec(("layers", "expert", "embed", "mlp"), to_rules(entries.sharding.params)) == experts
-    saved = state_bytes(plain, 8)["params"] - state_bytes(stored, 8)["params"]
-    assert saved > 0 and state_bytes(plain, 8)["expert_gathers"] == 0
-    assert state_bytes(stored, 8)["expert_gathers"] == pytest.approx(3 * saved, rel=1e-9)
+    """Split over expert (4), the weights outside the experts take (n-1)/n of their bytes off each
+    device: data=8 holds every weight whole, expert=4 x data=2 the experts by a quarter and the
+    rest by a quarter too (the exact shard sizes, state_bytes). Gathering them forward and
+    backward and reducing their gradients moves 3 x what that saves (float32 compute: the gathered
+    dtype is the stored one); data=8 gathers nothing."""
+    base = ["mesh.pipeline=1", "model.remat=full"]
+    whole, split = check(TINY_DEEPSEEK, [*base, "mesh.data=8"], 8), check(TINY_DEEPSEEK, [*base, "mesh.expert=4", "mesh.data=2"], 8)
+    spec = prepare(split, 8, with_data=False)
+    leaves = zip(jax.tree.leaves(spec.model.shapes), jax.tree.leaves(spec.model.axes, is_leaf=lambda x: isinstance(x, tuple)))
+    experts = sum(math.prod(s.shape) * 4 for s, names in leaves if "expert" in names)
+    assert experts > 0
+    saved = state_bytes(whole, 8)["params"] - state_bytes(split, 8)["params"] - experts * 3 / 4
+    assert saved > 0 and state_bytes(whole, 8)["expert_gathers"] == 0
+    assert state_bytes(split, 8)["expert_gathers"] == pytest.approx(3 * saved, rel=1e-9)
 
 
 @pytest.mark.real_target
@@ -85,7 +96,6 @@ def test_search_on_moe_compiles_the_top_layouts_and_proposes_one_that_fits(tmp_p
     plans = json.loads(out.read_text())["plans"]
     tried = [p for p in plans if "layout" in p]
     assert {p["layout"]["expert"] for p in tried} == {1, 2, 4, 8}
-    assert any(EXPERT_STORAGE[0] in p["overrides"] for p in tried)
     compiled = [p for p in plans if "memory" in p]
     assert len(compiled) == 2 and sorted(p["analytic_rank"] for p in compiled) == [1, 2]
     assert all(p["status"] == "not compiled" for p in tried if p.get("analytic_rank", 0) > 2)

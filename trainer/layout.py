@@ -10,7 +10,7 @@ import dataclasses
 
 import pipeline
 from configs import Config
-from sharding import Rules, resolve_mesh_shape, to_rules
+from sharding import Rules, resolve_mesh_shape, stored_rules, to_rules, with_axis
 from trainer import checks
 
 
@@ -38,31 +38,17 @@ class Layout:
 
 def _with_batch_axis(rules: Rules, axis: str) -> Rules:
     """`rules` with `axis` appended to the mesh axes of `batch`."""
-    return _with_axis(rules, "batch", axis)
-
-
-def _with_axis(rules: Rules, name: str, axis: str) -> Rules:
-    """`rules` with `axis` appended to the mesh axes of the logical `name`."""
-    out = []
-    for logical, entry in rules:
-        if logical == name:
-            entry = (entry if isinstance(entry, tuple) else (() if entry is None else (entry,))) + (axis,)
-        out.append((logical, entry))
-    return tuple(out)
+    return with_axis(rules, "batch", axis)
 
 
 def plan_layout(cfg: Config, num_devices: int, processes: int = 1) -> Layout:
     """The layout of `cfg` on `num_devices` devices in `processes` processes; raises ConfigError,
     naming the key, where they do not fit."""
     sizes = resolve_mesh_shape(cfg.mesh, num_devices)
-    param_rules, act_rules = to_rules(cfg.sharding.params), to_rules(cfg.sharding.activations)
+    param_rules, act_rules = stored_rules(cfg.sharding.params, sizes), to_rules(cfg.sharding.activations)
     per_replica = checks.check_batch(cfg, sizes, act_rules, processes)
     checks.check_context(cfg, sizes, act_rules)
     checks.check_experts(cfg, sizes, act_rules)
-    if sizes["context"] > 1:
-        # A context group's devices hold different positions of the same rows: the parameters
-        # they would each hold whole are sharded over them as well, FSDP-style.
-        param_rules = _with_axis(param_rules, "embed", "context")
     checks.check_gather(cfg, param_rules, act_rules, sizes)
     stages, repeats = sizes["pipeline"], cfg.pipeline.repeats
     micro = cfg.pipeline.microbatches or stages
