@@ -107,7 +107,7 @@ def state_bytes(cfg: Config, n: int) -> dict[str, int]:
     import jax
     from jax.sharding import AbstractMesh
 
-    from planner import minimum_traffic, storage_gather_bytes
+    from planner import minimum_traffic
     from trainer import abstract_state, prepare, sharded_optimizer
 
     spec = prepare(cfg, n, with_data=False)
@@ -122,7 +122,6 @@ def state_bytes(cfg: Config, n: int) -> dict[str, int]:
         "params": per_device(state.params) + per_device(state.ref_params),  # the frozen weights too (DPO, distill)
         "optimizer": per_device(state.opt_state) + per_device(state.step),
         "minimum": minimum_traffic(cfg, spec.layout.sizes, spec.model.shapes, spec.model.axes),
-        "expert_gathers": storage_gather_bytes(cfg, spec.layout.sizes, spec.model.shapes, spec.model.axes),
         # the sequences a step trains, as its objective counts them (DPO: two a pair)
         "sequences": cfg.train.global_batch * spec.objective.rows_per_example,
     }

@@ -12,10 +12,9 @@ from planner.hlo import collectives
 # Under another name: `minimum` is also the module's.
 from planner.minimum import minimum as minimum_traffic
 from planner.progress import Heartbeat, wait_with_progress
-from planner.rank import storage_gather_bytes
 from planner.report import evaluate, print_plan, print_search
 from planner.roofline import compute_seconds, kernels
 from planner.search import candidates
 
 __all__ = ["Heartbeat", "candidates", "collectives", "compiled_stats", "compute_seconds", "evaluate", "kernels",
-           "minimum_traffic", "print_plan", "print_search", "storage_gather_bytes", "wait_with_progress"]
+           "minimum_traffic", "print_plan", "print_search", "wait_with_progress"]

@@ -11,21 +11,17 @@ Per device, from the config and the exact state sizes (nothing compiled):
                here is dropped, and one under it is only a candidate.
     compute  = model FLOPs / (peak x matmul_efficiency), x 4/3 under `remat: full` (the
                forward again), divided by (1 - bubble) on a pipelined mesh
-    comm     = the layout's minimum traffic (planner/minimum.py) plus, over `expert`, the
+    comm     = the layout's minimum traffic (planner/minimum.py: the gathers of the weights
+               outside the experts stored over fsdp x expert included) plus, over `expert`, the
                all-to-all (each token's top-k copies of A's row out to the experts and back,
                forward and backward, and the forward again under `remat: full`, over every MoE
                layer and the prediction modules' MoE blocks, (n-1)/n of it leaving the device)
-               and the gathers of weights outside the experts stored over it (3 x (n-1)/n of
-               their gathered bytes, as FSDP's)
     step     = max(compute, comm over data and fsdp) + the rest of comm, each axis at the
                speed of the slowest link its groups cross (sharding/hardware.py)
 """
 
 from __future__ import annotations
 
-import math
-
-import jax
 import numpy as np
 
 from configs import Config
@@ -34,9 +30,8 @@ from model import flops_per_token
 from model.flops import moe_layer_count
 from pipeline import bubble_fraction
 from sharding.hardware import BATCH_AXES, Hardware, collective_seconds
-from sharding.cast import is_matmul_weight
 from sharding.mesh import resolve_mesh_shape
-from sharding.rules import as_axes, axes_size, logical_to_spec, mesh_axes, stored_rules, to_rules
+from sharding.rules import axes_size, mesh_axes, to_rules
 
 
 def activation_bytes(cfg: Config, sizes: dict[str, int]) -> float:
@@ -54,23 +49,6 @@ def expert_bytes(cfg: Config, sizes: dict[str, int]) -> float:
     moe_layers = moe_layer_count(m) + m.mtp_depth  # a prediction module's block is an MoE too
     passes = 4 + (2 if m.remat == "full" else 0)  # dispatch and combine, forward, backward (and recompute)
     return moe_layers * passes * m.moe.experts_per_token * activation_bytes(cfg, sizes) * (n - 1) / n
-
-
-def storage_gather_bytes(cfg: Config, sizes: dict[str, int], shapes: dict, axes: dict) -> float:
-    """Bytes one device sends over `expert` per step to gather the weights outside the experts
-    that the storage rules split over it: gathered forward and backward, gradients reduced once."""
-    n = sizes["expert"]
-    if n == 1:
-        return 0.0
-    rules, kept = stored_rules(cfg.sharding.params, sizes), {**sizes, "fsdp": 1, "expert": 1}
-    total = 0.0
-    for shape, names in zip(jax.tree.leaves(shapes), jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))):
-        spec = logical_to_spec(names, rules)
-        if not any("expert" in as_axes(entry) and name != "expert" for name, entry in zip(names, spec)):
-            continue  # not split over `expert`, or an expert weight split by its experts
-        split = math.prod(axes_size(entry, kept) for entry in spec)
-        total += math.prod(shape.shape) / split * (np.dtype(cfg.model.dtype).itemsize if is_matmul_weight(names) else 4)
-    return 3 * (n - 1) / n * total
 
 
 def inter_node_axes(cfg: Config, sizes: dict[str, int], hw: Hardware) -> set[str]:
@@ -101,12 +79,14 @@ def estimate(cfg: Config, n: int, state: dict, hw: Hardware) -> dict[str, float]
     if sizes["pipeline"] > 1:
         p = cfg.pipeline
         compute /= 1 - bubble_fraction(sizes["pipeline"], p.repeats, p.microbatches, p.schedule)
-    sent = {**state["minimum"], "expert": expert_bytes(cfg, sizes) + state.get("expert_gathers", 0.0)}
+    sent = dict(state["minimum"])
+    sent["expert"] = sent.get("expert", 0.0) + expert_bytes(cfg, sizes)
     crossing = inter_node_axes(cfg, sizes, hw)
     overlapped = exposed = 0.0
-    for axis, wire in sent.items():
-        seconds = collective_seconds(wire, axis in crossing, hw)
-        if axis in BATCH_AXES:
+    for key, wire in sent.items():
+        group = key.split("+")  # a group of axes, e.g. fsdp+expert: crosses nodes where one of them does
+        seconds = collective_seconds(wire, any(a in crossing for a in group), hw)
+        if all(a in BATCH_AXES for a in group):
             overlapped += seconds
         else:
             exposed += seconds
