@@ -75,10 +75,6 @@ def gathered_bytes(shapes: dict, axes: dict, cfg: Config, sizes: dict[str, int])
     return out
 
 
-def _size(group: tuple[str, ...], sizes: dict[str, int]) -> int:
-    return math.prod(sizes[a] for a in group)
-
-
 def minimum(cfg: Config, sizes: dict[str, int], shapes: dict, axes: dict) -> dict[str, float]:
     """Axis -> the least bytes each device sends over it per step (axes of size 1 left out)."""
     m = cfg.model
@@ -101,9 +97,9 @@ def minimum(cfg: Config, sizes: dict[str, int], shapes: dict, axes: dict) -> dic
         table_cost = (2 if trains_table else 1) * min(t, act)
         reduced = held - t if trains_table else grads.get(group, 0.0)
         key = "+".join(group)
-        out[key] = out.get(key, 0.0) + ring(_size(group, sizes)) * (2 * (held - t) + reduced + table_cost)
+        out[key] = out.get(key, 0.0) + ring(axes_size(group, sizes)) * (2 * (held - t) + reduced + table_cost)
     if sizes["data"] > 1:
-        out["data"] = 2 * ring(sizes["data"]) * sum(b / _size(k, sizes) for k, b in grads.items())
+        out["data"] = 2 * ring(sizes["data"]) * sum(b / axes_size(k, sizes) for k, b in grads.items())
     if sizes["context"] > 1 and m.attention_type == "gqa":
         kv = act / m.d_model * 2 * m.num_kv_heads * m.resolved_head_dim / sizes["tensor"]
         out["context"] = out.get("context", 0.0) + 2 * m.num_layers * ring(sizes["context"]) * kv

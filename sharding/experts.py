@@ -70,6 +70,13 @@ def _dispatch_local(x: Array, ids: Array, weights: Array, experts: Experts, on: 
     return combine(y, weights, kept), kept
 
 
+def _rows_from_each(n: int, local: int, cap: int) -> int:
+    """The most rows one device can receive from each device, which both ways of moving them
+    size their receive buffer by: all of a source's n assignments when dropless, at most its local
+    experts' capacities otherwise."""
+    return n if cap == 0 else min(n, local * cap)
+
+
 def _dense(tokens: Array, key: Array, experts: Experts, cap: int, on: _Shards) -> Array:
     """Each assignment's expert output, the rows moved in buffers padded to the worst case: tokens
     [n, d], key [n] its global expert (E: dropped)."""
@@ -81,7 +88,7 @@ def _dense(tokens: Array, key: Array, experts: Experts, cap: int, on: _Shards) -
     starts = jnp.cumsum(counts) - counts
     slot = jnp.zeros(n, jnp.int32).at[order].set(
         jnp.arange(n, dtype=jnp.int32) - starts[jnp.minimum(dest[order], shards - 1)])
-    rows = n if cap == 0 else min(n, local * cap)
+    rows = _rows_from_each(n, local, cap)
     send = jnp.zeros((shards, rows, d), tokens.dtype).at[dest, slot].set(tokens, mode="drop")
     send_ids = jnp.full((shards, rows), local, jnp.int32).at[dest, slot].set(key % local, mode="drop")
     recv = jax.lax.all_to_all(send, axis, 0, 0)  # [source device, rows, d]
@@ -107,8 +114,7 @@ def _ragged(tokens: Array, key: Array, experts: Experts, cap: int, on: _Shards) 
     sent_before = jnp.cumsum(rows, axis=1) - rows  # where a source's slice for each device starts in its sorted rows
     landed_before = jnp.cumsum(rows, axis=0) - rows  # where a source's slice starts in each device's buffer
     there = Slices(sent_before[me], rows[me], landed_before[me], rows[:, me])
-    # No source sends one device more than all its rows, or (capacity) its experts' caps.
-    buffer = shards * (n if cap == 0 else min(n, local * cap))
+    buffer = shards * _rows_from_each(n, local, cap)
     native = on.ragged == "native"
     recv = exchange(tokens[order], jnp.zeros((buffer, d), tokens.dtype), there, axis, native)
     # The buffer holds the sources' slices in order, each sorted by expert: segment (source, expert).
