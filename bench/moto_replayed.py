@@ -3,18 +3,24 @@ recorder), and a server started again on that file replays it into its own in-me
 private port before it listens on the public one, so a client that retries through the restart
 finds every object it wrote before, and none of its requests lands in a half-restored store.
 
-`python -m bench.moto_replayed PORT RECORDING` (bench.object_servers.moto_server(recording=...)).
+`python -m bench.moto_replayed PORT RECORDING [DOWN_AFTER]` (bench.object_servers.moto_server(recording=...)).
+DOWN_AFTER, a regular expression of "METHOD PATH": once a request matching it has been served, the
+server exits on the next request it receives, unanswered (an outage that begins at a known point
+of a client's work, e.g. right after a run took its lock).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
+from typing import Any
 
 
 def main(argv: list[str]) -> None:
     port, recording = int(argv[0]), argv[1]
+    down_after = re.compile(argv[2]) if len(argv) > 2 else None
     os.environ.update(MOTO_ENABLE_RECORDING="True", MOTO_RECORDER_FILEPATH=recording)
     # Imported after the variables: moto's recorder reads them when it is made.
     from moto.moto_api import recorder
@@ -25,11 +31,15 @@ def main(argv: list[str]) -> None:
     # The recorder appends each request to the file in several writes (a large body is more than
     # one buffer); the threaded server records concurrent requests at once, and their pieces
     # interleaved into lines a replay cannot read. One request recorded at a time.
-    one_at_a_time, record = threading.Lock(), recorder._record_request
+    one_at_a_time, record, armed = threading.Lock(), recorder._record_request, threading.Event()
 
-    def record_whole(*args: object, **kwargs: object) -> None:
+    def record_whole(request: Any, *args: object, **kwargs: object) -> None:
         with one_at_a_time:
-            record(*args, **kwargs)
+            if armed.is_set():
+                os._exit(0)  # the outage: this request and every later one find no server
+            record(request, *args, **kwargs)
+            if down_after is not None and down_after.search(f"{request.method} {request.path}"):
+                armed.set()
 
     recorder._record_request = record_whole
     if os.path.exists(recording) and os.path.getsize(recording):

@@ -81,15 +81,18 @@ def restore_env(old: dict[str, str | None]) -> None:
             os.environ[k] = v
 
 
-def moto_server(enforce_auth: bool = False, recording: str = "", port: int = 0) -> Server:
+def moto_server(enforce_auth: bool = False, recording: str = "", port: int = 0, down_after: str = "") -> Server:
     """moto's S3 server on `port` (default: a free one); `enforce_auth`: it checks every request's
     credentials against its own IAM (none exist there, so every request is denied); `recording`:
     a file of every request served, which a server started again with that file and port replays
-    first (bench/moto_replayed.py: moto keeps its objects in memory only), so it restarts."""
+    first (bench/moto_replayed.py: moto keeps its objects in memory only), so it restarts;
+    `down_after` (with `recording`): the server exits on the first request after one whose
+    "METHOD PATH" matches this regular expression."""
     port = port or free_port()
     env = {"INITIAL_NO_AUTH_ACTION_COUNT": "0"} if enforce_auth else None
     if recording:
-        return Server([sys.executable, "-m", "bench.moto_replayed", str(port), recording], port, env)
+        extra = [down_after] if down_after else []
+        return Server([sys.executable, "-m", "bench.moto_replayed", str(port), recording, *extra], port, env)
     return Server([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], port, env)
 
 

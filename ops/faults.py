@@ -8,7 +8,7 @@
   exits 5, so no process waits forever in a collective.
 - `poisoned`: fault injection (`debug.nan_steps`), batches that make given steps non-finite.
 - `stops_on_outage`: a bucket run.dir's object store that stopped answering past its clients'
-  retries becomes one line and exit 7 (StoreDown), whichever write met it first.
+  retries becomes one line and exit 7 (StoreDown), whichever read or write met it first.
 """
 
 from __future__ import annotations
@@ -69,10 +69,11 @@ def store_down(error: BaseException | None, run_dir: str) -> BaseException | Non
 
 
 @contextlib.contextmanager
-def stops_on_outage(run_dir: str, committed: Callable[[], int | None]) -> Iterator[None]:
+def stops_on_outage(run_dir: str, committed: Callable[[], str]) -> Iterator[None]:
     """Turns any error of the block whose chain says the store of a bucket run.dir stopped
-    answering (an asynchronous save, a metrics rewrite, summary.json) into StoreDown: one line, its
-    own exit status, and `committed()`, the last step known committed."""
+    answering (re-reading run.dir or restoring at start-up, an asynchronous save, a metrics
+    rewrite, summary.json) into StoreDown: one line, its own exit status, and `committed()`, what
+    is known committed (e.g. "step 4")."""
     try:
         yield
     except Exception as e:
@@ -89,12 +90,11 @@ class StoreDown(RunStopped):
 
     exit_code = EXIT_STORE_DOWN
 
-    def __init__(self, run_dir: str, committed: int | None, error: BaseException):
-        last = f"step {committed}" if committed is not None else "none yet"
+    def __init__(self, run_dir: str, committed: str, error: BaseException):
         why = (str(error).splitlines() or [type(error).__name__])[0]
         super().__init__(f"run.dir={run_dir}: the object store stopped answering after its clients' retries ({why}); "
-                         f"the last committed checkpoint: {last} (nothing later is restored); run the same command "
-                         "once the store answers")
+                         f"the last committed checkpoint: {committed} (nothing later is restored); run the same "
+                         "command once the store answers")
 
 
 def code_version() -> str:

@@ -41,18 +41,28 @@ def run(cfg: Config, devices: list | None = None) -> list[dict[str, Any]]:
     spec, devices = bring_up(cfg, devices)
     # Bad input has been refused with run.dir untouched; from here on this run writes there, alone.
     with rundir_lock.hold(cfg.run.dir, cfg.run.lock_timeout_s, cfg.dist.init_timeout_s, log):
-        # Read again under the lock: a holder alive at the first read may have saved since, and the
-        # schedule's horizon comes from the checkpoints this run resumes.
-        spec, schedule_note = reread(spec)
-        session = make_session(spec, devices, schedule_note, held_out=eval_batches)
-        goodput.tier = session.origin if session.start > 0 else ""
-        # An error that says the store stopped answering: one line (StoreDown), once the saves in
-        # flight are joined, so that the last committed step it names is known.
-        with stops_on_outage(cfg.run.dir, lambda: session.ckpt.committed):
+        session: Session | None = None
+        # An error that says the store stopped answering, from the re-read under the lock on: one
+        # line (StoreDown), once the saves in flight are joined, so that the last committed step
+        # it names is known. (Its lock is then left, not released: the release would wait out
+        # the store's retries.)
+        with stops_on_outage(cfg.run.dir, lambda: _committed(session)):
+            # Read again under the lock: a holder alive at the first read may have saved since, and
+            # the schedule's horizon comes from the checkpoints this run resumes.
+            spec, schedule_note = reread(spec)
+            session = make_session(spec, devices, schedule_note, held_out=eval_batches)
+            goodput.tier = session.origin if session.start > 0 else ""
             try:
                 return _train(session, devices, goodput)
             finally:
                 session.ckpt.close()  # also when compiling fails: it gives the console its printers back (LibraryLog)
+
+
+def _committed(session: Session | None) -> str:
+    """The last checkpoint known committed, in words, for StoreDown's line."""
+    if session is None:
+        return "whichever run.dir held before this command (it stopped while starting)"
+    return "none yet" if session.ckpt.committed is None else f"step {session.ckpt.committed}"
 
 
 def _train(session: Session, devices: list, goodput: Goodput) -> list[dict[str, Any]]:
