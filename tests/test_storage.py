@@ -437,34 +437,6 @@ def test_a_server_down_past_the_retries_stops_the_run_with_one_line_and_the_same
     ends_as(run_dir, uninterrupted)
 
 
-def test_a_server_gone_while_a_run_starts_is_one_line_and_leaves_the_bucket_as_it_was(tmp_path: pathlib.Path) -> None:
-    """The S3 server exits on the first request after the run created its lock object: re-reading
-    run.dir under the lock meets the outage (preflight passed). One line naming run.dir, exit 7,
-    within the clients' retries (AWS_MAX_ATTEMPTS=2); the lock object left for the next run (the
-    same command takes it over: test above), nothing else written. Before, the error's traceback,
-    then minutes in the lock's release, which TensorStore retries."""
-    require("moto.server", "dev")
-    own = OwnServer("s3", tmp_path, down_after=rf"^PUT /{BUCKET}/run/lock\.json$")
-    run = Train("--config", TINY, *args(f"s3://{BUCKET}/run", "train.steps=4"),
-                env={**own.env(), "AWS_MAX_ATTEMPTS": "2"})
-    try:
-        assert run.finish(90) == 7, run.output[-3000:]
-        assert own.server.proc.poll() is not None, "the server never went down: the test proves nothing"
-        lines = [line for line in run.output.splitlines() if line.strip()]
-        assert len(lines) == 1 and lines[0].startswith(f"error: run.dir=s3://{BUCKET}/run: the object store stopped "
-                                                       "answering"), run.output
-        assert "the last committed checkpoint: whichever run.dir held before this command" in lines[0], lines
-        own.start_again()
-        client = own._s3()
-        listed = client.list_objects_v2(Bucket=BUCKET, Prefix="run/").get("Contents", [])
-        assert [item["Key"] for item in listed] == ["run/lock.json"], listed
-        lock = client.get_object(Bucket=BUCKET, Key="run/lock.json")["Body"].read()
-        assert json.loads(lock)["pid"] == run.proc.pid, "the lock was left as it was"
-    finally:
-        run.kill()
-        own.server.stop()
-
-
 def test_a_denied_bucket_is_one_line_before_compiling(s3_bucket: str, capfd: pytest.CaptureFixture,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """S3 only: moto can check credentials (its IAM knows none, so it denies every request);

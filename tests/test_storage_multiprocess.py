@@ -2,11 +2,13 @@
 real servers of tests/storage_servers.py: 2 real train.py processes x 4 fake CPU devices on each
 bucket, one killed with kill -9 after a committed checkpoint, the whole job started again; it
 resumes from the last committed step and its losses and parameters equal those of the same job
-run uninterrupted on local disk, bit for bit."""
+run uninterrupted on local disk, bit for bit. And the S3 server gone while such a job starts: each
+process stops with one line and exit 7."""
 
 from __future__ import annotations
 
 import json
+import pathlib
 import time
 import uuid
 
@@ -16,9 +18,10 @@ import pytest
 import storage
 import trainer
 from bench.procs import TINY, processes
-from conftest import stdlib_glob
+from conftest import require, stdlib_glob
 from ops.stragglers import SLOW_ENV
-from test_storage import losses
+from storage_servers import BUCKET
+from test_storage import OwnServer, losses
 
 STEPS = 6
 # tests/test_distributed.py's layout and learning-rate horizon: the programs its 2-process jobs
@@ -27,10 +30,11 @@ ARGS = [f"data.path={stdlib_glob('json')}", "train.log_every=1", "mesh.data=2", 
         "optim.decay_steps=12", "checkpoint.every=2", f"train.steps={STEPS}"]
 
 
-def job(run_dir: str, step_sleep_s: float = 0.0) -> list:
-    """The 2-process job on run_dir, started; each step `step_sleep_s` longer on both processes."""
-    slow = {i: {SLOW_ENV: str(step_sleep_s)} for i in range(2)} if step_sleep_s else None
-    return processes(2, "--config", TINY, f"run.dir={run_dir}", *ARGS, heartbeat=5, env=slow)
+def job(run_dir: str, step_sleep_s: float = 0.0, env: dict[str, str] | None = None) -> list:
+    """The 2-process job on run_dir, started; each step `step_sleep_s` longer on both processes;
+    `env`: more environment variables for both."""
+    more = {**({SLOW_ENV: str(step_sleep_s)} if step_sleep_s else {}), **(env or {})}
+    return processes(2, "--config", TINY, f"run.dir={run_dir}", *ARGS, heartbeat=5, env={i: more for i in range(2)})
 
 
 def finished(procs: list) -> str:
@@ -84,3 +88,33 @@ def test_a_two_process_job_on_a_bucket_resumes_bit_for_bit_after_a_process_is_ki
     assert not storage.exists(storage.join(run_dir, "lock.json")), "the lock is released"
     summary = json.loads(storage.read_text(storage.join(run_dir, "summary.json")))
     assert summary["final_step"] == STEPS
+
+
+def test_a_server_gone_while_a_job_starts_is_one_line_in_each_process_and_leaves_the_bucket_as_it_was(
+        tmp_path: pathlib.Path) -> None:
+    """The S3 server exits on the first request after process 0 created the lock object: both
+    processes meet the outage re-reading run.dir under the lock (their checks passed). Each stops
+    with one line naming run.dir, exit 7, within the clients' retries (AWS_MAX_ATTEMPTS=2); the
+    lock object is left for the next run (which takes it over: test_storage.py), nothing else
+    written. Before, a traceback, then minutes in the lock's release (TensorStore's retries)."""
+    require("moto.server", "dev")
+    own = OwnServer("s3", tmp_path, down_after=rf"^PUT /{BUCKET}/run/lock\.json$")
+    procs = job(f"s3://{BUCKET}/run", env={**own.env(), "AWS_MAX_ATTEMPTS": "2"})
+    try:
+        assert [p.finish(90) for p in procs] == [7, 7], procs[0].output[-3000:] + procs[1].output[-3000:]
+        assert own.server.proc.poll() is not None, "the server never went down: the test proves nothing"
+        for p in procs:
+            lines = [line for line in p.output.splitlines() if line.strip()]
+            assert len(lines) == 1, p.output
+            assert lines[0].startswith(f"error: run.dir=s3://{BUCKET}/run: the object store stopped answering"), lines
+            assert "the last committed checkpoint: whichever run.dir held before this command" in lines[0], lines
+        own.start_again()
+        client = own._s3()
+        listed = client.list_objects_v2(Bucket=BUCKET, Prefix="run/").get("Contents", [])
+        assert [item["Key"] for item in listed] == ["run/lock.json"], listed
+        lock = client.get_object(Bucket=BUCKET, Key="run/lock.json")["Body"].read()
+        assert json.loads(lock)["pid"] == procs[0].proc.pid, "process 0's lock was left as it was"
+    finally:
+        for p in procs:
+            p.kill()
+        own.server.stop()
