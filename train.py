@@ -77,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except trainer.RunStopped as e:
         print(f"error: {e}", file=sys.stderr)
+        if e.exit_at_once:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(e.exit_code)
         return e.exit_code
     return 0
 

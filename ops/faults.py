@@ -47,9 +47,11 @@ PROJECT_DIRS = ("configs", "model", "sharding", "data", "trainer")
 
 
 class RunStopped(Exception):
-    """The run stopped before train.steps; `exit_code` is what the process should return."""
+    """The run stopped before train.steps; `exit_code` is what the process should return;
+    `exit_at_once`: the process exits without joining the libraries' threads (train.py)."""
 
     exit_code = 1
+    exit_at_once = False
 
 
 class Preempted(RunStopped):
@@ -69,18 +71,18 @@ def store_down(error: BaseException | None, run_dir: str) -> BaseException | Non
 
 
 @contextlib.contextmanager
-def stops_on_outage(run_dir: str, committed: Callable[[], str]) -> Iterator[None]:
+def stops_on_outage(run_dir: str, committed: Callable[[], str], cut_short: Callable[[], bool]) -> Iterator[None]:
     """Turns any error of the block whose chain says the store of a bucket run.dir stopped
     answering (re-reading run.dir or restoring at start-up, an asynchronous save, a metrics
     rewrite, summary.json) into StoreDown: one line, its own exit status, and `committed()`, what
-    is known committed (e.g. "step 4")."""
+    is known committed (e.g. "step 4"); `cut_short()`: whether the outage cut a save short."""
     try:
         yield
     except Exception as e:
         down = store_down(e, run_dir)
         if down is None:
             raise
-        raise StoreDown(run_dir, committed(), down) from e
+        raise StoreDown(run_dir, committed(), down, exit_at_once=cut_short()) from e
 
 
 class StoreDown(RunStopped):
@@ -90,7 +92,11 @@ class StoreDown(RunStopped):
 
     exit_code = EXIT_STORE_DOWN
 
-    def __init__(self, run_dir: str, committed: str, error: BaseException):
+    def __init__(self, run_dir: str, committed: str, error: BaseException, exit_at_once: bool = False):
+        # A save the outage cut short leaves Orbax's threads waiting on signals that never come,
+        # which the interpreter would join at exit. Otherwise the exit is the usual one (with
+        # several processes, process 0's coordination service outlives the others' exits).
+        self.exit_at_once = exit_at_once
         why = (str(error).splitlines() or [type(error).__name__])[0]
         super().__init__(f"run.dir={run_dir}: the object store stopped answering after its clients' retries ({why}); "
                          f"the last committed checkpoint: {committed} (nothing later is restored); run the same "

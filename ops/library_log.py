@@ -1,7 +1,9 @@
 """Where a checkpoint library's leftover tracebacks go: after a failed read, Orbax's background
 tasks fail on by the hundred ("Event loop is closed", "Task exception was never retrieved");
 `LibraryLog` sends what reaches Python's last-resort printers to `run.dir/library.log` instead
-of the console, from the first failed read to the end of the run (trainer/checkpoint.py)."""
+of the console, from the first failed read to the end of the run (trainer/checkpoint.py). On a
+bucket run.dir it also takes the errors Orbax's background threads log (absl) when the object
+store stops answering: the run tells the outage once, in StoreDown's line (ops.faults)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import jax
 import storage
 
 LIBRARY_LOG = "library.log"
+ABSL = "absl"  # the logger Orbax's background threads report a failed save on
 
 
 def library_log_path(run_dir: str) -> str:
@@ -46,6 +49,7 @@ class LibraryLog:
         self._file: TextIO | None = None
         self._saved: tuple[Any, Any, bool] | None = None
         self._handler = logging.StreamHandler(self)
+        self._outages = _Outages(self._handler)
 
     def write(self, text: str) -> None:
         if self._file is None:
@@ -70,6 +74,20 @@ class LibraryLog:
     def _unraisablehook(self, u: Any) -> None:
         where = f"Exception ignored in: {u.object!r}\n" if u.object is not None else ""
         self.write(where + "".join(traceback.format_exception(u.exc_type, u.exc_value, u.exc_traceback)))
+
+    @property
+    def outage(self) -> BaseException | None:
+        """The first error diverted by `divert_outages`: a save the store cut short (Orbax logs
+        its background save's failure without raising it)."""
+        return self._outages.seen
+
+    def divert_outages(self, on: bool) -> None:
+        """While on, an absl error record whose exception says the object store stopped answering
+        (storage.unreachable) goes to this log, not the console, and is kept (`outage`)."""
+        if on:
+            logging.getLogger(ABSL).addFilter(self._outages)
+        else:
+            logging.getLogger(ABSL).removeFilter(self._outages)
 
     @property
     def started(self) -> bool:
@@ -99,3 +117,21 @@ class LibraryLog:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+class _Outages(logging.Filter):
+    """Passes every record but the ones caused by an unreachable object store, which it hands to
+    `handler` (the library log's) instead."""
+
+    def __init__(self, handler: logging.Handler) -> None:
+        super().__init__()
+        self.handler = handler
+        self.seen: BaseException | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is None or storage.unreachable(error) is None:
+            return True
+        self.seen = self.seen or error
+        self.handler.handle(record)
+        return False

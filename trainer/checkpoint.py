@@ -304,6 +304,7 @@ class Checkpointer:
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
         self.library_log = LibraryLog(library_log_path(storage.parent(self.directory)))
+        self.library_log.divert_outages(storage.is_remote(self.directory))
         self.local: LocalTier | None = None  # the local tier, when checkpoint.local_dir is set (attach_local)
         self.restored_tier = ""  # "local" or "persistent" once restore_latest has found a step
         # An objective's stage whose batches outlive a step (GRPO's rollouts), and their abstract
@@ -350,10 +351,21 @@ class Checkpointer:
         if not self._async:
             self._finished()
 
+    @property
+    def cut_short(self) -> bool:
+        """Whether the object store cut a save short (Orbax logged it: `LibraryLog.outage`)."""
+        return self.library_log.outage is not None
+
     def _finished(self) -> None:
-        """The save in flight committed (Orbax has joined it without an error)."""
-        if self._saving is not None:
-            self.committed, self._saving = self._saving, None
+        """The save in flight committed (Orbax has joined it without an error); one the object
+        store cut short, which Orbax only logs (`LibraryLog.outage`), is raised here instead."""
+        if self._saving is None:
+            return
+        cut_short = self.library_log.outage
+        if cut_short is not None:
+            self._saving = None
+            raise cut_short
+        self.committed, self._saving = self._saving, None
 
     def restore(self, step: int, target: TrainState, iterator: grain.DatasetIterator) -> TrainState:
         """Restores into `target`'s shapes and shardings (any mesh) and rewinds `iterator`. A LoRA
@@ -491,3 +503,4 @@ class Checkpointer:
             self._finished()
         finally:
             self.library_log.stop()
+            self.library_log.divert_outages(False)

@@ -46,7 +46,11 @@ def run(cfg: Config, devices: list | None = None) -> list[dict[str, Any]]:
         # line (StoreDown), once the saves in flight are joined, so that the last committed step
         # it names is known. (Its lock is then left, not released: the release would wait out
         # the store's retries.)
-        with stops_on_outage(cfg.run.dir, lambda: _committed(session)):
+
+        def cut_short() -> bool:
+            return session is not None and session.ckpt.cut_short
+
+        with stops_on_outage(cfg.run.dir, lambda: _committed(session), cut_short):
             # Read again under the lock: a holder alive at the first read may have saved since, and
             # the schedule's horizon comes from the checkpoints this run resumes.
             spec, schedule_note = reread(spec)
