@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import logging
 import os
+import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -485,8 +486,30 @@ class Checkpointer:
         self.committed = self.manager.latest_step()
         return moved
 
+    def _join(self, wait: Callable[[], None]) -> None:
+        """Orbax's blocking `wait` for the save in flight, unless the object store cuts that save
+        short first: Orbax logs it (LibraryLog.outage), and with several processes each one's
+        save threads then wait on the others' signals for good; the outage is raised instead."""
+        if not storage.is_remote(self.directory):
+            return wait()
+        failed: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                wait()
+            except BaseException as e:  # raised below, in the caller's thread
+                failed.append(e)
+
+        waiter = threading.Thread(target=run, daemon=True, name="checkpoint-wait")
+        waiter.start()
+        while waiter.is_alive() and self.library_log.outage is None:
+            waiter.join(0.2)
+        if waiter.is_alive() or not failed:
+            return self._finished()  # raises the outage if there was one
+        raise failed[0]
+
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        self._join(self.manager.wait_until_finished)
         self._finished()
         if self.local is not None:
             self.local.wait()
@@ -499,7 +522,7 @@ class Checkpointer:
         try:
             if self.local is not None:
                 self.local.close()
-            self.manager.close()
+            self._join(self.manager.close)
             self._finished()
         finally:
             self.library_log.stop()
