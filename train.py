@@ -76,11 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     except trainer.Preempted as e:
         return e.exit_code
     except trainer.RunStopped as e:
-        print(f"error: {e}", file=sys.stderr)
         if e.exit_at_once:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(e.exit_code)
+            trainer.exit_at_once(str(e), e.exit_code)
+        print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     return 0
 

@@ -34,7 +34,7 @@ import numpy as np
 import storage
 from configs import Config
 from configs.schema import nan_steps
-from sharding.distributed import FINISHED, peer_beats, publish_beat
+from sharding.distributed import FINISHED, ack_stop, peer_beats, publish_beat, stop_acks, tell_stop, told_stop
 from ops.metrics import log
 from ops.stragglers import StepClock, find_stragglers, own_means
 
@@ -42,6 +42,10 @@ EXIT_BAD_STEPS = 3
 EXIT_HUNG = 4
 EXIT_PEER_LOST = 5
 EXIT_STORE_DOWN = 7  # 6 is ops.lease's EXIT_LOCK_LOST
+# How long process 0 waits for the others to acknowledge a stop it told (exit_at_once): a few of
+# their watchdogs' polls.
+STOP_WAIT_S = 10.0
+_EXITING = threading.Lock()
 
 PROJECT_DIRS = ("configs", "model", "sharding", "data", "trainer")
 
@@ -186,6 +190,26 @@ def _fatal(message: str, code: int, dump_stacks: bool) -> None:
     os._exit(code)  # the main thread may be blocked inside XLA: no clean unwinding is possible
 
 
+def exit_at_once(line: str, code: int, told: bool = False) -> None:
+    """Prints `line` and exits with `code` without joining any thread. With several processes
+    every one is told the line (the others' watchdogs print it and exit alike), and process 0,
+    which holds the coordination service, exits last: once each has acknowledged it, or after
+    STOP_WAIT_S. `told`: this process learnt it from another (tell nothing back)."""
+    if not _EXITING.acquire(blocking=False):  # another thread of this process is on its way out
+        threading.Event().wait()
+    print(f"error: {line}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    if jax.process_count() > 1:
+        try:
+            ack_stop() if told else tell_stop(line)
+            deadline = time.monotonic() + STOP_WAIT_S
+            while jax.process_index() == 0 and stop_acks() < jax.process_count() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        except Exception:  # the coordination service is gone: nobody is left to tell
+            pass
+    os._exit(code)
+
+
 # Runs watched in this process so far: a job's processes run the same sequence of runs (a test may
 # run several in one process), so the count names a run alike on every process.
 _RUNS = itertools.count()
@@ -267,6 +291,9 @@ class Watchdog:
             # most): what it found, a lost coordinator or a peer gone quiet, is no longer its to act on.
             if self._stop.is_set():
                 return
+            told = self._told()
+            if told is not None:
+                exit_at_once(told, EXIT_STORE_DOWN, told=True)
             if lost is not None:
                 _fatal(f"lost the coordination service ({type(lost).__name__}: {lost}); stopping", EXIT_PEER_LOST,
                        False)
@@ -286,6 +313,12 @@ class Watchdog:
                     EXIT_HUNG,
                     True,
                 )
+
+    def _told(self) -> str | None:
+        try:
+            return told_stop()
+        except Exception:  # the coordinator is gone: dead_peers has said so
+            return None
 
     def own_times(self) -> dict[str, float]:
         """Each process's mean own seconds per step, as last published (metrics: `own_s/p<i>`)."""

@@ -20,6 +20,7 @@ from sharding.gloo_lines import drop_gloo_lines
 
 _KEY = "meshlm/fingerprint"
 _BEATS = "meshlm/beats"
+_STOP = "meshlm/stop"  # a stop's line every process prints alike, and each one's acknowledgement
 FINISHED = "finished"
 # The variables jax.distributed's SLURM detection reads. All are set only inside an `srun` step:
 # a batch script's own process lacks SLURM_STEP_NODELIST and is one process whatever --ntasks says.
@@ -126,6 +127,32 @@ def publish_beat(run: int, value: str) -> None:
     `run` names the same one on each. A key per run and process, overwritten: one cheap call."""
     if jax.process_count() > 1:
         _client().key_value_set(f"{_BEATS}/{run}/{jax.process_index()}", value, allow_overwrite=True)
+
+
+def tell_stop(line: str) -> None:
+    """Tells every process of the job to stop with `line` (`told_stop`); this one has seen it."""
+    _client().key_value_set(_STOP, line, allow_overwrite=True)
+    ack_stop()
+
+
+def told_stop() -> str | None:
+    """The line of a stop some process told (`tell_stop`), or None (one non-blocking call)."""
+    if jax.process_count() == 1:
+        return None
+    try:
+        return _client().key_value_try_get(_STOP)
+    except Exception:  # not found (JAX raises for a missing key)
+        return None
+
+
+def ack_stop() -> None:
+    _client().key_value_set(f"{_STOP}/ack/{jax.process_index()}", "1", allow_overwrite=True)
+
+
+def stop_acks() -> int:
+    """How many processes have acknowledged the told stop (process 0 exits last: it holds the
+    coordination service, whose end would abort the others before they print their line)."""
+    return len(_client().key_value_dir_get(f"{_STOP}/ack/"))
 
 
 def peer_beats(run: int) -> dict[int, str]:

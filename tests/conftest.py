@@ -169,7 +169,7 @@ def tiny(tmp_path):
 # own order; a stale weight only costs time.
 FILE_SECONDS = {
     "test_storage": 133, "test_pipeline": 98, "test_distributed": 69, "test_faults": 59,
-    "test_lora": 48, "test_deepseek_routing": 46, "test_moe": 46, "test_storage_multiprocess": 52,
+    "test_lora": 48, "test_deepseek_routing": 46, "test_moe": 46, "test_storage_multiprocess": 62,
     "test_lora_post": 46, "test_context": 39, "test_lora_dropout": 38, "test_bench_step": 37,
     "test_mtp": 34, "test_tiers": 34, "test_plan": 32, "test_train": 32, "test_cli": 31,
     "test_data_run": 29, "test_post_training": 28, "test_pipeline_train": 26,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import time
 import uuid
 
@@ -114,6 +115,34 @@ def test_a_server_gone_while_a_job_starts_is_one_line_in_each_process_and_leaves
         assert [item["Key"] for item in listed] == ["run/lock.json"], listed
         lock = client.get_object(Bucket=BUCKET, Key="run/lock.json")["Body"].read()
         assert json.loads(lock)["pid"] == procs[0].proc.pid, "process 0's lock was left as it was"
+    finally:
+        for p in procs:
+            p.kill()
+        own.server.stop()
+
+
+def test_a_save_the_server_cuts_short_stops_every_process_with_one_line(tmp_path: pathlib.Path) -> None:
+    """The S3 server exits on the first request after step 4's save wrote its first object. Each
+    process's save threads would wait on the other's signals for good (Orbax's barriers); the one
+    that sees the outage tells the other through the coordination service (ops.faults.exit_at_once),
+    and both print one line naming step 2, not step 4, and exit 7, process 0 last (it holds the
+    coordination service). Step 4 is never committed."""
+    require("moto.server", "dev")
+    own = OwnServer("s3", tmp_path, down_after=rf"^PUT /{BUCKET}/run/checkpoints/4/")
+    procs = job(f"s3://{BUCKET}/run", env={**own.env(), "AWS_MAX_ATTEMPTS": "2"})
+    try:
+        assert [p.finish(90) for p in procs] == [7, 7], procs[0].output[-3000:] + procs[1].output[-3000:]
+        assert own.server.proc.poll() is not None, "the server never went down: the test proves nothing"
+        for p in procs:
+            out = p.output[p.output.index("step 1/6"):] if p is procs[0] else p.output
+            errors = [line for line in out.splitlines() if line.strip() and not line.startswith("step ")]
+            assert len(errors) == 1, out
+            assert errors[0].startswith(f"error: run.dir=s3://{BUCKET}/run: the object store stopped answering"), errors
+            assert "the last committed checkpoint: step 2 " in errors[0], errors
+        own.start_again()
+        commits = own._s3().list_objects_v2(Bucket=BUCKET, Prefix="run/checkpoints/").get("Contents", [])
+        steps = sorted(c["Key"] for c in commits if re.fullmatch(r"run/checkpoints/\d+/commit_success\.txt", c["Key"]))
+        assert steps == ["run/checkpoints/2/commit_success.txt"], steps
     finally:
         for p in procs:
             p.kill()
