@@ -291,7 +291,7 @@ class Watchdog:
             # most): what it found, a lost coordinator or a peer gone quiet, is no longer its to act on.
             if self._stop.is_set():
                 return
-            told = self._told()
+            told = told_stop()  # a stop another process told: a save the object store cut short
             if told is not None:
                 exit_at_once(told, EXIT_STORE_DOWN, told=True)
             if lost is not None:
@@ -313,12 +313,6 @@ class Watchdog:
                     EXIT_HUNG,
                     True,
                 )
-
-    def _told(self) -> str | None:
-        try:
-            return told_stop()
-        except Exception:  # the coordinator is gone: dead_peers has said so
-            return None
 
     def own_times(self) -> dict[str, float]:
         """Each process's mean own seconds per step, as last published (metrics: `own_s/p<i>`)."""

@@ -141,7 +141,7 @@ def told_stop() -> str | None:
         return None
     try:
         return _client().key_value_try_get(_STOP)
-    except Exception:  # not found (JAX raises for a missing key)
+    except Exception:  # none told (a missing key raises), or the coordination service is gone
         return None
 
 
