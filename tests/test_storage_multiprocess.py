@@ -7,11 +7,13 @@ process stops with one line and exit 7."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import re
 import time
 import uuid
+from typing import Iterator
 
 import jax
 import pytest
@@ -91,59 +93,56 @@ def test_a_two_process_job_on_a_bucket_resumes_bit_for_bit_after_a_process_is_ki
     assert summary["final_step"] == STEPS
 
 
-def test_a_server_gone_while_a_job_starts_is_one_line_in_each_process_and_leaves_the_bucket_as_it_was(
-        tmp_path: pathlib.Path) -> None:
-    """The S3 server exits on the first request after process 0 created the lock object: both
-    processes meet the outage re-reading run.dir under the lock (their checks passed). Each stops
-    with one line naming run.dir, exit 7, within the clients' retries (AWS_MAX_ATTEMPTS=2); the
-    lock object is left for the next run (which takes it over: test_storage.py), nothing else
-    written. Before, a traceback, then minutes in the lock's release (TensorStore's retries)."""
+@contextlib.contextmanager
+def stopped_by_an_outage(tmp_path: pathlib.Path, down_after: str, committed: str) -> Iterator[tuple[object, list]]:
+    """The 2-process job on s3://BUCKET/run, on a server of the test's own that exits on the
+    first request after one whose "METHOD PATH" matches `down_after`. Each process must stop with
+    exit 7 and, once it trained (or from its start), one line naming run.dir, within the clients'
+    retries (AWS_MAX_ATTEMPTS=2), with `committed` as the last committed checkpoint. Yields the
+    S3 client of the server started again with what it held, and the processes."""
     require("moto.server", "dev")
-    own = OwnServer("s3", tmp_path, down_after=rf"^PUT /{BUCKET}/run/lock\.json$")
+    own = OwnServer("s3", tmp_path, down_after=down_after)
     procs = job(f"s3://{BUCKET}/run", env={**own.env(), "AWS_MAX_ATTEMPTS": "2"})
     try:
         assert [p.finish(90) for p in procs] == [7, 7], procs[0].output[-3000:] + procs[1].output[-3000:]
         assert own.server.proc.poll() is not None, "the server never went down: the test proves nothing"
         for p in procs:
-            lines = [line for line in p.output.splitlines() if line.strip()]
-            assert len(lines) == 1, p.output
-            assert lines[0].startswith(f"error: run.dir=s3://{BUCKET}/run: the object store stopped answering"), lines
-            assert "the last committed checkpoint: whichever run.dir held before this command" in lines[0], lines
+            out = p.output[max(p.output.find("step 1/"), 0):]
+            errors = [line for line in out.splitlines() if line.strip() and not line.startswith("step ")]
+            assert len(errors) == 1, out
+            assert errors[0].startswith(f"error: run.dir=s3://{BUCKET}/run: the object store stopped answering"), errors
+            assert f"the last committed checkpoint: {committed}" in errors[0], errors
         own.start_again()
-        client = own._s3()
-        listed = client.list_objects_v2(Bucket=BUCKET, Prefix="run/").get("Contents", [])
-        assert [item["Key"] for item in listed] == ["run/lock.json"], listed
-        lock = client.get_object(Bucket=BUCKET, Key="run/lock.json")["Body"].read()
-        assert json.loads(lock)["pid"] == procs[0].proc.pid, "process 0's lock was left as it was"
+        yield own._s3(), procs
     finally:
         for p in procs:
             p.kill()
         own.server.stop()
+
+
+def test_a_server_gone_while_a_job_starts_is_one_line_in_each_process_and_leaves_the_bucket_as_it_was(
+        tmp_path: pathlib.Path) -> None:
+    """The S3 server exits on the first request after process 0 created the lock object: both
+    processes meet the outage re-reading run.dir under the lock (their checks passed), and print
+    nothing else. The lock object is left for the next run (which takes it over: test_storage.py),
+    nothing else written. Before, a traceback, then minutes in the lock's release (TensorStore's
+    retries)."""
+    with stopped_by_an_outage(tmp_path, rf"^PUT /{BUCKET}/run/lock\.json$",
+                              "whichever run.dir held before this command") as (client, procs):
+        assert all(not p.output.startswith("step ") and len(p.output.strip().splitlines()) == 1 for p in procs)
+        listed = client.list_objects_v2(Bucket=BUCKET, Prefix="run/").get("Contents", [])
+        assert [item["Key"] for item in listed] == ["run/lock.json"], listed
+        lock = client.get_object(Bucket=BUCKET, Key="run/lock.json")["Body"].read()
+        assert json.loads(lock)["pid"] == procs[0].proc.pid, "process 0's lock was left as it was"
 
 
 def test_a_save_the_server_cuts_short_stops_every_process_with_one_line(tmp_path: pathlib.Path) -> None:
     """The S3 server exits on the first request after step 4's save wrote its first object. Each
     process's save threads would wait on the other's signals for good (Orbax's barriers); the one
     that sees the outage tells the other through the coordination service (ops.faults.exit_at_once),
-    and both print one line naming step 2, not step 4, and exit 7, process 0 last (it holds the
-    coordination service). Step 4 is never committed."""
-    require("moto.server", "dev")
-    own = OwnServer("s3", tmp_path, down_after=rf"^PUT /{BUCKET}/run/checkpoints/4/")
-    procs = job(f"s3://{BUCKET}/run", env={**own.env(), "AWS_MAX_ATTEMPTS": "2"})
-    try:
-        assert [p.finish(90) for p in procs] == [7, 7], procs[0].output[-3000:] + procs[1].output[-3000:]
-        assert own.server.proc.poll() is not None, "the server never went down: the test proves nothing"
-        for p in procs:
-            out = p.output[p.output.index("step 1/6"):] if p is procs[0] else p.output
-            errors = [line for line in out.splitlines() if line.strip() and not line.startswith("step ")]
-            assert len(errors) == 1, out
-            assert errors[0].startswith(f"error: run.dir=s3://{BUCKET}/run: the object store stopped answering"), errors
-            assert "the last committed checkpoint: step 2 " in errors[0], errors
-        own.start_again()
-        commits = own._s3().list_objects_v2(Bucket=BUCKET, Prefix="run/checkpoints/").get("Contents", [])
+    and both name step 2, not step 4, process 0 exiting last (it holds the coordination service).
+    Step 4 is never committed."""
+    with stopped_by_an_outage(tmp_path, rf"^PUT /{BUCKET}/run/checkpoints/4/", "step 2 ") as (client, _):
+        commits = client.list_objects_v2(Bucket=BUCKET, Prefix="run/checkpoints/").get("Contents", [])
         steps = sorted(c["Key"] for c in commits if re.fullmatch(r"run/checkpoints/\d+/commit_success\.txt", c["Key"]))
         assert steps == ["run/checkpoints/2/commit_success.txt"], steps
-    finally:
-        for p in procs:
-            p.kill()
-        own.server.stop()
