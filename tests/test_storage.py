@@ -437,19 +437,17 @@ def test_a_server_down_past_the_retries_stops_the_run_with_one_line_and_the_same
     ends_as(run_dir, uninterrupted)
 
 
-def test_a_server_gone_during_an_asynchronous_save_is_one_line_and_the_same_command_resumes(
-        tmp_path: pathlib.Path, uninterrupted: tuple[dict[int, float], dict]) -> None:
+def test_a_server_gone_during_an_asynchronous_save_is_one_line_naming_the_step_before(tmp_path: pathlib.Path) -> None:
     """The S3 server exits on the first request after step 4's save wrote its first object:
     Orbax's background save fails and only logs it (with tracebacks). The run stops with one
     line naming step 2, not step 4, as the last committed, exit 7, at once (the failed save's
-    threads, which would wait forever, are not joined); no traceback on the console. With the
-    server back the same command resumes from step 2 (step 4's objects, never committed, are
-    not read) and ends as the uninterrupted run, bit for bit."""
+    threads, which would wait forever, are not joined); no traceback on the console; step 4 is
+    never committed. (The same command's resume past a step cut short: the kill -9 tests above;
+    its takeover of the lock StoreDown leaves: the test above.)"""
     require("moto.server", "dev")
     own = OwnServer("s3", tmp_path, down_after=rf"^PUT /{BUCKET}/run/checkpoints/4/")
-    env = {**own.env(), "AWS_MAX_ATTEMPTS": "2"}
-    command = ("--config", TINY, *args(f"s3://{BUCKET}/run", "train.steps=4"))
-    run = Train(*command, env=env)
+    run = Train("--config", TINY, *args(f"s3://{BUCKET}/run", "train.steps=4"),
+                env={**own.env(), "AWS_MAX_ATTEMPTS": "2"})
     try:
         assert run.finish(60) == 7, run.output[-3000:]
         assert own.server.proc.poll() is not None, "the server never went down: the test proves nothing"
@@ -459,14 +457,10 @@ def test_a_server_gone_during_an_asynchronous_save_is_one_line_and_the_same_comm
         assert errors[0].startswith(f"error: run.dir=s3://{BUCKET}/run: the object store stopped answering"), errors
         assert "the last committed checkpoint: step 2 " in errors[0], errors
         own.start_again()
-        rerun = Train(*command, env=env)
-        assert rerun.finish(120) == 0, rerun.output[-3000:]
-        assert "resumed from step 2" in rerun.output and "took over the run.dir lock" in rerun.output, rerun.output
-        run_dir = own.copy("run", tmp_path / "copy")
+        assert steps(own.copy("run", tmp_path / "copy")) == ([2], [4]), "step 4 was begun, never committed"
     finally:
         run.kill()
         own.server.stop()
-    ends_as(run_dir, uninterrupted)
 
 
 def test_a_denied_bucket_is_one_line_before_compiling(s3_bucket: str, capfd: pytest.CaptureFixture,
