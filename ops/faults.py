@@ -9,6 +9,8 @@
 - `poisoned`: fault injection (`debug.nan_steps`), batches that make given steps non-finite.
 - `stops_on_outage`: a bucket run.dir's object store that stopped answering past its clients'
   retries becomes one line and exit 7 (StoreDown), whichever read or write met it first.
+- `exit_at_once`: a stop whose process must not join its threads (a save the outage cut short):
+  the line, told to every process of the job, each exiting with it, process 0 last.
 """
 
 from __future__ import annotations
