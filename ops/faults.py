@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 import storage
-from configs import Config
+from configs import Config, ConfigError
 from configs.schema import nan_steps
 from sharding.distributed import FINISHED, ack_stop, peer_beats, publish_beat, stop_acks, tell_stop, told_stop
 from ops.metrics import log
@@ -84,6 +84,8 @@ def stops_on_outage(run_dir: str, committed: Callable[[], str], cut_short: Calla
     is known committed (e.g. "step 4"); `cut_short()`: whether the outage cut a save short."""
     try:
         yield
+    except ConfigError:
+        raise  # bad input, e.g. a bucket the checks found unreachable (exit 2), whatever its chain holds
     except Exception as e:
         down = store_down(e, run_dir)
         if down is None:
@@ -203,7 +205,10 @@ def exit_at_once(line: str, code: int, told: bool = False) -> None:
     sys.stdout.flush()
     if jax.process_count() > 1:
         try:
-            ack_stop() if told else tell_stop(line)
+            if told:
+                ack_stop()
+            else:
+                tell_stop(line)
             deadline = time.monotonic() + STOP_WAIT_S
             while jax.process_index() == 0 and stop_acks() < jax.process_count() and time.monotonic() < deadline:
                 time.sleep(0.05)

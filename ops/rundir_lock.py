@@ -36,7 +36,7 @@ import storage
 from configs import ConfigError
 from configs.interrupt import on_interrupt
 from ops import object_lock
-from ops.faults import StoreDown
+from ops.faults import store_down
 from ops.lease import (BEATS_PER_TIMEOUT, EXIT_LOCK_LOST, LOCK_FILE, _describe, _host_key, _parse, _pid_alive,
                        new_record)
 from sharding import distributed
@@ -163,7 +163,7 @@ def hold(run_dir: str, timeout_s: float, wait_s: float, log: Callable[[str], Non
     for the whole job; every process raises the same ConfigError if it refused, before any of
     them writes. `wait_s`: how long the others wait for process 0's answer. On an object store
     the lease is an object (ops.object_lock), with the same record and semantics; a run stopped by
-    its object store (StoreDown) leaves it where it is."""
+    its object store (an error whose chain says so, ops.faults.store_down) leaves it where it is."""
     lease, refusal = None, ""
     take = object_lock.acquire if storage.is_remote(run_dir) else acquire
     if jax.process_index() == 0:
@@ -178,8 +178,10 @@ def hold(run_dir: str, timeout_s: float, wait_s: float, log: Callable[[str], Non
         # A signal outside the loop ends the command at once (configs.interrupt): it frees the lock first.
         with on_interrupt(lease.release if lease is not None else lambda: None):
             yield
-    except StoreDown:
-        if lease is not None:  # its release would wait out the store's retries and fail: the next run takes it over
+    except Exception as e:
+        # The store stopped answering (StoreDown, or the error it will become): the release would
+        # wait out the store's retries and fail; the next run takes the lease over.
+        if lease is not None and store_down(e, run_dir) is not None:
             lease.abandon()
             lease = None
         raise

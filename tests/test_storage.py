@@ -352,6 +352,15 @@ def ends_as(run_dir: str, uninterrupted: tuple[dict[int, float], dict]) -> None:
     assert step == 4 and jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), params, ref_params))
 
 
+def the_outage_line(out: str) -> str:
+    """The one line `out` holds besides its step lines, checked to be StoreDown's for
+    s3://BUCKET/run."""
+    errors = [line for line in out.splitlines() if line.strip() and not line.startswith("step ")]
+    assert len(errors) == 1, out
+    assert errors[0].startswith(f"error: run.dir=s3://{BUCKET}/run: the object store stopped answering"), errors
+    return errors[0]
+
+
 @pytest.mark.parametrize("kind", ["s3", "gs"])
 def test_a_server_restarted_mid_run_is_retried_and_the_run_ends_as_uninterrupted(
         tmp_path: pathlib.Path, kind: str, uninterrupted: tuple[dict[int, float], dict]) -> None:
@@ -420,10 +429,8 @@ def test_a_server_down_past_the_retries_stops_the_run_with_one_line_and_the_same
         assert "step 3/4" not in run.output, "the server stopped too late: step 4's save may have begun"
         assert run.finish(60) == 7, run.output[-3000:]
         out = run.output[run.output.index("step 2/4"):]  # what it printed since the server stopped
-        errors = [line for line in out.splitlines() if line.strip() and not line.startswith("step ")]
-        assert len(errors) == 1, out
-        assert errors[0].startswith(f"error: run.dir=s3://{BUCKET}/run: the object store stopped answering"), errors
-        assert "the last committed checkpoint: step 2" in errors[0] and "run the same command" in errors[0], errors
+        line = the_outage_line(out)
+        assert "the last committed checkpoint: step 2" in line and "run the same command" in line, line
         own.start_again()
         lock = client.get_object(Bucket=BUCKET, Key="run/lock.json")["Body"].read()
         assert json.loads(lock)["pid"] == run.proc.pid, "the lock was left as it was"
@@ -435,6 +442,22 @@ def test_a_server_down_past_the_retries_stops_the_run_with_one_line_and_the_same
         run.kill()
         own.server.stop()
     ends_as(run_dir, uninterrupted)
+
+
+def test_a_server_gone_after_the_checks_before_the_lock_is_one_line(tmp_path: pathlib.Path) -> None:
+    """The S3 server exits on the first request after the bucket check's listing: reading run.dir
+    before the lock meets the outage. One line, exit 7, nothing compiled (before: a traceback,
+    exit 1)."""
+    require("moto.server", "dev")
+    own = OwnServer("s3", tmp_path, down_after=rf"^GET /{BUCKET}$")
+    run = Train("--config", TINY, *args(f"s3://{BUCKET}/run"), env={**own.env(), "AWS_MAX_ATTEMPTS": "2"})
+    try:
+        assert run.finish(60) == 7, run.output[-3000:]
+        assert own.server.proc.poll() is not None, "the server never went down: the test proves nothing"
+        assert "whichever run.dir held before this command" in the_outage_line(run.output), run.output
+    finally:
+        run.kill()
+        own.server.stop()
 
 
 def test_a_server_gone_during_an_asynchronous_save_is_one_line_naming_the_step_before(tmp_path: pathlib.Path) -> None:
@@ -452,10 +475,8 @@ def test_a_server_gone_during_an_asynchronous_save_is_one_line_naming_the_step_b
         assert run.finish(60) == 7, run.output[-3000:]
         assert own.server.proc.poll() is not None, "the server never went down: the test proves nothing"
         out = run.output[run.output.index("step 1/4"):]  # what it printed once it trained
-        errors = [line for line in out.splitlines() if line.strip() and not line.startswith("step ")]
-        assert len(errors) == 1, out
-        assert errors[0].startswith(f"error: run.dir=s3://{BUCKET}/run: the object store stopped answering"), errors
-        assert "the last committed checkpoint: step 2 " in errors[0], errors
+        line = the_outage_line(out)
+        assert "the last committed checkpoint: step 2 " in line, line
         own.start_again()
         assert steps(own.copy("run", tmp_path / "copy")) == ([2], [4]), "step 4 was begun, never committed"
     finally:

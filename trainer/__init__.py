@@ -14,5 +14,5 @@ from trainer.spec import RunSpec, prepare
 from trainer.state import abstract_state
 
 __all__ = ["Preempted", "RunSpec", "RunStopped", "TooManyBadSteps", "abstract_program", "abstract_state",
-           "attention_notes", "check_devices", "exit_at_once", "fill_microbatches", "prepare", "run", "set_default_flags",
-           "sharded_optimizer"]
+           "attention_notes", "check_devices", "exit_at_once", "fill_microbatches", "prepare", "run",
+           "set_default_flags", "sharded_optimizer"]

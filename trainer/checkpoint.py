@@ -489,7 +489,8 @@ class Checkpointer:
     def _join(self, wait: Callable[[], None]) -> None:
         """Orbax's blocking `wait` for the save in flight, unless the object store cuts that save
         short first: Orbax logs it (LibraryLog.outage), and with several processes each one's
-        save threads then wait on the others' signals for good; the outage is raised instead."""
+        save threads then wait on the others' signals for good; the caller's `_finished` then
+        raises the outage instead of waiting on."""
         if not storage.is_remote(self.directory):
             return wait()
         failed: list[BaseException] = []
@@ -504,9 +505,8 @@ class Checkpointer:
         waiter.start()
         while waiter.is_alive() and self.library_log.outage is None:
             waiter.join(0.2)
-        if waiter.is_alive() or not failed:
-            return self._finished()  # raises the outage if there was one
-        raise failed[0]
+        if failed:
+            raise failed[0]
 
     def wait(self) -> None:
         self._join(self.manager.wait_until_finished)

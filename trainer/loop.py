@@ -38,19 +38,15 @@ def run(cfg: Config, devices: list | None = None) -> list[dict[str, Any]]:
     (checkpoint committed), TooManyBadSteps after `train.max_bad_steps` non-finite steps in a row
     and StoreDown when a bucket run.dir's store stops answering past its clients' retries."""
     goodput = Goodput()
-    spec, devices = bring_up(cfg, devices)
-    # Bad input has been refused with run.dir untouched; from here on this run writes there, alone.
-    with rundir_lock.hold(cfg.run.dir, cfg.run.lock_timeout_s, cfg.dist.init_timeout_s, log):
-        session: Session | None = None
-        # An error that says the store stopped answering, from the re-read under the lock on: one
-        # line (StoreDown), once the saves in flight are joined, so that the last committed step
-        # it names is known. (Its lock is then left, not released: the release would wait out
-        # the store's retries.)
-
-        def cut_short() -> bool:
-            return session is not None and session.ckpt.cut_short
-
-        with stops_on_outage(cfg.run.dir, lambda: _committed(session), cut_short):
+    session: Session | None = None
+    # An error that says the store of a bucket run.dir stopped answering, from the first read of
+    # run.dir on (bad input stays a ConfigError): one line (StoreDown), once the saves in flight
+    # are joined, so that the last committed step it names is known. The lock is then left, not
+    # released (ops.rundir_lock): the release would wait out the store's retries.
+    with stops_on_outage(cfg.run.dir, lambda: _committed(session), lambda: _cut_short(session)):
+        spec, devices = bring_up(cfg, devices)
+        # Bad input has been refused with run.dir untouched; from here on this run writes there, alone.
+        with rundir_lock.hold(cfg.run.dir, cfg.run.lock_timeout_s, cfg.dist.init_timeout_s, log):
             # Read again under the lock: a holder alive at the first read may have saved since, and
             # the schedule's horizon comes from the checkpoints this run resumes.
             spec, schedule_note = reread(spec)
@@ -67,6 +63,11 @@ def _committed(session: Session | None) -> str:
     if session is None:
         return "whichever run.dir held before this command (it stopped while starting)"
     return "none yet" if session.ckpt.committed is None else f"step {session.ckpt.committed}"
+
+
+def _cut_short(session: Session | None) -> bool:
+    """Whether the outage cut a save short (its threads are then not joined: StoreDown)."""
+    return session is not None and session.ckpt.cut_short
 
 
 def _train(session: Session, devices: list, goodput: Goodput) -> list[dict[str, Any]]:
