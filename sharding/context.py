@@ -33,6 +33,8 @@ from jax.sharding import PartitionSpec
 
 from model.attn_kernels.registry import LocalFn, MaskFn, MeshBinders
 from model.kernels import AttentionFn
+from model.ring_blocks import BlockKernel
+from sharding.fused_ring import FusedRing, fused_ring_attention
 from sharding.rules import Rules, logical_to_spec, mesh_axes
 
 Array = jax.Array
@@ -133,6 +135,23 @@ def sharded_ring(rules: Rules, shards: int, mask_fn: MaskFn) -> AttentionFn:
     return attention
 
 
+def sharded_fused_ring(rules: Rules, shards: int, kernel: BlockKernel, balanced: bool) -> AttentionFn:
+    """Ring attention over the mesh axis of `length` with `kernel` fused on each block
+    (sharding/fused_ring.py), for rows of one document each: the split's layout, contiguous or
+    load-balanced (`balanced`), says which keys a query sees, so positions are not read."""
+    q_spec, kv_spec, _ = _specs(rules)
+    ring = FusedRing(mesh_axes("length", rules)[0] if shards > 1 else "", shards, kernel, balanced)
+
+    def attention(q: Array, k: Array, v: Array, positions: Array, segment_ids: Array | None) -> Array:
+        if segment_ids is not None:  # the kernels' checks refuse document packing first
+            raise ValueError(f"ring attention with {kernel.name} blocks takes rows of one document")
+        fn = functools.partial(fused_ring_attention, ring=ring)
+        # check_vma off for the pipeline's vmap, as in sharded_ring.
+        return jax.shard_map(fn, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, check_vma=False)(q, k, v)
+
+    return attention
+
+
 def per_device(kernel: LocalFn, rules: Rules) -> AttentionFn:
     """`kernel(q, k, v, segment_ids)` on each device's rows and heads under shard_map: a Pallas
     call (the splash kernel) is opaque to XLA's partitioner, which would otherwise gather whole
@@ -153,4 +172,6 @@ def mesh_binders(rules: Rules, shards: int) -> MeshBinders:
     """The shard_map wrappers of a layout (`rules`, `shards` devices along `length`) that an
     attention kernel which must see the mesh builds its bound form from (model/attn_kernels)."""
     return MeshBinders(per_device=lambda kernel: per_device(kernel, rules),
-                       ring=lambda mask_fn: sharded_ring(rules, shards, mask_fn))
+                       ring=lambda mask_fn: sharded_ring(rules, shards, mask_fn),
+                       fused_ring=lambda kernel, balanced: sharded_fused_ring(rules, shards, kernel, balanced),
+                       shards=shards)

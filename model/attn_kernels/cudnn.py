@@ -2,14 +2,18 @@
 
 GPU only. With packed documents and `model.max_documents` > 0 it takes each row's documents as
 cuDNN's packed layout (model/attention.py `cudnn_packed_attention`), else a dense mask of them,
-which a run says at start. One head dim for q, k and v (a narrower v is padded); no sequence split.
+which a run says at start. One head dim for q, k and v (a narrower v is padded). A sequence split only under
+`context.strategy=ring` with rows of one document: each ring block is one cuDNN call
+(model/ring_blocks.py, sharding/fused_ring.py).
 """
 
 from __future__ import annotations
 
-from configs import Config
+from configs import Config, ConfigError
+from model import ring_blocks
 from model.attention import cudnn_packed_attention, fused_attention
-from model.attn_kernels.registry import Array, Kernel, Options, register
+from model.attn_kernels.registry import Array, Kernel, MeshBinders, Options, register
+from model.kernels import AttentionFn
 
 
 @register
@@ -31,6 +35,24 @@ class CuDNN(Kernel):
                     "documents; set model.max_documents (the most documents a row may hold) for cuDNN's packed "
                     "layout, no mask"]
         return []
+
+    def check_split(self, cfg: Config, context: int) -> None:
+        # cuDNN cannot take a sharded sequence under GSPMD; under the ring each block is a whole
+        # cuDNN call on local arrays, masked by where the block sits (sharding/fused_ring.py),
+        # which holds for rows of one document only.
+        if cfg.context.strategy != "ring":
+            raise ConfigError(f"model.attention=cudnn takes a sequence split (mesh.context={context}) only as ring "
+                              "attention's blocks: set context.strategy=ring, or model.attention=xla for the "
+                              "all-gather strategy")
+        if cfg.data.packing == "document":
+            raise ConfigError("data.packing=document: model.attention=cudnn under context.strategy=ring takes rows of "
+                              "one document (data.packing=concat); model.attention=xla's ring masks documents")
+
+    def mesh_bound(self, cfg: Config, platform: str, binders: MeshBinders) -> AttentionFn | None:
+        # Under a sequence split: the ring, each block one cuDNN flash call (no [T, T] scores).
+        if binders.shards == 1:
+            return None
+        return binders.fused_ring(ring_blocks.CUDNN, cfg.context.load_balance)
 
     def planned_as(self, target: str | None) -> tuple[str, str] | None:
         if target == "cuda":

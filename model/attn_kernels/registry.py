@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from configs import Config, ConfigError
 from configs.registry import Registry, api
 from model.kernels import AttentionFn
+from model.ring_blocks import BlockKernel
 
 Array = jax.Array
 # (q, k, v, segment_ids) -> out: a kernel on one device's rows and heads, whole along `length`.
@@ -61,6 +62,10 @@ class MeshBinders:
 
     per_device: Callable[[LocalFn], AttentionFn]  # the function on each device's rows and heads
     ring: Callable[[MaskFn], AttentionFn]  # ring attention over the sequence split with this mask
+    # Ring attention over the sequence split with this fused kernel on each block; the bool:
+    # context.load_balance (sharding/fused_ring.py).
+    fused_ring: Callable[[BlockKernel, bool], AttentionFn]
+    shards: int = 1  # devices along the sequence split (mesh.context)
 
 
 class Kernel:

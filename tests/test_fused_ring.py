@@ -1,0 +1,80 @@
+"""Ring attention with a fused kernel on each block (sharding/fused_ring.py), on 4 fake CPU devices
+with the float32 reference blocks (model/ring_blocks.py): the outputs and gradients of whole causal
+attention (model/attention.py's xla kernel, the anchor), on the contiguous and the load-balanced
+split, with grouped kv heads and a narrower v; and the config's rules for cuDNN under a split."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from bench.procs import TINY
+from configs import ConfigError, load_config
+from model.attention import xla_attention
+from model.attn_kernels import get
+from model.ring_blocks import REFERENCE, BlockGrads
+from sharding.context import balanced_order
+from sharding.fused_ring import FusedRing, fused_ring_attention
+
+B, T, H, KV, D, DV, C = 2, 64, 4, 2, 8, 4, 4
+
+
+def qkv_and_cotangent() -> tuple[jax.Array, ...]:
+    ks = jax.random.split(jax.random.key(3), 4)
+    return (jax.random.normal(ks[0], (B, T, H, D)), jax.random.normal(ks[1], (B, T, KV, D)),
+            jax.random.normal(ks[2], (B, T, KV, DV)), jax.random.normal(ks[3], (B, T, H, DV)))
+
+
+def whole(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    return xla_attention(q, k, v, None)
+
+
+def test_a_reference_block_is_whole_attention_with_its_log_sum_exp_and_gradients():
+    """On one block holding every key, the block's forward is the softmax itself and its backward,
+    given its own output and log-sum-exp, is autodiff's."""
+    q, k, v, dout = qkv_and_cotangent()
+    out, lse = REFERENCE.forward(q, k, v, True)
+    np.testing.assert_allclose(out, whole(q, k, v), rtol=1e-5, atol=1e-5)
+    scores = jnp.einsum("bthd,bshd->bhts", q, jnp.repeat(k, H // KV, axis=2)) * D**-0.5
+    causal = jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores, -jnp.inf)
+    np.testing.assert_allclose(lse, jax.nn.logsumexp(causal, axis=-1), rtol=1e-5, atol=1e-5)
+    grads = REFERENCE.backward(BlockGrads(q, k, v, out, lse, dout), True)
+    expected = jax.grad(lambda *a: (whole(*a) * dout).sum(), argnums=(0, 1, 2))(q, k, v)
+    for ours, theirs in zip(grads, expected):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("balanced", [False, True], ids=["contiguous", "load-balanced"])
+def test_the_fused_ring_gives_whole_attention_and_its_gradients(balanced: bool):
+    q, k, v, dout = qkv_and_cotangent()
+    order = balanced_order(T, C) if balanced else np.arange(T)
+    back = np.argsort(order)
+    mesh = Mesh(np.array(jax.devices()[:C]), ("context",))
+    spec = P(None, "context")
+    ring = jax.shard_map(lambda *a: fused_ring_attention(*a, FusedRing("context", C, REFERENCE, balanced)),
+                         mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+    ours = lambda q, k, v: ring(q[:, order], k[:, order], v[:, order])[:, back]  # noqa: E731
+    loss = lambda fn: lambda *a: (fn(*a) * dout).sum()  # noqa: E731
+    out, grads = jax.jit(jax.value_and_grad(loss(ours), argnums=(0, 1, 2)))(q, k, v)
+    expected, expected_grads = jax.value_and_grad(loss(whole), argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(out, expected, rtol=1e-5)
+    np.testing.assert_allclose(jax.jit(ours)(q, k, v), whole(q, k, v), rtol=1e-5, atol=1e-5)
+    for name, a, b in zip("qkv", grads, expected_grads):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=f"d{name}")
+
+
+def _cfg(*overrides: str):
+    return load_config(TINY, ["data.source=synthetic", "model.attention=cudnn", "mesh.data=2", "mesh.context=4",
+                              *overrides])
+
+
+def test_cudnn_takes_a_sequence_split_only_as_ring_blocks_of_single_document_rows():
+    kernel = get("cudnn")
+    kernel.check_split(_cfg("context.strategy=ring", "data.packing=concat"), 4)  # accepted
+    with pytest.raises(ConfigError, match="context.strategy=ring"):
+        kernel.check_split(_cfg("context.strategy=allgather"), 4)
+    with pytest.raises(ConfigError, match="data.packing=document"):
+        kernel.check_split(_cfg("context.strategy=ring", "data.source=text", "data.packing=document"), 4)
