@@ -9,6 +9,7 @@
 #   bash bench/gpu_session.sh peer    # the PyTorch peer at batch 4 and 8, same machine
 #   bash bench/gpu_session.sh ablate  # b8 with one change undone: attention, remat, XLA flag
 #   bash bench/gpu_session.sh more    # tiny and 3B points, bf16-vs-float32 on real text
+#   bash bench/gpu_session.sh ring    # cuDNN's ring blocks against the float32 reference (bench.ring_blocks)
 #   bash bench/gpu_session.sh lease   # one short lease: ours and the peer at b8 first, then b4 and
 #                                     # the memory-saving rows while DEADLINE_S (default 480) lasts
 #
@@ -16,7 +17,7 @@
 # noted and the next goes on. The last lines are a table of what this part measured.
 # DRY=1 swaps every config for the tiny preset on CPU, to check the script itself.
 set -uo pipefail
-part=${1:?usage: bench/gpu_session.sh ours|peer|ablate|more|lease}
+part=${1:?usage: bench/gpu_session.sh ours|peer|ablate|more|ring|lease}
 start=$SECONDS
 OUT=${OUT:-/tmp/gpu-session}
 mkdir -p "$OUT"
@@ -76,6 +77,9 @@ case $part in
     B=configs/llama3-1b.yaml
     step b8 $B train.global_batch=8
     peer 8
+    # cuDNN's ring blocks checked against the reference: only a GPU can (about a minute).
+    [ "$(left)" -gt 120 ] && { timeout "$(cap 120)" $PY -m bench.ring_blocks ${DRY:+--dry} >"$OUT/ring_blocks.log" 2>&1
+                               tail -n 1 "$OUT/ring_blocks.log"; }
     step b4 $B train.global_batch=4
     step b8-chunk512 $B train.global_batch=8 model.loss_chunk=512
     peer 4
@@ -93,7 +97,10 @@ case $part in
     timeout 300 $PY -m bench.precision --config "${precision[@]}" >"$OUT/precision.log" 2>&1 || echo "   exit $?"
     grep -A12 "^| step" "$OUT/precision.log"
     ;;
-  *) echo "unknown part $part (ours|peer|ablate|more|lease)"; exit 2 ;;
+  ring)
+    timeout "$(cap 300)" $PY -m bench.ring_blocks ${DRY:+--dry} 2>&1 | tee "$OUT/ring_blocks.log"
+    ;;
+  *) echo "unknown part $part (ours|peer|ablate|more|ring|lease)"; exit 2 ;;
 esac
 
 $PY - "$OUT" <<'EOF'

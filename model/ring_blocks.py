@@ -21,7 +21,7 @@ key j <= i in array order (the ring calls it on a device's own block only, t == 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +31,7 @@ Array = jax.Array
 ForwardFn = Callable[[Array, Array, Array, bool], tuple[Array, Array]]
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockGrads:
+class BlockGrads(NamedTuple):
     """What a block's backward reads: its queries, keys and values, and the whole softmax's
     output, log-sum-exp and output gradient for those queries."""
 

@@ -81,7 +81,7 @@ def _step_parts(q: Array, kv: tuple[Array, Array], earlier: Array, ring: FusedRi
     if not ring.balanced:
         o, lse = fwd(q, k, v)
         return [(jnp.where(earlier, o, 0), jnp.where(earlier, lse, -jnp.inf))]
-    (q1, q2), (k1, _), (v1, _) = _halves(q), _halves(k), _halves(v)
+    (_, q2), (k1, _), (v1, _) = _halves(q), _halves(k), _halves(v)
     o, lse = fwd(q2, k1, v1)
     always = (_spread(o, False, 0), _spread(lse, False, -jnp.inf, axis=2))
     o, lse = fwd(_pick(earlier, q), _pick(earlier, k), _pick(earlier, v))
@@ -108,7 +108,9 @@ def _forward(q: Array, k: Array, v: Array, ring: FusedRing) -> Part:
             acc = _merge(acc, part)
         return (acc, kv), None
 
-    (acc, _), _ = jax.lax.scan(step, ((out.astype(jnp.float32), lse), (k, v)), jnp.arange(1, ring.shards))
+    acc = (out.astype(jnp.float32), lse)
+    if ring.shards > 1:
+        (acc, _), _ = jax.lax.scan(step, (acc, (k, v)), jnp.arange(1, ring.shards))
     return acc[0].astype(q.dtype), acc[1]
 
 
@@ -120,8 +122,7 @@ def _step_grads(x: BlockGrads, earlier: Array, ring: FusedRing) -> tuple[Array, 
         return tuple(jnp.where(earlier, g.astype(jnp.float32), 0) for g in bwd(x))
     rows = lambda pick: BlockGrads(pick(x.q), pick(x.k), pick(x.v), pick(x.out), pick(x.lse, 2),  # noqa: E731
                                    pick(x.dout))
-    dq, dk, dv = bwd(dataclasses.replace(rows(lambda a, axis=1: _halves(a, axis)[1]), k=_halves(x.k)[0],
-                                         v=_halves(x.v)[0]))
+    dq, dk, dv = bwd(rows(lambda a, axis=1: _halves(a, axis)[1])._replace(k=_halves(x.k)[0], v=_halves(x.v)[0]))
     qa, ka, va = _spread(dq, False, 0), _spread(dk, True, 0), _spread(dv, True, 0)
     dq, dk, dv = bwd(rows(functools.partial(_pick, earlier)))
     f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
@@ -132,17 +133,19 @@ def _step_grads(x: BlockGrads, earlier: Array, ring: FusedRing) -> tuple[Array, 
 def _backward(ring: FusedRing, res: tuple, dout: Array) -> tuple[Array, Array, Array]:
     q, k, v, out, lse = res
     index = _ring_index(ring)
-    grads = ring.kernel.backward(BlockGrads(q, k, v, out, lse, dout), True)
-    dq, dk, dv = (g.astype(jnp.float32) for g in grads)
+    dq, dk, dv = ring.kernel.backward(BlockGrads(q, k, v, out, lse, dout), True)
+    # dq stays and sums in float32; dk and dv travel in their own dtype, as autodiff's cotangents
+    # of the einsum ring do (float32 would send twice the bytes round the ring).
+    dq = dq.astype(jnp.float32)
 
     def step(carry: tuple, hops: Array) -> tuple[tuple, None]:
         dq, (kb, vb, dk, dv) = carry
         kb, vb, dk, dv = _hop((kb, vb, dk, dv), ring)
         gq, gk, gv = _step_grads(BlockGrads(q, kb, vb, out, lse, dout), (index - hops) % ring.shards < index, ring)
-        return (dq + gq, (kb, vb, dk + gk, dv + gv)), None
+        return (dq + gq, (kb, vb, (dk + gk).astype(dk.dtype), (dv + gv).astype(dv.dtype))), None
 
-    (dq, (_, _, dk, dv)), _ = jax.lax.scan(step, (dq, (k, v, dk, dv)), jnp.arange(1, ring.shards))
     if ring.shards > 1:
+        (dq, (_, _, dk, dv)), _ = jax.lax.scan(step, (dq, (k, v, dk, dv)), jnp.arange(1, ring.shards))
         dk, dv = _hop((dk, dv), ring)  # each block's gradients home to the device that holds it
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
