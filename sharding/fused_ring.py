@@ -100,17 +100,22 @@ def _hop(tree: tuple, ring: FusedRing) -> tuple:
 def _forward(q: Array, k: Array, v: Array, ring: FusedRing) -> Part:
     index = _ring_index(ring)
     out, lse = ring.kernel.forward(q, k, v, True)
+    acc = (out.astype(jnp.float32), lse)
+
+    def fold(acc: Part, kv: tuple[Array, Array], hops: Array | int) -> Part:
+        for part in _step_parts(q, kv, (index - hops) % ring.shards < index, ring):
+            acc = _merge(acc, part)
+        return acc
 
     def step(carry: tuple, hops: Array) -> tuple[tuple, None]:
         acc, kv = carry
-        kv = _hop(kv, ring)
-        for part in _step_parts(q, kv, (index - hops) % ring.shards < index, ring):
-            acc = _merge(acc, part)
-        return (acc, kv), None
+        # The next block is sent while this one is scored: the hop reads the block, not the
+        # kernel's result, so the compiler can run the two at once.
+        return (fold(acc, kv, hops), _hop(kv, ring)), None
 
-    acc = (out.astype(jnp.float32), lse)
     if ring.shards > 1:
-        (acc, _), _ = jax.lax.scan(step, (acc, (k, v)), jnp.arange(1, ring.shards))
+        (acc, kv), _ = jax.lax.scan(step, (acc, _hop((k, v), ring)), jnp.arange(1, ring.shards - 1))
+        acc = fold(acc, kv, ring.shards - 1)  # the last block: nothing left to send
     return acc[0].astype(q.dtype), acc[1]
 
 
@@ -138,14 +143,22 @@ def _backward(ring: FusedRing, res: tuple, dout: Array) -> tuple[Array, Array, A
     # of the einsum ring do (float32 would send twice the bytes round the ring).
     dq = dq.astype(jnp.float32)
 
+    def grads(dq: Array, kv: tuple[Array, Array], sent: tuple[Array, Array], hops: Array | int) -> tuple:
+        """This step's block's gradients added: dq's, and those the previous device sent for the block."""
+        gq, gk, gv = _step_grads(BlockGrads(q, *kv, out, lse, dout), (index - hops) % ring.shards < index, ring)
+        (dk, dv), got = sent, _hop(sent, ring)
+        return dq + gq, ((got[0] + gk).astype(dk.dtype), (got[1] + gv).astype(dv.dtype))
+
     def step(carry: tuple, hops: Array) -> tuple[tuple, None]:
-        dq, (kb, vb, dk, dv) = carry
-        kb, vb, dk, dv = _hop((kb, vb, dk, dv), ring)
-        gq, gk, gv = _step_grads(BlockGrads(q, kb, vb, out, lse, dout), (index - hops) % ring.shards < index, ring)
-        return (dq + gq, (kb, vb, (dk + gk).astype(dk.dtype), (dv + gv).astype(dv.dtype))), None
+        dq, kv, sent = carry
+        # The next block, and the gradients of the block scored last step (the one now here), are
+        # sent while this one is differentiated: neither hop waits on the kernel.
+        dq, dkv = grads(dq, kv, sent, hops)
+        return (dq, _hop(kv, ring), dkv), None
 
     if ring.shards > 1:
-        (dq, (_, _, dk, dv)), _ = jax.lax.scan(step, (dq, (k, v, dk, dv)), jnp.arange(1, ring.shards))
+        (dq, kv, sent), _ = jax.lax.scan(step, (dq, _hop((k, v), ring), (dk, dv)), jnp.arange(1, ring.shards - 1))
+        dq, (dk, dv) = grads(dq, kv, sent, ring.shards - 1)
         dk, dv = _hop((dk, dv), ring)  # each block's gradients home to the device that holds it
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
