@@ -72,6 +72,7 @@ class Collective:
     by_dtype: tuple[tuple[str, int], ...] = ()  # `bytes` split by element type (a combined op mixes them)
     lowered_as: str = ""  # the op the compiler wrote it as, where that is another (planner/hlo_graph.py)
     balanced: float = 0.0  # ragged-all-to-all: bytes one device sends per execution if routing were balanced
+    beside: bool = False  # a collective-permute the schedule runs beside kernels (`runs_beside_kernels`)
 
     @property
     def wire_bytes(self) -> float:
@@ -271,7 +272,7 @@ def collectives(
     per_slice = _MEGASCALE.search(hlo_text) is not None
     local = [p for p in range(num_devices) if node_of[p] == node_of[0]] if per_slice else list(range(num_devices))
     found, current = [], None
-    for line in lines:
+    for at, line in enumerate(lines):
         header = HEADER.match(line)
         if header:
             current = header.group(2)
@@ -308,9 +309,28 @@ def collectives(
             found += _all_reduce_parts(name, type_text, line, graph, where)
         elif kind == "ragged-all-to-all":
             found.append(dataclasses.replace(_op(kind, where, type_text, size), balanced=_balanced(name, size, n, graph)))
+        elif kind == "collective-permute" and start:
+            found.append(dataclasses.replace(_op(kind, where, type_text, size), beside=runs_beside_kernels(lines, at, name)))
         else:
             found.append(_op(kind, where, type_text, size))
     return found, unknown
+
+
+_KERNEL = re.compile(r" (fusion|custom-call|dot|convolution)\(")
+
+
+def runs_beside_kernels(lines: list[str], at: int, name: str) -> bool:
+    """Whether the asynchronous op `name` starting on line `at` has kernels scheduled between its
+    start and its done (the GPU compiler's order is the run order of its main stream): it then
+    runs beside them, as a ring attention step's next block does while the step's kernels run."""
+    work = False
+    for line in lines[at + 1:]:
+        if f"-done(%{name})" in line:
+            return work
+        if HEADER.match(line) or line.startswith("}"):
+            return False
+        work = work or _KERNEL.search(line) is not None
+    return False
 
 
 def _balanced(name: str, size: int, n: int, graph: Graph) -> float:

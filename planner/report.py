@@ -28,14 +28,15 @@ def _aggregate(ops: list[dict]) -> list[dict]:
     for op in ops:
         if not op["axes"]:
             continue  # a group of one device moves nothing
-        t = total[(op["kind"], op.get("lowered_as", ""), op["dtype"], tuple(op["axes"]), op["inter_node"])]
+        t = total[(op["kind"], op.get("lowered_as", ""), op["dtype"], tuple(op["axes"]), op["inter_node"],
+                   op.get("beside", False))]
         t["count"] += op["count"]
         t["bytes"] += op["count"] * op["bytes"]
         t["wire_bytes"] += op["count"] * op["wire_bytes"]
         for dt, b in op.get("by_dtype") or [(op["dtype"], op["bytes"])]:
             t["by_dtype"][dt] = t["by_dtype"].get(dt, 0) + op["count"] * b
-    return [{"kind": k, "lowered_as": w, "dtype": d, "axes": list(a), "inter_node": i, **v}
-            for (k, w, d, a, i), v in sorted(total.items())]
+    return [{"kind": k, "lowered_as": w, "dtype": d, "axes": list(a), "inter_node": i, "beside": b, **v}
+            for (k, w, d, a, i, b), v in sorted(total.items())]
 
 
 def by_link(collectives: list[dict]) -> dict[str, dict[str, float]]:

@@ -13,7 +13,9 @@ The step-time model, per device (inputs from planner/roofline.py and planner/hlo
     compute  = sum over the compiled program's kernels of max(FLOPs / (peak x matmul_efficiency),
                bytes / (HBM bandwidth x hbm_efficiency)), loop trips included
     overlap  = collectives over batch axes only (data, fsdp): weight gathers and gradient
-               reductions, which the latency-hiding scheduler runs beside the layers' compute
+               reductions, which the latency-hiding scheduler runs beside the layers' compute;
+               and collective-permutes the compiled schedule runs beside kernels (kernels
+               between their start and done: ring attention's next block)
     exposed  = every other collective (tensor: activations on the critical path; pipeline:
                stage hand-offs)
     step     = max(compute, overlap) + exposed
@@ -141,12 +143,13 @@ def check_quant(quant: str, hw: Hardware) -> str | None:
 
 def predict(*, hw: Hardware, model_flops: float, compute_s: float, collectives: list[dict], bubble: float) -> dict[str, float]:
     """Step-time terms in seconds and the MFU. compute_s: the roofline of the compiled kernels;
-    collectives: dicts with `axes`, `wire_bytes` (per step) and `inter_node`; each gains
+    collectives: dicts with `axes`, `wire_bytes` (per step), `inter_node` and `beside` (a
+    permute the schedule runs beside kernels; absent: False); each gains
     `seconds` and `overlapped`."""
     overlap = exposed = 0.0
     for c in collectives:
         c["seconds"] = collective_seconds(c["wire_bytes"], c["inter_node"], hw)
-        c["overlapped"] = all(a in BATCH_AXES for a in c["axes"])
+        c["overlapped"] = all(a in BATCH_AXES for a in c["axes"]) or c.get("beside", False)
         if c["overlapped"]:
             overlap += c["seconds"]
         else:

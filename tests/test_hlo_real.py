@@ -19,9 +19,10 @@ import pytest
 
 from configs import load_config
 from conftest import ROOT
-from planner.hlo import collectives, shape_bytes, tuple_parts
+from planner.hlo import collectives, runs_beside_kernels, shape_bytes, tuple_parts
 from planner.minimum import minimum
 from planner.roofline import kernels
+from sharding.hardware import HARDWARE, predict
 from trainer.state import abstract_model
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
@@ -112,3 +113,33 @@ def test_tpu_all_reduce_scatter_fusion_is_a_reduce_scatter() -> None:
     big = [c for c in ops8 if c.dtype == "bf16" and c.bytes >= 16 * 1024 and c.kind != "all-gather"]
     assert big and all(c.kind == "reduce-scatter" and c.lowered_as == "all-reduce" for c in big), big
     assert all(c.wire_bytes == 2 * 7 / 8 * c.bytes for c in big)
+
+
+_RING_STEP = """ENTRY %step (p: (bf16[2,64], bf16[2,64])) -> (bf16[2,64], bf16[2,64]) {
+  %p = (bf16[2,64], bf16[2,64]) parameter(0)
+  %kv = bf16[2,64] get-tuple-element(%p), index=0
+  %collective-permute-start = (bf16[2,64], bf16[2,64]) collective-permute-start(%kv), channel_id=1, source_target_pairs={{0,1},{1,0}}
+  %{work}
+  %collective-permute-done = bf16[2,64] collective-permute-done(%collective-permute-start)
+  %collective-permute-start.1 = (bf16[2,64], bf16[2,64]) collective-permute-start(%kv), channel_id=2, source_target_pairs={{0,1},{1,0}}
+  %collective-permute-done.1 = bf16[2,64] collective-permute-done(%collective-permute-start.1)
+  ROOT %t = (bf16[2,64], bf16[2,64]) tuple(%collective-permute-done, %collective-permute-done.1)
+}
+"""
+
+
+@pytest.mark.parametrize("work", ["fusion = bf16[2,64] fusion(%kv), kind=kLoop, calls=%f",
+                                  'fmha = (bf16[2,64], u8[0]) custom-call(%kv), custom_call_target="__cudnn$fmhaSoftmax"'])
+def test_a_permute_with_kernels_between_its_start_and_done_runs_beside_them(work: str) -> None:
+    """The GPU compiler's schedule: a hop whose start and done bracket a kernel (a fusion, a custom
+    call) is sent while it runs, and the step-time model counts it overlapped; an adjacent pair waits."""
+    lines = _RING_STEP.replace("{work}", work).splitlines()
+    at = {line.split("=")[0].strip(" %"): i for i, line in enumerate(lines) if "collective-permute-start(" in line}
+    assert runs_beside_kernels(lines, at["collective-permute-start"], "collective-permute-start")
+    assert not runs_beside_kernels(lines, at["collective-permute-start.1"], "collective-permute-start.1")
+    ops, _ = collectives("\n".join(lines), {"context": 2}, 8)
+    assert [c.beside for c in ops] == [True, False]
+    time = predict(hw=HARDWARE["h100"], model_flops=1.0, compute_s=1.0, bubble=0.0,
+                   collectives=[{"axes": list(c.axes), "wire_bytes": 1e9, "inter_node": False, "beside": c.beside}
+                                for c in ops])
+    assert time["overlapped_comm_s"] > 0 and time["exposed_comm_s"] == time["overlapped_comm_s"]
