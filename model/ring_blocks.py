@@ -10,6 +10,9 @@ ds = p (dp - rowsum(dO * O)) needs no other block (FlashAttention-2, section 3.1
 
 - `CUDNN`: cuDNN's fused flash attention (GPU), through JAX's private cuDNN primitives (the public
   API drops the log-sum-exp's gradient and takes no given statistics for the backward).
+- `splash_blocks(interpret)`: the TPU Pallas splash kernel that ships in JAX, through its private
+  backward (the public kernel's VJP takes no given statistics); off TPU in Pallas interpret mode,
+  slowly, which is how its contract is checked on CPU. Lengths a multiple of 128 (its tiles).
 - `REFERENCE`: the same contract in float32 einsums, every [t, s] score formed: the oracle the
   ring is checked against on CPU, and cuDNN against it on a GPU.
 
@@ -20,7 +23,9 @@ key j <= i in array order (the ring calls it on a device's own block only, t == 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 from typing import Callable, NamedTuple
 
 import jax
@@ -141,3 +146,65 @@ def _cudnn_backward(x: BlockGrads, causal: bool) -> tuple[Array, Array, Array]:
 
 
 CUDNN = BlockKernel("cudnn", _cudnn_forward, _cudnn_backward)
+
+
+def _splash(t: int, s: int, heads: int, causal: bool, interpret: bool):  # noqa: ANN202 (a SplashAttentionKernel)
+    """The splash kernel on [heads, t, d] queries against [kv, s, d] keys, keeping its log-sum-exp."""
+    # Imported here: loading Pallas and its TPU kernels costs every other run start-up time.
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    tile = lambda n: 512 if n % 512 == 0 else 128  # noqa: E731  the tiles model/attention.py's splash uses
+    bq, bkv = tile(t), tile(s)
+    sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
+                          block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
+    mask = sm.CausalMask((t, s)) if causal else sm.FullMask((t, s))
+    return sk.make_splash_mha(sm.MultiHeadMask([mask] * heads), block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                              save_residuals=True, interpret=interpret)
+
+
+def _heads_first(a: Array) -> Array:
+    return a.swapaxes(1, 2)  # [b, t, h, d] <-> [b, h, t, d]: the kernel takes [heads, length, head_dim]
+
+
+# The named scope of a splash call on a block every query sees whole: the mask is data in the
+# compiled program, and the planner (planner/pallas.py UNMASKED) charges such calls every block.
+UNMASKED = "unmasked_block"
+
+
+def _scope(causal: bool) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext() if causal else jax.named_scope(UNMASKED)
+
+
+def _splash_forward(q: Array, k: Array, v: Array, causal: bool, interpret: bool) -> tuple[Array, Array]:
+    kernel = _splash(q.shape[1], k.shape[1], q.shape[2], causal, interpret)
+    scaled = (q.astype(jnp.float32) * q.shape[-1] ** -0.5).astype(q.dtype)  # the kernel does not scale
+    with _scope(causal):
+        out, (lse,) = jax.vmap(kernel)(*(_heads_first(a) for a in (scaled, k, v)))
+    return _heads_first(out), lse
+
+
+def _splash_backward(x: BlockGrads, causal: bool, interpret: bool) -> tuple[Array, Array, Array]:
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+
+    kernel = _splash(x.q.shape[1], x.k.shape[1], x.q.shape[2], causal, interpret)
+    scale = x.q.shape[-1] ** -0.5
+    q, k, v, out, dout = (_heads_first(a) for a in ((x.q.astype(jnp.float32) * scale).astype(x.q.dtype), x.k, x.v,
+                                                      x.out.astype(x.q.dtype), x.dout.astype(x.q.dtype)))
+    kw = kernel.kwargs
+
+    def one_row(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array) -> tuple[Array, ...]:
+        res = (q, k, v, None, None, out, lse, kernel.dq_mask_info, kernel.dkv_mask_info)
+        grads = sk._splash_attention_bwd(False, kw["mask_value"], False, kw["block_sizes"], None, kw["mask_function"],
+                                         None, interpret, res, dout)
+        return grads[3:6]
+
+    with _scope(causal):
+        dq, dk, dv = jax.vmap(one_row)(q, k, v, out, x.lse, dout)
+    return (_heads_first(dq) * scale).astype(x.q.dtype), _heads_first(dk), _heads_first(dv)
+
+
+def splash_blocks(interpret: bool) -> BlockKernel:
+    """The splash kernel as ring blocks (`interpret`: Pallas interpret mode, off TPU)."""
+    return BlockKernel("splash", functools.partial(_splash_forward, interpret=interpret),
+                       functools.partial(_splash_backward, interpret=interpret))

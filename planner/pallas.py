@@ -20,7 +20,8 @@ kernel's only `block_q_dkv`. Known kernels get their own formula:
   others whole; the mask is data (its literal is elided in the text), so the kernels are charged
   as causal, the mask every training step here (meshlm's and MaxText's) uses: the blocks on or
   below the diagonal of the block grid its `s8[h, nq, nk]` block-mask operand has, (n + 1) / 2n
-  of the square for n x n blocks (half as n grows, as the cuDNN case is charged).
+  of the square for n x n blocks (half as n grows, as the cuDNN case is charged). A ring block
+  every query sees whole (model/ring_blocks.py names its scope `unmasked_block`) is charged whole.
 
 Any other Pallas kernel has unknown FLOPs: `flops` returns None and the planner says so.
 """
@@ -29,6 +30,8 @@ from __future__ import annotations
 
 import math
 import re
+
+from model.ring_blocks import UNMASKED  # the named scope (in op_name) of a splash call on a ring block seen whole
 
 _DIMS = re.compile(r"\b(?:pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")
 _FLOAT = re.compile(r"\b(?:bf16|f16|f32|f8e\w+)\[([\d,]*)\]")
@@ -92,7 +95,9 @@ def causal_share(t: int, s: int, grid: list[int]) -> float:
     return sum(min(nk, ((i + 1) * bq - 1) // bk + 1) for i in range(nq)) / (nq * nk)
 
 
-def _splash(kernel: str, results: list[list[int]], operands: list[list[int]], grid: list[int]) -> float | None:
+def _splash(kernel: str, results: list[list[int]], operands: list[list[int]], grid: list[int] | None) -> float | None:
+    """grid: the block-mask operand's [h, nq, nk] (causal), [] when absent (causal, half), None:
+    the call runs unmasked (every block)."""
     if len(operands) < 2 or len(operands[0]) < 3 or len(operands[1]) < 2:
         return None
     q, k = operands[0], operands[1]
@@ -100,7 +105,8 @@ def _splash(kernel: str, results: list[list[int]], operands: list[list[int]], gr
     matmuls = _MATMULS[kernel.removeprefix("splash_")]
     if kernel == "splash_dkv" and any(len(r) > len(q) and r[-len(q):] == q for r in results):
         matmuls = 5  # the fused backward also writes (unreduced) dq
-    return matmuls * 2.0 * heads * t * k[-2] * d * causal_share(t, k[-2], grid)
+    share = 1.0 if grid is None else causal_share(t, k[-2], grid)
+    return matmuls * 2.0 * heads * t * k[-2] * d * share
 
 
 def flops(name: str, attrs: str, result_type: str, operand_types: list[str]) -> tuple[str, float | None]:
@@ -113,5 +119,7 @@ def flops(name: str, attrs: str, result_type: str, operand_types: list[str]) -> 
         return kernel, _grouped(kernel, result[0] if result else [], operands)
     if kernel.startswith("splash_"):
         masks = [m for t in operand_types for m in _dims(t) if t.startswith("s8[") and len(m) == 3]
-        return kernel, _splash(kernel, _dims(result_type), operands, masks[0] if masks else [])
+        # A ring block whose keys every query sees runs under model/ring_blocks.py's named scope.
+        unmasked = UNMASKED in attrs
+        return kernel, _splash(kernel, _dims(result_type), operands, None if unmasked else masks[0] if masks else [])
     return kernel, None

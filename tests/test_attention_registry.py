@@ -51,8 +51,8 @@ def test_a_kernel_that_cannot_take_a_sequence_split_is_refused_in_one_line(name:
     assert attn_kernels.get(name).splits_sequence == (name == "xla")  # the one kernel that gathers or rings
     if name == "xla":
         assert why is None
-    elif name == "cudnn":  # only as the ring's blocks (tests/test_fused_ring.py)
-        assert why == ("model.attention=cudnn takes a sequence split (mesh.context=2) only as ring attention's "
+    elif name in ("cudnn", "splash"):  # only as the ring's blocks (tests/test_fused_ring.py)
+        assert why == (f"model.attention={name} takes a sequence split (mesh.context=2) only as ring attention's "
                        "blocks: set context.strategy=ring, or model.attention=xla for the all-gather strategy")
     else:
         assert why == (f"model.attention={name}: the kernel cannot take a sequence split (mesh.context=2); "

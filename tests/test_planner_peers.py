@@ -62,6 +62,19 @@ def test_a_fused_splash_backward_counts_its_dq_matmul_too() -> None:
     assert _kernels(text)["splash_mha_dkv_segmented_no_residuals.1"].flops == 5 * 2.0 * heads * seq * seq * head_dim * 36 / 64
 
 
+def test_a_splash_call_on_a_ring_block_seen_whole_is_charged_every_block() -> None:
+    """The mask is data in the program: a call under model/ring_blocks.py's `unmasked_block` scope
+    (a ring step's block every query sees) is charged its whole [T, S], not the causal 36 of 64."""
+    text = _text("mixtral-fsdp64-pallas.hlo")
+    scoped = text.replace("splash_mha_fwd_segmented_residuals/splash_mha_fwd_segmented_residuals/pallas_call",
+                          f"{pallas.UNMASKED}/splash_mha_fwd_segmented_residuals/splash_mha_fwd_segmented_residuals/"
+                          "pallas_call")
+    assert scoped != text
+    whole = 2 * 2.0 * 32 * 4096 * 4096 * 128
+    assert _kernels(scoped)["splash_mha_fwd_segmented_residuals.3"].flops == whole
+    assert _kernels(text)["splash_mha_fwd_segmented_residuals.3"].flops == whole * 36 / 64
+
+
 def test_a_splash_call_named_only_splash_attention_is_known_by_its_block_sizes() -> None:
     """libtpu may keep only `jit(_splash_attention)` of the op name; each phase is given its own block sizes."""
     text = _text("mixtral-fsdp64-pallas.hlo")

@@ -9,7 +9,7 @@ which a run says at start. One head dim for q, k and v (a narrower v is padded).
 
 from __future__ import annotations
 
-from configs import Config, ConfigError
+from configs import Config
 from model import ring_blocks
 from model.attention import cudnn_packed_attention, fused_attention
 from model.attn_kernels.registry import Array, Kernel, MeshBinders, Options, register
@@ -38,15 +38,8 @@ class CuDNN(Kernel):
 
     def check_split(self, cfg: Config, context: int) -> None:
         # cuDNN cannot take a sharded sequence under GSPMD; under the ring each block is a whole
-        # cuDNN call on local arrays, masked by where the block sits (sharding/fused_ring.py),
-        # which holds for rows of one document only.
-        if cfg.context.strategy != "ring":
-            raise ConfigError(f"model.attention=cudnn takes a sequence split (mesh.context={context}) only as ring "
-                              "attention's blocks: set context.strategy=ring, or model.attention=xla for the "
-                              "all-gather strategy")
-        if cfg.data.packing == "document":
-            raise ConfigError("data.packing=document: model.attention=cudnn under context.strategy=ring takes rows of "
-                              "one document (data.packing=concat); model.attention=xla's ring masks documents")
+        # cuDNN call on local arrays.
+        self.check_ring_blocks(cfg, context)
 
     def mesh_bound(self, cfg: Config, platform: str, binders: MeshBinders) -> AttentionFn | None:
         # Under a sequence split: the ring, each block one cuDNN flash call (no [T, T] scores).
