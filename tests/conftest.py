@@ -177,7 +177,7 @@ FILE_SECONDS = {
     "test_distill": 22, "test_grpo_run": 22, "test_post_combos": 21, "test_mla": 20,
     "test_storage_tools": 18, "test_grpo_layouts": 18, "test_hf_deepseek": 17, "test_hf_moe": 15,
     "test_optimizers": 15, "test_interrupt": 14, "test_observe": 14, "test_lock": 14, "test_hf": 13,
-    "test_accumulation": 12, "test_grpo_learns": 12, "test_trackers": 11, "test_harness": 11,
+    "test_accumulation": 12, "test_grpo_learns": 12, "test_fused_ring": 10, "test_trackers": 11, "test_harness": 11,
     "test_lora_mla": 9, "test_prepare": 9, "test_stragglers": 8, "test_attention_chunk": 7,
     "test_sharding": 7, "test_loss": 7, "test_moe_ragged": 7, "test_sweep": 7, "test_model": 6,
     "test_grpo_step": 6, "test_lookup": 6,

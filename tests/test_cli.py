@@ -82,8 +82,11 @@ BAD = {
                                   "model.seq_len=40 is not divisible by 2 x mesh.context=8 (context.load_balance=true)"),
     "context without load balancing": (["mesh.data=1", "mesh.context=8", "model.seq_len=36", "context.load_balance=false"],
                                        "model.seq_len=36 is not divisible by mesh.context=8"),
-    "context with a kernel that cannot split": (["mesh.data=4", "mesh.context=2", "model.attention=splash", "model.seq_len=128"],
-                                                "model.attention=splash: the kernel cannot take a sequence split"),
+    "context with a kernel that cannot split": (["mesh.data=4", "mesh.context=2", "model.attention=dot_product"],
+                                                "model.attention=dot_product: the kernel cannot take a sequence split"),
+    "context with splash outside the ring": (["mesh.data=4", "mesh.context=2", "model.attention=splash", "model.seq_len=128"],
+                                             "model.attention=splash takes a sequence split (mesh.context=2) only as "
+                                             "ring attention's blocks"),
     "splash tile": (["model.attention=splash"], "model.seq_len=32 is not a multiple of 128, the tile of model.attention=splash"),
     "context strategy name": (["context.strategy=rnig"], "context.strategy: 'rnig' is not one of allgather, ring"),
     "vocab below tokenizer": (["model.vocab_size=128"], "model.vocab_size=128 does not match the 'byte' tokenizer's 257 tokens"),
