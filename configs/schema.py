@@ -191,7 +191,7 @@ class ModelConfig:
     """Standard deviation of the random init."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Compute dtype; parameters are always float32."""
-    remat: Literal["none", "full", "save_dots", "save_dots_no_batch"] = "none"
+    remat: Literal["none", "full", "save_dots", "save_dots_no_batch", "save_ring_attention"] = "none"
     """What a layer keeps for its backward pass; the rest is recomputed (REMAT_SAVES)."""
     attention: Literal["xla", "dot_product", "cudnn", "splash"] = "xla"
     """The attention kernel."""
@@ -429,14 +429,20 @@ REMAT_POLICIES = choices(ModelConfig, "remat")
 TRACKERS = choices(RunConfig, "trackers")
 
 # Each `model.remat` name, with the `jax.checkpoint_policies` member saying what a layer keeps for
-# its backward pass (None: no remat at all; "nothing_saveable": only the layer's input).
+# its backward pass (None: no remat at all; "nothing_saveable": only the layer's input), or
+# ("save_only_these_names", name, ...): only the values named so (save_ring_attention: the fused
+# ring's output and log-sum-exp, model/ring_blocks.py RESIDUALS; full remat otherwise).
 # tests/test_config.py checks its names are REMAT_POLICIES.
-REMAT_SAVES: dict[str, str | None] = {
+REMAT_SAVES: dict[str, str | tuple[str, ...] | None] = {
     "none": None,
     "full": "nothing_saveable",
     "save_dots": "checkpoint_dots",
     "save_dots_no_batch": "dots_with_no_batch_dims_saveable",
+    "save_ring_attention": ("save_only_these_names", "ring_attention"),
 }
+# The policies that run every layer's forward again in the backward pass (save_ring_attention all
+# but the ring's attention): what the planner's estimates charge a recompute for.
+RECOMPUTES_ALL = ("full", "save_ring_attention")
 
 
 def nan_steps(cfg: Config) -> set[int]:

@@ -35,8 +35,12 @@ def remat(fn: Callable, policy: str, in_scan: bool = True) -> Callable:
     saves = REMAT_SAVES[policy]
     if saves is None:
         return fn
+    if isinstance(saves, tuple):  # a policy built from names: ("save_only_these_names", name, ...)
+        keep = getattr(jax.checkpoint_policies, saves[0])(*saves[1:])
+    else:
+        keep = getattr(jax.checkpoint_policies, saves)
     # prevent_cse=False is safe (and faster) inside scan, which already blocks CSE across steps.
-    return jax.checkpoint(fn, policy=getattr(jax.checkpoint_policies, saves), prevent_cse=not in_scan)
+    return jax.checkpoint(fn, policy=keep, prevent_cse=not in_scan)
 
 
 def constrain(x: Array, axes: Sequence[str | None]) -> Array:

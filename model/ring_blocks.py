@@ -52,6 +52,11 @@ class BlockGrads(NamedTuple):
 BackwardFn = Callable[[BlockGrads, bool], tuple[Array, Array, Array]]
 
 
+# The name of the fused ring's output and log-sum-exp as residuals (sharding/fused_ring.py), which
+# the remat policy save_ring_attention keeps (configs/schema.py REMAT_SAVES).
+RESIDUALS = "ring_attention"
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockKernel:
     """A fused kernel's two halves on one ring block."""

@@ -44,6 +44,7 @@ import jax
 import numpy as np
 
 from configs import Config
+from configs.schema import RECOMPUTES_ALL
 from model import lora
 from sharding.cast import is_matmul_weight
 from sharding.rules import as_axes, axes_size, logical_to_spec, mesh_axes, stored_rules, to_rules
@@ -104,7 +105,7 @@ def minimum(cfg: Config, sizes: dict[str, int], shapes: dict, axes: dict) -> dic
         kv = act / m.d_model * 2 * m.num_kv_heads * m.resolved_head_dim / sizes["tensor"]
         out["context"] = out.get("context", 0.0) + 2 * m.num_layers * ring(sizes["context"]) * kv
     if sizes["tensor"] > 1:
-        per_layer = 4 + (1 if m.remat == "full" else 0)
+        per_layer = 4 + (1 if m.remat in RECOMPUTES_ALL else 0)
         out["tensor"] = (per_layer * m.num_layers + 2) * 2 * ring(sizes["tensor"]) * act
     if sizes["pipeline"] > 1:
         out["pipeline"] = 2 * cfg.pipeline.repeats * act  # M microbatches of act / M each

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from configs import Config
-from configs.schema import MESH_AXES
+from configs.schema import MESH_AXES, RECOMPUTES_ALL
 from model import flops_per_token
 from model.flops import moe_layer_count
 from pipeline import bubble_fraction
@@ -47,7 +47,7 @@ def expert_bytes(cfg: Config, sizes: dict[str, int]) -> float:
     if n == 1 or m.moe.num_experts <= 1:
         return 0.0
     moe_layers = moe_layer_count(m) + m.mtp_depth  # a prediction module's block is an MoE too
-    passes = 4 + (2 if m.remat == "full" else 0)  # dispatch and combine, forward, backward (and recompute)
+    passes = 4 + (2 if m.remat in RECOMPUTES_ALL else 0)  # dispatch and combine, forward, backward (and recompute)
     return moe_layers * passes * m.moe.experts_per_token * activation_bytes(cfg, sizes) * (n - 1) / n
 
 
@@ -75,7 +75,7 @@ def estimate(cfg: Config, n: int, state: dict, hw: Hardware) -> dict[str, float]
     memory = 2 * state["params"] + state["optimizer"] + m.num_layers * activation_bytes(cfg, sizes)
     tokens = state["sequences"] * m.seq_len
     compute = flops_per_token(m) * tokens / n / (hw.peak_flops * hw.matmul_efficiency)
-    compute *= 4 / 3 if m.remat == "full" else 1.0
+    compute *= 4 / 3 if m.remat in RECOMPUTES_ALL else 1.0
     if sizes["pipeline"] > 1:
         p = cfg.pipeline
         compute /= 1 - bubble_fraction(sizes["pipeline"], p.repeats, p.microbatches, p.schedule)

@@ -32,7 +32,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from model.ring_blocks import BlockGrads, BlockKernel
+from jax.ad_checkpoint import checkpoint_name
+
+from model.ring_blocks import RESIDUALS, BlockGrads, BlockKernel
 
 Array = jax.Array
 Part = tuple[Array, Array]  # (out [b, t, h, dv], lse [b, h, t]): attention over some of the keys
@@ -172,6 +174,9 @@ def fused_ring_attention(q: Array, k: Array, v: Array, ring: FusedRing) -> Array
 
 def _vjp_forward(q: Array, k: Array, v: Array, ring: FusedRing) -> tuple[Array, tuple]:
     out, lse = _forward(q, k, v, ring)
+    # Named so that a remat policy can keep them (model.remat=save_ring_attention): the backward
+    # pass then needs no second forward round of the ring, only q, k and v again.
+    out, lse = (checkpoint_name(a, RESIDUALS) for a in (out, lse))
     return out, (q, k, v, out, lse)
 
 

@@ -110,3 +110,32 @@ def test_a_fused_kernel_takes_a_sequence_split_only_as_ring_blocks_of_single_doc
             kernel.check_split(short, 4)
     else:
         kernel.check_split(short, 4)
+
+
+def test_save_ring_attention_keeps_the_rings_output_and_runs_it_once():
+    """model.remat=save_ring_attention keeps the ring's output and log-sum-exp for the backward pass:
+    the gradients are full remat's (and whole attention's), and the backward pass does not run the
+    ring's forward again (its program sends as many blocks round the ring as without remat; full
+    remat sends the forward's again), while the work around it is recomputed."""
+    from model.layers import remat
+
+    q, k, v, dout = qkv_and_cotangent()
+    mesh = Mesh(np.array(jax.devices()[:4]), ("context",))
+    spec = P(None, "context")
+    ring = jax.shard_map(lambda *a: fused_ring_attention(*a, FusedRing("context", 4, REFERENCE, False)),
+                         mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+    # A layer's work around attention, so that remat has something to recompute before it.
+    layer = lambda q, k, v: ring(jnp.tanh(q), jnp.tanh(k), v)  # noqa: E731
+    program, grads = {}, {}
+    for policy in ("none", "full", "save_ring_attention"):
+        fn = jax.grad(lambda *a: (remat(layer, policy, in_scan=False)(*a) * dout).sum(), argnums=(0, 1, 2))
+        text = str(jax.make_jaxpr(fn)(q, k, v))
+        program[policy] = (text.count(" ppermute["), text.count(" tanh "))
+        grads[policy] = jax.jit(fn)(q, k, v)
+    expected = jax.grad(lambda *a: (whole(jnp.tanh(a[0]), jnp.tanh(a[1]), a[2]) * dout).sum(), argnums=(0, 1, 2))(q, k, v)
+    for policy in ("full", "save_ring_attention"):
+        for name, a, b in zip("qkv", grads[policy], expected):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5, err_msg=f"{policy}: d{name}")
+    (hops, tanh), (full_hops, full_tanh), (saved_hops, saved_tanh) = (program[p] for p in grads)
+    assert full_hops > hops and full_tanh > tanh, program  # full remat runs the whole layer again
+    assert saved_hops == hops and saved_tanh == full_tanh, program  # the ring's output kept, the rest again
