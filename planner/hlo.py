@@ -310,7 +310,8 @@ def collectives(
         elif kind == "ragged-all-to-all":
             found.append(dataclasses.replace(_op(kind, where, type_text, size), balanced=_balanced(name, size, n, graph)))
         elif kind == "collective-permute" and start:
-            found.append(dataclasses.replace(_op(kind, where, type_text, size), beside=runs_beside_kernels(lines, at, name)))
+            beside = runs_beside_kernels(lines, at, name)
+            found.append(dataclasses.replace(_op(kind, where, type_text, size), beside=beside))
         else:
             found.append(_op(kind, where, type_text, size))
     return found, unknown

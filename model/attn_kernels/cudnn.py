@@ -2,8 +2,8 @@
 
 GPU only. With packed documents and `model.max_documents` > 0 it takes each row's documents as
 cuDNN's packed layout (model/attention.py `cudnn_packed_attention`), else a dense mask of them,
-which a run says at start. One head dim for q, k and v (a narrower v is padded). A sequence split only under
-`context.strategy=ring` with rows of one document: each ring block is one cuDNN call
+which a run says at start. One head dim for q, k and v (a narrower v is padded). A sequence split
+only under `context.strategy=ring` with rows of one document: each ring block is one cuDNN call
 (model/ring_blocks.py, sharding/fused_ring.py).
 """
 

@@ -138,7 +138,8 @@ class Kernel:
         parts = 2 * context if cfg.context.load_balance else context
         if cfg.model.seq_len % (parts * self.tile):
             raise ConfigError(f"model.seq_len={cfg.model.seq_len}: the ring's blocks of model.attention={self.name} "
-                              f"need a multiple of {parts * self.tile} ({parts} blocks of its {self.tile}-position tile)")
+                              f"need a multiple of {parts * self.tile} ({parts} blocks of its "
+                              f"{self.tile}-position tile)")
 
     def notes(self, cfg: Config) -> list[str]:
         """What the run's attention falls back to, said at start (train.py) and in plans."""
