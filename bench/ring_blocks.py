@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from model.attention import xla_attention
 from model.ring_blocks import CUDNN, REFERENCE, BlockGrads, BlockKernel
+from sharding.fused_ring import FusedRing, fused_ring_attention
 
 TOLERANCE = 0.02
 # (name, t, s, heads, kv heads, head dim, v head dim, causal)
@@ -75,8 +76,6 @@ def timing(kernel: BlockKernel, t: int) -> None:
     as the ring's own block against XLA attention."""
     q, k, v, dout = _inputs(t, t, 32, 8, 128, 128)
     q, k, v, dout = (a[:1] for a in (q, k, v, dout))
-    from sharding.fused_ring import FusedRing, fused_ring_attention
-
     ring = FusedRing("", 1, kernel, False)
     fused = jax.grad(lambda q, k, v: (fused_ring_attention(q, k, v, ring) * dout).sum(), argnums=(0, 1, 2))
     plain = jax.grad(lambda q, k, v: (xla_attention(q, k, v, None) * dout).sum(), argnums=(0, 1, 2))

@@ -173,28 +173,47 @@ def cudnn_packed_attention(q: Array, k: Array, v: Array, segment_ids: Array, max
                                        mask_type=cudnn.MaskType.PADDING_CAUSAL)
 
 
-def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, interpret: bool | None = None) -> Array:
-    """The Pallas splash kernel over q [b, t, h, d], k, v [b, t, kv, d]: causal in array order,
-    within documents by segment ids. Needs every row in sequence order (no load balancing) and
-    a length that is a multiple of 128 (its tiles: 512 positions where they divide it, else 128)."""
+def splash_kernel(t: int, s: int, heads: int, causal: bool, interpret: bool, save_residuals: bool = False):  # noqa: ANN201
+    """The Pallas splash kernel (a SplashAttentionKernel) on [heads, t, d] queries against [kv, s, d]
+    keys and values, unscaled: causal in array order, or every key; tiles of 512 positions where
+    they divide a length, else 128. `save_residuals`: it also returns its log-sum-exp (the ring's
+    blocks, model/ring_blocks.py)."""
     # Imported here: loading Pallas and its TPU kernels costs every other run start-up time.
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
+    tile = lambda n: 512 if n % 512 == 0 else 128  # noqa: E731
+    bq, bkv = tile(t), tile(s)
+    sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
+                          block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
+    mask = sm.CausalMask((t, s)) if causal else sm.FullMask((t, s))
+    return sk.make_splash_mha(sm.MultiHeadMask([mask] * heads), block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                              save_residuals=save_residuals, interpret=interpret)
+
+
+def heads_first(a: Array) -> Array:
+    """[b, t, h, d] <-> [b, h, t, d]: the splash kernel takes [heads, length, head_dim]."""
+    return a.swapaxes(1, 2)
+
+
+def scaled(q: Array) -> Array:
+    """q times head_dim ** -0.5, in its own dtype: the splash kernel does not scale the scores."""
+    return (q.astype(jnp.float32) * q.shape[-1] ** -0.5).astype(q.dtype)
+
+
+def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, interpret: bool | None = None) -> Array:
+    """The Pallas splash kernel over q [b, t, h, d], k, v [b, t, kv, d]: causal in array order,
+    within documents by segment ids. Needs every row in sequence order (no load balancing) and
+    a length that is a multiple of 128 (its tiles: 512 positions where they divide it, else 128)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+
     b, t, h, d = q.shape
-    block = 512 if t % 512 == 0 else 128
-    sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                          block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
-    kernel = sk.make_splash_mha(sm.MultiHeadMask([sm.CausalMask((t, t))] * h), block_sizes=sizes,
-                                head_shards=1, q_seq_shards=1, interpret=interpret)
+    kernel = splash_kernel(t, t, h, True, interpret)
     seg = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-    heads_first = lambda a: a.swapaxes(1, 2)  # noqa: E731  the kernel takes [heads, length, head_dim]
-    # The kernel does not scale the scores; the reference does, by head_dim ** -0.5.
-    scaled = (q.astype(jnp.float32) * d**-0.5).astype(q.dtype)
     out = jax.vmap(lambda qq, kk, vv, s: kernel(qq, kk, vv, segment_ids=sk.SegmentIds(q=s, kv=s)))(
-        heads_first(scaled), heads_first(k), heads_first(v), seg)
+        heads_first(scaled(q)), heads_first(k), heads_first(v), seg)
     return heads_first(out)
 
 

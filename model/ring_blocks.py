@@ -153,25 +153,6 @@ def _cudnn_backward(x: BlockGrads, causal: bool) -> tuple[Array, Array, Array]:
 CUDNN = BlockKernel("cudnn", _cudnn_forward, _cudnn_backward)
 
 
-def _splash(t: int, s: int, heads: int, causal: bool, interpret: bool):  # noqa: ANN202 (a SplashAttentionKernel)
-    """The splash kernel on [heads, t, d] queries against [kv, s, d] keys, keeping its log-sum-exp."""
-    # Imported here: loading Pallas and its TPU kernels costs every other run start-up time.
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
-
-    tile = lambda n: 512 if n % 512 == 0 else 128  # noqa: E731  the tiles model/attention.py's splash uses
-    bq, bkv = tile(t), tile(s)
-    sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
-                          block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
-    mask = sm.CausalMask((t, s)) if causal else sm.FullMask((t, s))
-    return sk.make_splash_mha(sm.MultiHeadMask([mask] * heads), block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                              save_residuals=True, interpret=interpret)
-
-
-def _heads_first(a: Array) -> Array:
-    return a.swapaxes(1, 2)  # [b, t, h, d] <-> [b, h, t, d]: the kernel takes [heads, length, head_dim]
-
-
 # The named scope of a splash call on a block every query sees whole: the mask is data in the
 # compiled program, and the planner (planner/pallas.py UNMASKED) charges such calls every block.
 UNMASKED = "unmasked_block"
@@ -182,20 +163,22 @@ def _scope(causal: bool) -> contextlib.AbstractContextManager:
 
 
 def _splash_forward(q: Array, k: Array, v: Array, causal: bool, interpret: bool) -> tuple[Array, Array]:
-    kernel = _splash(q.shape[1], k.shape[1], q.shape[2], causal, interpret)
-    scaled = (q.astype(jnp.float32) * q.shape[-1] ** -0.5).astype(q.dtype)  # the kernel does not scale
+    from model.attention import heads_first, scaled, splash_kernel  # model/attention.py imports this module
+
+    kernel = splash_kernel(q.shape[1], k.shape[1], q.shape[2], causal, interpret, save_residuals=True)
     with _scope(causal):
-        out, (lse,) = jax.vmap(kernel)(*(_heads_first(a) for a in (scaled, k, v)))
-    return _heads_first(out), lse
+        out, (lse,) = jax.vmap(kernel)(*(heads_first(a) for a in (scaled(q), k, v)))
+    return heads_first(out), lse
 
 
 def _splash_backward(x: BlockGrads, causal: bool, interpret: bool) -> tuple[Array, Array, Array]:
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
-    kernel = _splash(x.q.shape[1], x.k.shape[1], x.q.shape[2], causal, interpret)
-    scale = x.q.shape[-1] ** -0.5
-    q, k, v, out, dout = (_heads_first(a) for a in ((x.q.astype(jnp.float32) * scale).astype(x.q.dtype), x.k, x.v,
-                                                      x.out.astype(x.q.dtype), x.dout.astype(x.q.dtype)))
+    from model.attention import heads_first, scaled, splash_kernel
+
+    kernel = splash_kernel(x.q.shape[1], x.k.shape[1], x.q.shape[2], causal, interpret, save_residuals=True)
+    q, k, v, out, dout = (heads_first(a) for a in (scaled(x.q), x.k, x.v, x.out.astype(x.q.dtype),
+                                                     x.dout.astype(x.q.dtype)))
     kw = kernel.kwargs
 
     def one_row(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array) -> tuple[Array, ...]:
@@ -206,7 +189,8 @@ def _splash_backward(x: BlockGrads, causal: bool, interpret: bool) -> tuple[Arra
 
     with _scope(causal):
         dq, dk, dv = jax.vmap(one_row)(q, k, v, out, x.lse, dout)
-    return (_heads_first(dq) * scale).astype(x.q.dtype), _heads_first(dk), _heads_first(dv)
+    # The kernel differentiated the scaled queries: dq of the unscaled ones takes the scale once more.
+    return (heads_first(dq) * x.q.shape[-1] ** -0.5).astype(x.q.dtype), heads_first(dk), heads_first(dv)
 
 
 def splash_blocks(interpret: bool) -> BlockKernel:

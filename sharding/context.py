@@ -111,6 +111,12 @@ def ring_attention(q: Array, k: Array, v: Array, positions: Array, segment_ids: 
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dv)
 
 
+def _ring_axis(rules: Rules, shards: int) -> str:
+    """The mesh axis of `length` the ring passes blocks round ("" with one shard: no ring, blockwise
+    attention on each device's whole rows)."""
+    return mesh_axes("length", rules)[0] if shards > 1 else ""
+
+
 def _specs(rules: Rules) -> tuple[PartitionSpec, PartitionSpec, PartitionSpec]:
     q_spec, kv_spec = (logical_to_spec(axes, rules) for axes in QKV_AXES)
     return q_spec, kv_spec, logical_to_spec(("batch", "length"), rules)
@@ -121,7 +127,7 @@ def sharded_ring(rules: Rules, shards: int, mask_fn: MaskFn) -> AttentionFn:
     arrays (the mesh comes from the tracing context, jax.set_mesh). With one shard it is
     blockwise attention on each device's whole rows: no [T, T] scores."""
     q_spec, kv_spec, row_spec = _specs(rules)
-    axis = mesh_axes("length", rules)[0] if shards > 1 else ""  # one shard: no ring, blockwise attention
+    axis = _ring_axis(rules, shards)
 
     def attention(q: Array, k: Array, v: Array, positions: Array, segment_ids: Array | None) -> Array:
         fn = functools.partial(ring_attention, ring=Ring(axis, shards, mask_fn))
@@ -140,7 +146,7 @@ def sharded_fused_ring(rules: Rules, shards: int, kernel: BlockKernel, balanced:
     (sharding/fused_ring.py), for rows of one document each: the split's layout, contiguous or
     load-balanced (`balanced`), says which keys a query sees, so positions are not read."""
     q_spec, kv_spec, _ = _specs(rules)
-    ring = FusedRing(mesh_axes("length", rules)[0] if shards > 1 else "", shards, kernel, balanced)
+    ring = FusedRing(_ring_axis(rules, shards), shards, kernel, balanced)
 
     def attention(q: Array, k: Array, v: Array, positions: Array, segment_ids: Array | None) -> Array:
         if segment_ids is not None:  # the kernels' checks refuse document packing first

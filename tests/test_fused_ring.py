@@ -13,9 +13,10 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from bench.procs import TINY
 from configs import ConfigError, load_config
+from configs.schema import REMAT_SAVES
 from model.attention import xla_attention
 from model.attn_kernels import get
-from model.ring_blocks import REFERENCE, BlockGrads, splash_blocks
+from model.ring_blocks import REFERENCE, RESIDUALS, BlockGrads, splash_blocks
 from sharding.context import balanced_order
 from sharding.fused_ring import FusedRing, fused_ring_attention
 
@@ -136,6 +137,7 @@ def test_save_ring_attention_keeps_the_rings_output_and_runs_it_once():
     for policy in ("full", "save_ring_attention"):
         for name, a, b in zip("qkv", grads[policy], expected):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5, err_msg=f"{policy}: d{name}")
+    assert REMAT_SAVES["save_ring_attention"] == ("save_only_these_names", RESIDUALS)  # configs cannot import it
     (hops, tanh), (full_hops, full_tanh), (saved_hops, saved_tanh) = (program[p] for p in grads)
     assert full_hops > hops and full_tanh > tanh, program  # full remat runs the whole layer again
     assert saved_hops == hops and saved_tanh == full_tanh, program  # the ring's output kept, the rest again

@@ -127,7 +127,8 @@ class Kernel:
         """Raises ConfigError unless the split can run as ring attention with this kernel fused on
         each block (sharding/fused_ring.py): context.strategy=ring, rows of one document (the
         blocks are masked by where they sit, not by segment ids), and ring blocks that fill the
-        kernel's tiles (under load balancing a ring step's blocks are half a device's positions)."""
+        kernel's tiles (under load balancing a ring step's blocks are half a device's positions; a
+        kernel with no tile leaves the length to trainer/checks.py's divisibility check)."""
         if cfg.context.strategy != "ring":
             raise ConfigError(f"model.attention={self.name} takes a sequence split (mesh.context={context}) only as "
                               "ring attention's blocks: set context.strategy=ring, or model.attention=xla for the "
@@ -136,7 +137,7 @@ class Kernel:
             raise ConfigError(f"data.packing=document: model.attention={self.name} under context.strategy=ring takes "
                               "rows of one document (data.packing=concat); model.attention=xla's ring masks documents")
         parts = 2 * context if cfg.context.load_balance else context
-        if cfg.model.seq_len % (parts * self.tile):
+        if self.tile > 1 and cfg.model.seq_len % (parts * self.tile):
             raise ConfigError(f"model.seq_len={cfg.model.seq_len}: the ring's blocks of model.attention={self.name} "
                               f"need a multiple of {parts * self.tile} ({parts} blocks of its "
                               f"{self.tile}-position tile)")
