@@ -31,6 +31,8 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from model.splash import heads_first, scaled, splash_kernel
+
 Array = jax.Array
 # (q, k, v, causal) -> (out, lse)
 ForwardFn = Callable[[Array, Array, Array, bool], tuple[Array, Array]]
@@ -163,8 +165,6 @@ def _scope(causal: bool) -> contextlib.AbstractContextManager:
 
 
 def _splash_forward(q: Array, k: Array, v: Array, causal: bool, interpret: bool) -> tuple[Array, Array]:
-    from model.attention import heads_first, scaled, splash_kernel  # model/attention.py imports this module
-
     kernel = splash_kernel(q.shape[1], k.shape[1], q.shape[2], causal, interpret, save_residuals=True)
     with _scope(causal):
         out, (lse,) = jax.vmap(kernel)(*(heads_first(a) for a in (scaled(q), k, v)))
@@ -173,8 +173,6 @@ def _splash_forward(q: Array, k: Array, v: Array, causal: bool, interpret: bool)
 
 def _splash_backward(x: BlockGrads, causal: bool, interpret: bool) -> tuple[Array, Array, Array]:
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-
-    from model.attention import heads_first, scaled, splash_kernel
 
     kernel = splash_kernel(x.q.shape[1], x.k.shape[1], x.q.shape[2], causal, interpret, save_residuals=True)
     q, k, v, out, dout = (heads_first(a) for a in (scaled(x.q), x.k, x.v, x.out.astype(x.q.dtype),
