@@ -51,11 +51,14 @@ train: $(STAMP)
 # runs a file there meanwhile. The
 # real-target compiles keep one worker per core (-n auto): they never wait. Two runs, timed apart:
 # the fake-CPU-device tests, then the compiles for real H100 and TPU targets (tests marked
-# real_target); each prints its 15 slowest tests.
+# real_target); each prints its 15 slowest tests. The real-target compiles are handed out a test
+# at a time (`--dist loadgroup`: tests/test_targets.py holds most of them, and by file they ran on
+# one worker while the other sat idle), except tests marked with one xdist_group, which share a
+# module fixture's compiles and go to one worker together.
 TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
 test: $(STAMP) $(COMPILERS_STAMP)
 	MESHLM_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 -m "not real_target" tests
-	MESHLM_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q -n auto --dist loadfile --durations=15 -m real_target tests
+	MESHLM_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q -n auto --dist loadgroup --no-loadscope-reorder --durations=15 -m real_target tests
 
 # A real one-node SLURM runs a sweep's array job and a 2-process srun (scripts/slurm_check.sh).
 # Debian's packages are installed only where a command is missing (CI starts from a clean
