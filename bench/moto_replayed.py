@@ -31,14 +31,15 @@ def main(argv: list[str]) -> None:
     # The recorder appends each request to the file in several writes (a large body is more than
     # one buffer); the threaded server records concurrent requests at once, and their pieces
     # interleaved into lines a replay cannot read. One request recorded at a time.
-    one_at_a_time, record, armed = threading.Lock(), recorder._record_request, threading.Event()
+    # DOWN_AFTER counts only the requests of clients (`live`), not those the replay sends.
+    one_at_a_time, record, armed, live = threading.Lock(), recorder._record_request, threading.Event(), threading.Event()
 
     def record_whole(request: Any, *args: object, **kwargs: object) -> None:
         with one_at_a_time:
             if armed.is_set():
                 os._exit(0)  # the outage: this request and every later one find no server
             record(request, *args, **kwargs)
-            if down_after is not None and down_after.search(f"{request.method} {request.path}"):
+            if live.is_set() and down_after is not None and down_after.search(f"{request.method} {request.path}"):
                 armed.set()
 
     recorder._record_request = record_whole
@@ -49,6 +50,7 @@ def main(argv: list[str]) -> None:
         # Replayed requests are not recorded again (the recorder pauses itself while it replays).
         recorder.replay_recording(target_host=f"http://{host}:{private_port}")
         private.stop()
+    live.set()
     ThreadedMotoServer("127.0.0.1", port, verbose=False).start()
     threading.Event().wait()  # served until stopped (SIGTERM)
 

@@ -13,8 +13,10 @@ CONNECTION_ERRORS = frozenset({
     "EndpointConnectionError", "ConnectionClosedError", "ConnectTimeoutError", "ReadTimeoutError",  # botocore
     "ClientConnectorError", "ServerDisconnectedError", "ServerTimeoutError", "ClientOSError",  # aiohttp (gcsfs, s3fs)
 })
-# TensorStore (Orbax's writes, the lock object) reports a store it could not reach with these codes.
+# TensorStore (Orbax's writes, the lock object) reports a store it could not reach with these codes,
+# or, once its retries of a request are spent (storage.store_retries), with this ABORTED status.
 STATUS_PREFIXES = ("UNAVAILABLE:", "DEADLINE_EXCEEDED:")
+RETRIES_SPENT = ("ABORTED: All ", " retry attempts failed")
 
 
 def _chain(error: BaseException) -> list[BaseException]:
@@ -34,7 +36,8 @@ def _is_connection(error: BaseException) -> bool:
         return True
     if any(cls.__name__ in CONNECTION_ERRORS for cls in type(error).__mro__):
         return True
-    return str(error).startswith(STATUS_PREFIXES)
+    text = str(error)
+    return text.startswith(STATUS_PREFIXES) or (text.startswith(RETRIES_SPENT[0]) and RETRIES_SPENT[1] in text)
 
 
 def unreachable(error: BaseException | None) -> BaseException | None:

@@ -305,13 +305,27 @@ def rename(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     fs.rm(keys)
 
 
+def store_retries(kind: str) -> dict[str, Any]:
+    """TensorStore's retries of one request to a `kind` ("gcs" or "s3") store, bounded as the
+    small-file clients' are (about a minute; for S3 AWS_MAX_ATTEMPTS, when set, counts the
+    attempts). TensorStore's own default, 32 retries up to 32 s apart, kept a run whose store
+    went down inside a restore waiting many minutes before it could say so."""
+    attempts = S3_ATTEMPTS
+    if kind == "s3" and os.environ.get("AWS_MAX_ATTEMPTS", "").isdigit():
+        attempts = max(int(os.environ["AWS_MAX_ATTEMPTS"]), 1)
+    return {"max_retries": attempts - 1, "initial_delay": "1s", "max_delay": "8s"}
+
+
 def kvstore_spec(url: str) -> dict[str, Any]:
-    """The TensorStore kvstore spec of a `gs://` or `s3://` URL, endpoint included. TensorStore's
-    GCS driver reads its endpoint override from the environment itself (TENSORSTORE_GCS_HTTP_URL);
-    its S3 driver does not read AWS_ENDPOINT_URL (its bare `s3://` URL form goes to AWS whatever the
-    environment says), so the endpoint and region are put into the spec here."""
+    """The TensorStore kvstore spec of a `gs://` or `s3://` URL, endpoint and retries included.
+    TensorStore's GCS driver reads its endpoint override from the environment itself
+    (TENSORSTORE_GCS_HTTP_URL); its S3 driver does not read AWS_ENDPOINT_URL (its bare `s3://`
+    URL form goes to AWS whatever the environment says), so the endpoint and region are put into
+    the spec here."""
     bucket, key = bucket_and_key(url)
-    spec: dict[str, Any] = {"driver": "gcs" if scheme(url) == "gs" else "s3", "bucket": bucket, "path": key}
+    driver = "gcs" if scheme(url) == "gs" else "s3"
+    spec: dict[str, Any] = {"driver": driver, "bucket": bucket, "path": key,
+                            f"{driver}_request_retries": store_retries(driver)}
     if spec["driver"] == "s3":
         if (endpoint := s3_endpoint()) is not None:
             spec["endpoint"] = endpoint
