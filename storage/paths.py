@@ -307,7 +307,7 @@ def rename(src: str | os.PathLike, dst: str | os.PathLike) -> None:
 
 def store_retries(kind: str) -> dict[str, Any]:
     """TensorStore's retries of one request to a `kind` ("gcs" or "s3") store, bounded as the
-    small-file clients' are (about a minute; for S3 AWS_MAX_ATTEMPTS, when set, counts the
+    small-file clients' are (under a minute; for S3 AWS_MAX_ATTEMPTS, when set, counts the
     attempts). TensorStore's own default, 32 retries up to 32 s apart, kept a run whose store
     went down inside a restore waiting many minutes before it could say so."""
     attempts = S3_ATTEMPTS

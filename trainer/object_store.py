@@ -10,7 +10,7 @@
   driver in it is replaced by the S3 driver with the endpoint and region the standard
   environment names (storage.kvstore_spec). And `manager_options` gives an object-store
   directory Orbax's commit-file protocol, which Orbax picks by itself only for `gs://`.
-- Both: TensorStore's retries of a request bounded as the other clients' are (about a minute,
+- Both: TensorStore's retries of a request bounded as the other clients' are (under a minute,
   storage.store_retries), not its default of many minutes: an outage met inside a restore is
   then told as soon as one met by the small files.
 
