@@ -90,7 +90,7 @@ def stops_on_outage(run_dir: str, committed: Callable[[], str], cut_short: Calla
         down = store_down(e, run_dir)
         if down is None:
             raise
-        raise StoreDown(run_dir, committed(), down, exit_at_once=cut_short()) from e
+        raise StoreDown(run_dir, committed(), down, exit_at_once=cut_short() or isinstance(e, storage.LeftRunning)) from e
 
 
 class StoreDown(RunStopped):

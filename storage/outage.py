@@ -46,3 +46,9 @@ def unreachable(error: BaseException | None) -> BaseException | None:
     if error is None:
         return None
     return next((e for e in _chain(error) if _is_connection(e)), None)
+
+
+class LeftRunning(Exception):
+    """Raised over an outage a library's background tasks may outlive (a restore the object store
+    cut short: TensorStore's and the fsspec clients' callbacks into event loops that close): the
+    process exits at once, without joining their threads, whose callbacks would print tracebacks."""
