@@ -29,32 +29,32 @@ from orbax.checkpoint._src.serialization import tensorstore_utils
 import storage
 
 
-def _as_s3(spec: Any) -> Any:
-    """`spec` (a kvstore spec built for the `gs://` twin of an `s3://` path) with each GCS driver,
-    dict or URL, turned into the S3 one for the same bucket and key (its retries included)."""
+def _each_gcs_driver(spec: Any, change: Callable[[dict[str, Any]], dict[str, Any]]) -> Any:
+    """`spec` (a kvstore spec Orbax built) with `change` applied to each GCS driver in it, dict or
+    `gs://` URL (a URL as the driver dict of its bucket and key)."""
     if isinstance(spec, dict):
         if spec.get("driver") in ("gcs", "gcs_grpc") and "bucket" in spec:
-            s3 = storage.kvstore_spec(f"s3://{spec['bucket']}")
-            rest = {k: v for k, v in spec.items() if k not in ("driver", "bucket")}
-            return {**rest, **{k: v for k, v in s3.items() if k != "path"}}
-        return {k: _as_s3(v) for k, v in spec.items()}
+            return change(spec)
+        return {k: _each_gcs_driver(v, change) for k, v in spec.items()}
     if isinstance(spec, list):
-        return [_as_s3(v) for v in spec]
+        return [_each_gcs_driver(v, change) for v in spec]
     if isinstance(spec, str) and spec.startswith("gs://"):
         bucket, key = storage.bucket_and_key(spec)
-        return {**storage.kvstore_spec(f"s3://{bucket}"), "path": key + ("/" if spec.endswith("/") else "")}
+        return change({"driver": "gcs", "bucket": bucket, "path": key + ("/" if spec.endswith("/") else "")})
     return spec
 
 
-def _with_gcs_retries(spec: Any) -> Any:
-    """`spec` with each GCS driver dict given the bounded retries of storage.store_retries."""
-    if isinstance(spec, dict):
-        if spec.get("driver") == "gcs" and "bucket" in spec:
-            return {"gcs_request_retries": storage.store_retries("gcs"), **spec}
-        return {k: _with_gcs_retries(v) for k, v in spec.items()}
-    if isinstance(spec, list):
-        return [_with_gcs_retries(v) for v in spec]
-    return spec
+def _as_s3(gcs: dict[str, Any]) -> dict[str, Any]:
+    """A GCS driver of the `gs://` twin of an `s3://` path as the S3 driver of the same bucket and
+    key (endpoint, region and retries: storage.kvstore_spec)."""
+    s3 = storage.kvstore_spec(f"s3://{gcs['bucket']}")
+    rest = {k: v for k, v in gcs.items() if k not in ("driver", "bucket")}
+    return {**rest, **{k: v for k, v in s3.items() if k != "path"}}
+
+
+def _with_retries(gcs: dict[str, Any]) -> dict[str, Any]:
+    """A GCS driver given the bounded retries of storage.store_retries."""
+    return {"gcs_request_retries": storage.store_retries("gcs"), **gcs} if gcs["driver"] == "gcs" else gcs
 
 
 def _on_object_stores(build: Callable[..., Any]) -> Callable[..., Any]:
@@ -62,9 +62,9 @@ def _on_object_stores(build: Callable[..., Any]) -> Callable[..., Any]:
     def build_kvstore_tspec(directory: Any, *args: Any, **kwargs: Any) -> Any:
         text = str(directory)
         if text.startswith("s3://"):
-            return _as_s3(build("gs://" + text[len("s3://"):], *args, **kwargs))
+            return _each_gcs_driver(build("gs://" + text[len("s3://"):], *args, **kwargs), _as_s3)
         if text.startswith("gs://"):
-            return _with_gcs_retries(build(directory, *args, **kwargs))
+            return _each_gcs_driver(build(directory, *args, **kwargs), _with_retries)
         return build(directory, *args, **kwargs)
 
     build_kvstore_tspec.meshlm_stores = True  # type: ignore[attr-defined]  # wrapped once per process
