@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import pathlib
 import subprocess
@@ -24,6 +25,7 @@ import storage
 import train
 import trainer
 from configs import ConfigError, load_config
+from configs.schema import CheckpointConfig
 from conftest import require, stdlib_glob
 from bench.procs import TINY, Train
 from bench.object_servers import Server, create_gcs_bucket, gcs_env, gcs_server, s3_client, s3_env
@@ -406,6 +408,32 @@ def test_an_outage_is_told_by_the_errors_chain() -> None:
     assert storage.unreachable(ValueError("ABORTED: Generation mismatch")) is None  # a lost race, not an outage
     assert storage.unreachable(raised(ValueError("bad shape"), KeyError("x"))) is None
     assert storage.unreachable(None) is None
+
+
+def test_after_an_outage_ended_the_run_orbaxs_save_threads_stay_off_the_console(
+        s3_bucket: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The checkpointer closes in the loop's `finally` with the outage on its way out; Orbax's save
+    threads, left running, go on logging it (absl) until the process exits: those records stop at
+    the library log, short of the console's handlers, where the run's one line must stay alone. A clean
+    close gives the console its loggers back."""
+    outage = ConnectionRefusedError(111, "Connect call failed")
+    absl = logging.getLogger("absl")
+    for ending in (outage, None):
+        ckpt = trainer.checkpoint.Checkpointer(f"{s3_bucket}/{uuid.uuid4().hex[:8]}/checkpoints", CheckpointConfig())
+        try:
+            try:
+                if ending is not None:
+                    raise ending
+            finally:
+                ckpt.close()
+        except ConnectionRefusedError:
+            pass
+        caplog.clear()
+        absl.error("Failed to write metadata", exc_info=outage)  # as Orbax's save thread does
+        shown = [r.getMessage() for r in caplog.records]  # what reached the handlers the console has
+        assert shown == ([] if ending is not None else ["Failed to write metadata"]), shown
+        ckpt.library_log.divert_outages(False)
+        ckpt.library_log.stop()
 
 
 def test_a_server_down_past_the_retries_stops_the_run_with_one_line_and_the_same_command_resumes(

@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import logging
 import os
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Callable
@@ -517,7 +518,8 @@ class Checkpointer:
             self.local.wait()
 
     def close(self) -> None:
-        """Waits for saves in flight and stops the library log; a second call does nothing."""
+        """Waits for saves in flight and stops the library log (left on after an outage); a second
+        call does nothing."""
         if self._closed:
             return
         self._closed = True
@@ -527,5 +529,9 @@ class Checkpointer:
             self._join(self.manager.close)
             self._finished()
         finally:
-            self.library_log.stop()
-            self.library_log.divert_outages(False)
+            # After an outage (a save it cut short, or the error ending the run: close runs in the
+            # loop's `finally`) Orbax's save threads are left running and go on logging it until
+            # the process exits: they stay diverted from the console.
+            if not (self.cut_short or storage.unreachable(sys.exc_info()[1])):
+                self.library_log.stop()
+                self.library_log.divert_outages(False)
