@@ -96,6 +96,28 @@ def test_a_grpo_run_samples_scores_and_updates(history):
     assert seconds["rollout"] > 0 and seconds["productive"] > 0
 
 
+def test_a_rollout_starts_once_the_update_before_it_has_finished(grpo_run, tmp_path):
+    """Each rollout samples from the state the previous update computes (dispatched
+    asynchronously): the loop waits for that update before the rollout's goodput phase opens, so
+    the update's time is counted as the steps' and the rollout's `rollout_s` holds its own time
+    only. Seen at the stage: every rollout finds its parameters computed."""
+    from trainer.objectives.grpo import RolloutStage
+
+    found: dict[int, bool] = {}
+    made = RolloutStage.__call__
+
+    def watched(stage: RolloutStage, state, next_batch, step: int):
+        if stage.carried(step - 1) is None:  # a new rollout batch (updates_per_rollout=1: every step)
+            found[step] = all(leaf.is_ready() for leaf in jax.tree.leaves(state.params))
+        return made(stage, state, next_batch, step)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(RolloutStage, "__call__", watched)
+        grpo_run(tmp_path / "run", "rl.updates_per_rollout=1", "eval.every=0", "train.log_every=100",
+                 "train.steps=4")
+    assert found == {1: True, 2: True, 3: True, 4: True}, found
+
+
 def test_data_parallel_samples_and_updates_as_one_device(grpo_run, history, tmp_path):
     """The 2-device run (data=2) draws the one-device run's completions and makes its updates
     (bench/grpo_layouts.py does the same for data x fsdp x tensor on 8 devices; test_grpo_layouts
