@@ -77,11 +77,12 @@ def store_down(error: BaseException | None, run_dir: str) -> BaseException | Non
 
 
 @contextlib.contextmanager
-def stops_on_outage(run_dir: str, committed: Callable[[], str], cut_short: Callable[[], bool]) -> Iterator[None]:
+def stops_on_outage(run_dir: str, committed: Callable[[], str]) -> Iterator[None]:
     """Turns any error of the block whose chain says the store of a bucket run.dir stopped
     answering (re-reading run.dir or restoring at start-up, an asynchronous save, a metrics
     rewrite, summary.json) into StoreDown: one line, its own exit status, and `committed()`, what
-    is known committed (e.g. "step 4"); `cut_short()`: whether the outage cut a save short."""
+    is known committed (e.g. "step 4"). A chain holding storage.LeftRunning (a save or restore the
+    outage cut short) makes it exit at once."""
     try:
         yield
     except ConfigError:
@@ -90,7 +91,7 @@ def stops_on_outage(run_dir: str, committed: Callable[[], str], cut_short: Calla
         down = store_down(e, run_dir)
         if down is None:
             raise
-        raise StoreDown(run_dir, committed(), down, exit_at_once=cut_short() or isinstance(e, storage.LeftRunning)) from e
+        raise StoreDown(run_dir, committed(), down, exit_at_once=storage.left_running(e)) from e
 
 
 class StoreDown(RunStopped):

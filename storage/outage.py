@@ -49,6 +49,12 @@ def unreachable(error: BaseException | None) -> BaseException | None:
 
 
 class LeftRunning(Exception):
-    """Raised over an outage a library's background tasks may outlive (a restore the object store
-    cut short: TensorStore's and the fsspec clients' callbacks into event loops that close): the
-    process exits at once, without joining their threads, whose callbacks would print tracebacks."""
+    """Raised over an outage a library's background tasks outlive (a save the object store cut
+    short: Orbax's threads wait on signals that never come; a restore it cut short: TensorStore's
+    and the fsspec clients' callbacks into event loops that close): the process exits at once,
+    without joining their threads, which would never end or print tracebacks."""
+
+
+def left_running(error: BaseException | None) -> bool:
+    """Whether `error`'s chain holds a LeftRunning: the run must exit without joining threads."""
+    return error is not None and any(isinstance(e, LeftRunning) for e in _chain(error))

@@ -360,13 +360,15 @@ class Checkpointer:
 
     def _finished(self) -> None:
         """The save in flight committed (Orbax has joined it without an error); one the object
-        store cut short, which Orbax only logs (`LibraryLog.outage`), is raised here instead."""
+        store cut short, which Orbax only logs (`LibraryLog.outage`), is raised here instead, as
+        storage.LeftRunning over the outage."""
         if self._saving is None:
             return
         cut_short = self.library_log.outage
         if cut_short is not None:
-            self._saving = None
-            raise cut_short
+            step, self._saving = self._saving, None
+            # Its threads wait for good: the run exits without joining them (ops.faults.StoreDown).
+            raise storage.LeftRunning(f"saving {self._path(step)}") from cut_short
         self.committed, self._saving = self._saving, None
 
     def restore(self, step: int, target: TrainState, iterator: grain.DatasetIterator) -> TrainState:

@@ -43,7 +43,7 @@ def run(cfg: Config, devices: list | None = None) -> list[dict[str, Any]]:
     # run.dir on (bad input stays a ConfigError): one line (StoreDown), once the saves in flight
     # are joined, so that the last committed step it names is known. The lock is then left, not
     # released (ops.rundir_lock): the release would wait out the store's retries.
-    with stops_on_outage(cfg.run.dir, lambda: _committed(session), lambda: _cut_short(session)):
+    with stops_on_outage(cfg.run.dir, lambda: _committed(session)):
         spec, devices = bring_up(cfg, devices)
         # Bad input has been refused with run.dir untouched; from here on this run writes there, alone.
         with rundir_lock.hold(cfg.run.dir, cfg.run.lock_timeout_s, cfg.dist.init_timeout_s, log):
@@ -63,11 +63,6 @@ def _committed(session: Session | None) -> str:
     if session is None:
         return "whichever run.dir held before this command (it stopped while starting)"
     return "none yet" if session.ckpt.committed is None else f"step {session.ckpt.committed}"
-
-
-def _cut_short(session: Session | None) -> bool:
-    """Whether the outage cut a save short (its threads are then not joined: StoreDown)."""
-    return session is not None and session.ckpt.cut_short
 
 
 def _train(session: Session, devices: list, goodput: Goodput) -> list[dict[str, Any]]:
