@@ -390,7 +390,8 @@ def test_a_server_restarted_mid_run_is_retried_and_the_run_ends_as_uninterrupted
 
 def test_an_outage_is_told_by_the_errors_chain() -> None:
     """The clients' errors after their retries, raised while handling a refused connection, or
-    TensorStore's status; an error of another kind is none, even with a cause."""
+    TensorStore's status; an error of another kind is none, even with a cause. And a chain holding
+    storage.LeftRunning (threads the outage left running)."""
     def raised(outer: Exception, inner: Exception) -> Exception:
         try:
             try:
@@ -408,6 +409,9 @@ def test_an_outage_is_told_by_the_errors_chain() -> None:
     assert storage.unreachable(ValueError("ABORTED: Generation mismatch")) is None  # a lost race, not an outage
     assert storage.unreachable(raised(ValueError("bad shape"), KeyError("x"))) is None
     assert storage.unreachable(None) is None
+    # A save or restore the outage cut short, however deep in the chain: the run exits at once.
+    assert storage.left_running(raised(RuntimeError("closing"), storage.LeftRunning("saving s3://b/run/4")))
+    assert not storage.left_running(refused) and not storage.left_running(None)
 
 
 def test_after_an_outage_ended_the_run_orbaxs_save_threads_stay_off_the_console(
