@@ -437,8 +437,9 @@ class Checkpointer:
             try:
                 state = self.restore(step, target, iterator)
             except Exception as e:  # truncated or missing files, bad metadata: all unreadable
-                if storage.unreachable(e) is not None:  # the store is down, not the checkpoint damaged
-                    raise storage.LeftRunning(f"restoring {self._path(step)}") from e  # the run stops: ops.faults.StoreDown
+                if storage.unreachable(e) is not None:  # the store is down, not the checkpoint damaged:
+                    # the run stops (ops.faults.StoreDown), without joining the read's threads
+                    raise storage.LeftRunning(f"restoring {self._path(step)}") from e
                 self.library_log.note(f"checkpoint {self._path(step)} cannot be read:", e)
                 reason = _why(e)
             if state is not None and not damaged and reason == "":
