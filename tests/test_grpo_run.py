@@ -107,7 +107,7 @@ def test_a_rollout_starts_once_the_update_before_it_has_finished(grpo_run, tmp_p
     made = RolloutStage.__call__
 
     def watched(stage: RolloutStage, state, next_batch, step: int):
-        if stage.carried(step - 1) is None:  # a new rollout batch (updates_per_rollout=1: every step)
+        if stage.makes_batch(step):  # a new rollout batch (updates_per_rollout=1: every step)
             found[step] = all(leaf.is_ready() for leaf in jax.tree.leaves(state.params))
         return made(stage, state, next_batch, step)
 

@@ -112,7 +112,7 @@ def _next_batch(ctx: RunContext, stage: Stage | None, batches: Iterator, state: 
     if stage is None:
         return next(batches), {}
     program = ctx.session.program
-    if stage.carried(step - 1) is None:  # this step makes its own batch: a rollout, from `state`
+    if stage.makes_batch(step):  # a rollout, from `state`
         # The update still computing `state` (dispatched asynchronously) is waited for here, so
         # that its time stays the steps' and the rollout's phase holds only the rollout's.
         jax.block_until_ready(state)

@@ -48,7 +48,7 @@ class RolloutStage(Stage):
         self.made: tuple[dict, dict[str, float]] | None = None
 
     def __call__(self, state: Any, next_batch: Callable[[], dict], step: int) -> tuple[dict, dict[str, float]]:
-        if self.made is not None and (step - 1) % self.spec.updates:
+        if not self.makes_batch(step):
             return self.made
         t0 = time.perf_counter()
         data = next_batch()
@@ -66,9 +66,12 @@ class RolloutStage(Stage):
         self.made = batch, {**metrics, "rollout_s": seconds, "rollout_tokens_per_s": tokens / seconds}
         return self.made
 
+    def makes_batch(self, step: int) -> bool:
+        # A new rollout batch begins every rl.updates_per_rollout steps, and at a run's first step.
+        return self.made is None or (step - 1) % self.spec.updates == 0
+
     def carried(self, step: int) -> Made | None:
-        # After step `step` the next one reuses the batch unless a new rollout batch begins there.
-        return None if step % self.spec.updates == 0 else self.made
+        return None if self.makes_batch(step + 1) else self.made
 
     def resume(self, made: Made | None) -> None:
         self.made = made

@@ -45,6 +45,11 @@ class Stage:
         batch the step trains on, the host's metrics of making it)."""
         raise NotImplementedError
 
+    def makes_batch(self, step: int) -> bool:
+        """Whether step `step` makes its batch from the train state it is given (a new rollout),
+        rather than training on one made before: the loop then waits for that state first."""
+        return True
+
     def carried(self, step: int) -> Made | None:
         """What a checkpoint of `step` must hold for the steps after it: a batch made before and
         still to be trained on, with its metrics. None: nothing (the next step makes its own)."""
