@@ -89,6 +89,10 @@ def summary(greedy: np.ndarray, sampled: np.ndarray, answers: list[str], greedy_
     k_max, n = sampled.shape
     table = [("greedy exact match", f"{greedy.mean():.3f}"),
              (f"mean reward of the samples (temperature {temperature:g})", f"{sampled.mean():.3f}")]
+    for name, where in (("right", greedy > 0), ("wrong", greedy == 0)):
+        if where.any():  # where the samples' right answers are: GRPO's push up comes from them
+            table.append((f"mean reward of the samples on the prompts greedy gets {name}",
+                          f"{sampled[:, where].mean():.3f}"))
     k = 1
     while k <= k_max:
         table.append((f"pass@{k}", f"{sampled[:k].max(axis=0).mean():.3f}"))

@@ -17,6 +17,8 @@ def test_pass_at_k_counts_prompts_with_a_right_answer_among_their_first_k_sample
     rows = dict(summary(greedy, sampled, ["85", "101", "7", "40"], ["85", "111", "8", "x"], 1.0))
     assert rows["greedy exact match"] == "0.250"
     assert rows["mean reward of the samples (temperature 1)"] == "0.188"
+    assert rows["mean reward of the samples on the prompts greedy gets right"] == "0.250"  # prompt 1
+    assert rows["mean reward of the samples on the prompts greedy gets wrong"] == "0.167"  # 2 of 12
     assert (rows["pass@1"], rows["pass@2"], rows["pass@4"]) == ("0.250", "0.500", "0.750")
     assert "pass@8" not in rows
     assert rows["greedy wrong, right in a sample of 4"] == "0.500"  # prompts 2 and 3
