@@ -39,6 +39,7 @@ import argparse
 import dataclasses
 import functools
 import os
+import shutil
 import sys
 import tempfile
 
@@ -115,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:  # the runs' directories: only their loss curves are kept, above
+        shutil.rmtree(root, ignore_errors=True)
     lines, ok = ([], True) if f32 is None else judge(f32, bf16, args.tolerance)
     for q, got in quantized.items():
         more, good = judge(bf16, got, args.tolerance, ("bfloat16", f"bfloat16 {q}"))

@@ -15,6 +15,7 @@ import contextlib
 import glob
 import json
 import os
+import shutil
 import struct
 import sys
 import tempfile
@@ -99,6 +100,16 @@ class TensorBoard:
                 with open(os.path.join(self.dir, name), "rb") as f:
                     storage.write_bytes(storage.join(self.remote, name), f.read())
             self._uploaded = time.monotonic()
+
+    def close(self) -> None:
+        """The event file closed and, for a remote run.dir, uploaded whole; then this host's copy
+        goes. An upload that fails raises and leaves the copy where it was written."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        self.upload()
+        if self.remote:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _records(path: str) -> list[bytes]:

@@ -129,7 +129,7 @@ class _TensorBoard:
         pass  # TensorBoard has scalars only; summary.json holds the summary
 
     def close(self, outcome: str) -> None:
-        self.tb.upload()  # a remote run.dir's event file, whole
+        self.tb.close()  # a remote run.dir's event file uploaded whole
 
 
 class _Wandb:

@@ -89,9 +89,11 @@ def test_the_precision_benchmark_runs_both_variants(tmp_path, flags, header):
     # flags it first shows in the 6 printed decimals at step 5.
     cmd = [sys.executable, "-m", "bench.precision", "--config", "tiny", "--steps", "5", *flags, "mesh.data=1",
            "train.global_batch=8", f"data.path={stdlib_glob('json')}"]
-    done = subprocess.run(cmd, cwd=ROOT, env=cpu_env(1), capture_output=True, text=True, timeout=240)
+    env = dict(cpu_env(1), TMPDIR=str(tmp_path))  # where the runs' directories go
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     assert any(line.startswith(header) for line in done.stdout.splitlines()), done.stdout[-600:]
+    assert not list(tmp_path.glob("bench-precision-*")), "the runs' directories are removed"
     rows = [line for line in done.stdout.splitlines() if line.startswith("| 5 |")]
     assert len(rows) == 1
     ref, other = (float(x) for x in rows[0].split("|")[2:4])

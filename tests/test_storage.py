@@ -15,6 +15,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 
@@ -129,8 +130,11 @@ def upload_corpus(root: str) -> str:
 
 @pytest.mark.parametrize("bucket", ["s3_bucket", "gcs_bucket"])
 def test_a_run_on_a_bucket_resumes_bit_for_bit(request: pytest.FixtureRequest, capfd: pytest.CaptureFixture,
-                                                bucket: str, uninterrupted: tuple[dict[int, float], dict]) -> None:
-    """run.dir and data.path both on the bucket: the same numbers as the local run on local files."""
+                                                bucket: str, uninterrupted: tuple[dict[int, float], dict],
+                                                tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """run.dir and data.path both on the bucket: the same numbers as the local run on local files;
+    the TensorBoard events written on this host first are uploaded, and their copy here removed."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where this host's copy goes
     root = f"{request.getfixturevalue(bucket)}/{uuid.uuid4().hex[:8]}"
     run_dir, corpus = f"{root}/run", upload_corpus(root)
     assert [storage.basename(f) for f in storage.glob_files(corpus)] == sorted(
@@ -154,6 +158,7 @@ def test_a_run_on_a_bucket_resumes_bit_for_bit(request: pytest.FixtureRequest, c
     for name in ("config.yaml", "summary.json"):
         assert storage.exists(storage.join(run_dir, name)), name
     assert len(storage.listdir(storage.join(run_dir, "tb"))) == 2, "each invocation's TensorBoard events uploaded"
+    assert not glob.glob(str(tmp_path / "meshlm-tb-*")), "the local copies of the events are removed"
     assert json.loads(storage.read_text(storage.join(run_dir, "summary.json")))["final_step"] == 4
 
 
