@@ -56,6 +56,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -232,8 +233,12 @@ def run_child(child_spec: Child, jobs: list[list[str]]) -> list[dict]:
         with open(os.path.join(tmp, "stderr"), "w+") as err:
             child = subprocess.Popen([sys.executable, here, "--child", spec], env=env, cwd=os.path.dirname(here),
                                      stdout=subprocess.DEVNULL, stderr=err, text=True)
+            def stop() -> None:  # Ctrl-C (configs.interrupt): the compile must not run on, orphaned
+                child.kill()
+                shutil.rmtree(tmp, ignore_errors=True)  # the handler's os._exit skips the context's removal
+
             try:
-                with on_interrupt(child.kill):  # Ctrl-C (configs.interrupt): the compile must not run on, orphaned
+                with on_interrupt(stop):
                     code = wait_with_progress(child, spec + ".progress")
             except BaseException:
                 child.kill()

@@ -49,8 +49,9 @@ def test_train_py_interrupted_before_the_loop_leaves_one_line_and_a_usable_run_d
 
 
 def test_plan_py_interrupted_while_its_child_compiles_leaves_no_compile_running(tmp_path):
-    out = tmp_path / "plan.json"
-    env = dict(cpu_env(1), PYTHONUNBUFFERED="1")
+    out, scratch = tmp_path / "plan.json", tmp_path / "tmp"
+    scratch.mkdir()
+    env = dict(cpu_env(1), PYTHONUNBUFFERED="1", TMPDIR=str(scratch))  # where the child's spec goes
     plan = subprocess.Popen([sys.executable, "plan.py", "--config", "tiny", "--devices", "8", "--out", str(out)],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = plan.stderr.readline()  # "compiling tiny for 8 x h100 ...": the child has started
@@ -67,6 +68,7 @@ def test_plan_py_interrupted_while_its_child_compiles_leaves_no_compile_running(
     while time.monotonic() < deadline and any(_running(p) for p in children):
         time.sleep(0.05)
     assert not any(_running(p) for p in children), "no orphaned compile runs on"
+    assert not os.listdir(scratch), "the child's spec and log are removed"
 
 
 def _wait_until_it_catches_sigterm(pid: int) -> None:
