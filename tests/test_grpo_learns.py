@@ -64,3 +64,20 @@ def test_grpo_raises_the_held_out_accuracy_of_a_short_sft_run(start, tmp_path):
     assert len(evals) == 2 and evals[0] < 0.6, evals  # the warm-up leaves room to learn
     # Seen: 0.125 -> 0.44; with the advantages' sign flipped, 0.125 -> 0.
     assert evals[1] >= evals[0] + 0.25, evals
+
+
+def test_the_headroom_bench_reads_the_warm_up_checkpoint(start, capsys):
+    """bench.grpo_headroom end to end on the warm-up's run directory and the task's rows: greedy
+    exact match and pass@k of the checkpoint's own samples (the table's arithmetic is checked on
+    given rewards in test_bench_headroom)."""
+    from bench.grpo_headroom import main
+
+    root = os.path.dirname(start[0])
+    assert main(["--run-dir", os.path.join(root, "sft-run"), "--prompts", os.path.join(root, "sums.jsonl"),
+                 "--n", "16", "--k", "4", "--max-new-tokens", "2"]) == 0
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in capsys.readouterr().out.splitlines()]
+    rows = {what: value for what, value in cells[2:]}
+    assert rows["checkpoint"].endswith(f"step 100, 16 prompts of {os.path.join(root, 'sums.jsonl')}")
+    passes = [float(rows[f"pass@{k}"]) for k in (1, 2, 4)]
+    assert passes == sorted(passes) and 0 < passes[-1] <= 1, rows
+    assert 0 <= float(rows["greedy exact match"]) <= 1, rows
