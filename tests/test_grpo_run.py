@@ -118,6 +118,21 @@ def test_a_rollout_starts_once_the_update_before_it_has_finished(grpo_run, tmp_p
     assert found == {1: True, 2: True, 3: True, 4: True}, found
 
 
+def test_a_run_whose_groups_never_spread_says_so_once(grpo_run, tmp_path, capfd):
+    """The untrained model never earns exact_match: every group scores 0 alike and nothing is
+    learned. After FLAT_ROLLOUTS such rollout batches in a row the run says so, once."""
+    from trainer.objectives.grpo import FLAT_ROLLOUTS
+
+    capfd.readouterr()
+    records = grpo_run(tmp_path / "run", "rl.reward=exact_match", "rl.updates_per_rollout=1", "eval.every=0",
+                       f"train.steps={FLAT_ROLLOUTS + 2}")
+    assert {r["no_spread_groups"] for r in records if "loss" in r} == {1.0}
+    said = [line for line in capfd.readouterr().out.splitlines() if line.startswith("warning: ")]
+    assert said == [f"warning: step {FLAT_ROLLOUTS}: in each of the last {FLAT_ROLLOUTS} rollout batches every "
+                    "group's completions scored alike (reward 0.000), so the updates learn nothing; a larger "
+                    "rl.group_size, a lower optim.lr or a reward with partial credit gives groups spread"], said
+
+
 def test_data_parallel_samples_and_updates_as_one_device(grpo_run, history, tmp_path):
     """The 2-device run (data=2) draws the one-device run's completions and makes its updates
     (bench/grpo_layouts.py does the same for data x fsdp x tensor on 8 devices; test_grpo_layouts

@@ -31,6 +31,9 @@ from trainer.objectives.dpo import reference_params
 from trainer.objectives.registry import EvalFn, Made, Objective, Stage, check_prepared, register, require
 
 Array = jax.Array
+# Rollout batches in a row whose every group scored alike before the run says that it learns
+# nothing: such groups have no advantage, so the updates stop (all but weight decay).
+FLAT_ROLLOUTS = 10
 
 
 class RolloutStage(Stage):
@@ -46,6 +49,7 @@ class RolloutStage(Stage):
         self.grpo = grpo.GRPO(graphdef, compute, self.spec, rewards.build(cfg.rl), self.tokenizer.decode)
         self.seed, self.prompt_len = cfg.run.seed, cfg.model.seq_len + 1 - cfg.rl.max_new_tokens
         self.made: tuple[dict, dict[str, float]] | None = None
+        self.flat = 0  # rollout batches in a row with no group's rewards spread
 
     def __call__(self, state: Any, next_batch: Callable[[], dict], step: int) -> tuple[dict, dict[str, float]]:
         if not self.makes_batch(step):
@@ -64,7 +68,18 @@ class RolloutStage(Stage):
         seconds = time.perf_counter() - t0
         tokens = metrics["completion_length"] * len(prompts) * self.spec.rollout.group_size
         self.made = batch, {**metrics, "rollout_s": seconds, "rollout_tokens_per_s": tokens / seconds}
+        self._watch_spread(metrics, step)
         return self.made
+
+    def _watch_spread(self, metrics: dict[str, float], step: int) -> None:
+        """Says once per streak when FLAT_ROLLOUTS rollout batches in a row had no group with
+        spread (no_spread_groups 1): a collapsed policy or a reward nothing earns."""
+        self.flat = self.flat + 1 if metrics["no_spread_groups"] >= 1.0 else 0
+        if self.flat == FLAT_ROLLOUTS:
+            print(f"warning: step {step}: in each of the last {FLAT_ROLLOUTS} rollout batches every group's "
+                  f"completions scored alike (reward {metrics['reward_mean']:.3f}), so the updates learn "
+                  "nothing; a larger rl.group_size, a lower optim.lr or a reward with partial credit gives "
+                  "groups spread", flush=True)
 
     def makes_batch(self, step: int) -> bool:
         # A new rollout batch begins every rl.updates_per_rollout steps, and at a run's first step.
