@@ -69,17 +69,16 @@ def measure(args: argparse.Namespace) -> list[tuple[str, str]]:
     rows, prompts, pad = _prompts(args.prompts, args.n, tokenizer)
     model, reward = transformer_from_params(cfg.model, params), ExactMatch(cfg.rl)
 
-    def scores(tokens: np.ndarray, repeats: int) -> np.ndarray:
-        texts = _texts(tokens, tokenizer)
+    def scores(texts: list[str], repeats: int) -> np.ndarray:
         return np.array([reward(r["prompt"], t, r) for r, t in zip(rows * repeats, texts)]).reshape(repeats, -1)
 
-    greedy_tokens = generate(model, prompts, args.max_new_tokens, pad=pad)
-    greedy = scores(greedy_tokens, 1)[0]
-    sampled = scores(generate(model, np.tile(prompts, (args.k, 1)), args.max_new_tokens, seed=args.seed,
-                              sampling=Sampling(args.temperature), pad=np.tile(pad, args.k)), args.k)
+    greedy_texts = _texts(generate(model, prompts, args.max_new_tokens, pad=pad), tokenizer)
+    sampled = generate(model, np.tile(prompts, (args.k, 1)), args.max_new_tokens, seed=args.seed,
+                       sampling=Sampling(args.temperature), pad=np.tile(pad, args.k))
     head = [("checkpoint", f"{args.run_dir} step {step}, {len(rows)} prompts of {args.prompts}")]
     answers = [str(r["answer"]) for r in rows]
-    return head + summary(greedy, sampled, answers, _texts(greedy_tokens, tokenizer), args.temperature)
+    return head + summary(scores(greedy_texts, 1)[0], scores(_texts(sampled, tokenizer), args.k), answers,
+                          greedy_texts, args.temperature)
 
 
 def summary(greedy: np.ndarray, sampled: np.ndarray, answers: list[str], greedy_texts: list[str],
