@@ -1,6 +1,6 @@
 """meshlm's Mixtral 8x7B expert-parallel and Llama-3-70B FSDP steps, compiled by libtpu, against
 MaxText's compiled programs of the same models and layouts (tests/fixtures/peers): bytes sent,
-expert dispatch and arguments per device.
+expert dispatch and memory per device.
 
 The whole programs, every layer (the layer stack is one scanned body, so each compiles in about
 a minute here). MaxText's programs are read by the same parser (bench/collectives.py), its
@@ -26,9 +26,9 @@ pytestmark = pytest.mark.real_target
 SENT = 2  # index of the bytes sent in a kind's [executions, buffer bytes, bytes sent, balanced]
 
 
-def compiled(tmp: str, preset: str, devices: int, overrides: list[str]) -> tuple[dict, int]:
-    """(collectives by kind, argument bytes) per device of `preset`'s step compiled by libtpu for
-    `devices` v5p chips."""
+def compiled(tmp: str, preset: str, devices: int, overrides: list[str]) -> tuple[dict, dict]:
+    """(collectives by kind, memory: bytes of arguments and of arguments + temporaries) per device
+    of `preset`'s step compiled by libtpu for `devices` v5p chips."""
     if not has_compiler(HARDWARE["tpu-v5p"]):
         if os.environ.get("MESHLM_REQUIRE_EXTRAS"):
             pytest.fail("libtpu is not installed, but make test installs it (make compilers)")
@@ -42,25 +42,43 @@ def compiled(tmp: str, preset: str, devices: int, overrides: list[str]) -> tuple
     with open(os.path.join(tmp, hlo)) as f:
         kinds = by_kind(f.read(), devices)
     with open(out) as f:
-        return kinds, json.load(f)["plans"][0]["memory"]["arguments"]
+        memory = json.load(f)["plans"][0]["memory"]
+    return kinds, {"arguments": memory["arguments"], "total": memory["arguments"] + memory["temps"]}
 
 
 def _sent(kinds: dict, kind: str | None = None) -> float:
     return sum(v[SENT] for k, v in kinds.items() if kind is None or k.split(" ")[0] == kind)
 
 
-def _peer_arguments(name: str) -> int:
+def peer_memory(name: str) -> dict:
+    """MaxText's program's memory as `compiled` gives meshlm's, from its `memory_analysis()`."""
     with open(os.path.join(PEERS, name.removesuffix(".hlo.gz") + ".mem.json")) as f:
-        return json.load(f)["argument_size_in_bytes"]
+        mem = json.load(f)
+    return {"arguments": mem["argument_size_in_bytes"],
+            "total": mem["argument_size_in_bytes"] + mem["temp_size_in_bytes"]}
+
+
+def at_most_maxtext(ours: dict, theirs: dict) -> None:
+    assert all(ours[k] <= theirs[k] for k in ("arguments", "total")), (ours, theirs)
+
+
+def test_mixtral_fsdp_sends_and_holds_no_more_than_maxtext(tmp_path) -> None:
+    """Mixtral 8x7B, fsdp=64 on a v5p-64, 64 x 4096: bytes sent per device, arguments and
+    arguments + temporaries at most MaxText's."""
+    name = MIXTRAL + "fsdp64-flash-seq4096.hlo.gz"
+    kinds, memory = compiled(str(tmp_path), "mixtral-8x7b", 64, ["mesh.data=1", "mesh.fsdp=64", *MOE_TPU.split()])
+    theirs = peer(os.path.join(PEERS, name), 64)["kinds"]
+    assert _sent(kinds) <= _sent(theirs), (_sent(kinds) / 1e9, _sent(theirs) / 1e9)
+    at_most_maxtext(memory, peer_memory(name))
 
 
 def test_mixtral_expert_parallel_sends_routed_rows_and_no_more_than_maxtext(tmp_path) -> None:
     """Mixtral 8x7B, fsdp=16 x expert=4 on a v5p-64: the experts' rows travel as
     ragged-all-to-alls (six a layer: dispatch and return, forward and backward, as MaxText's
     192), all bytes sent per device at most MaxText's (its ragged dispatch counted at its
-    bound), arguments at most MaxText's."""
+    bound), arguments and arguments + temporaries at most MaxText's."""
     name = MIXTRAL + "fsdp16-expert4-flash-seq4096.hlo.gz"
-    kinds, arguments = compiled(str(tmp_path), "mixtral-8x7b", 64,
+    kinds, memory = compiled(str(tmp_path), "mixtral-8x7b", 64,
                                 ["mesh.data=1", "mesh.fsdp=16", "mesh.expert=4", *MOE_TPU.split()])
     theirs = peer(os.path.join(PEERS, name), 64)["kinds"]
     ragged = kinds.get("ragged-all-to-all", [0])[0]
@@ -69,17 +87,17 @@ def test_mixtral_expert_parallel_sends_routed_rows_and_no_more_than_maxtext(tmp_
     assert kinds.get("all-to-all", [0])[0] == theirs["all-to-all"][0], (kinds, theirs)
     assert _sent(kinds, "all-to-all") <= _sent(theirs, "all-to-all"), (kinds, theirs)
     assert _sent(kinds) <= _sent(theirs), (_sent(kinds) / 1e9, _sent(theirs) / 1e9)
-    assert arguments <= _peer_arguments(name), arguments
+    at_most_maxtext(memory, peer_memory(name))
 
 
 def test_llama3_70b_gathers_no_more_than_maxtext(tmp_path) -> None:
     """Llama-3-70B, fsdp=128 on 128 v5p chips, 128 x 8192: the bytes all-gathers send per device
     at most MaxText's 273.75 GB (each layer's attention weights gathered as often as in its
-    program), arguments at most MaxText's."""
+    program), arguments and arguments + temporaries at most MaxText's."""
     name = "maxtext-e591f30-llama3-70b-v5p128chips-fsdp128-flash-seq8192.hlo.gz"
-    kinds, arguments = compiled(str(tmp_path), "llama3-70b", 128,
+    kinds, memory = compiled(str(tmp_path), "llama3-70b", 128,
                                 ["mesh.data=1", "mesh.fsdp=128", "train.global_batch=128", "train.grad_accum=1",
                                  "model.attention=splash"])
     theirs = peer(os.path.join(PEERS, name), 128)["kinds"]
     assert _sent(kinds, "all-gather") <= _sent(theirs, "all-gather"), (kinds, theirs)
-    assert arguments <= _peer_arguments(name), arguments
+    at_most_maxtext(memory, peer_memory(name))
