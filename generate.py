@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from data.tokenizer import load_tokenizer
-    from model.decode import Sampling, generate
+    from model.decode import Sampling, generate, until_end
     from model.transformer import transformer_from_params
     from ops.xla_env import set_default_flags
     from trainer.checkpoint import restore_params
@@ -65,10 +65,7 @@ def main(argv: list[str] | None = None) -> int:
               f"past the length the model was trained on (model.seq_len={cfg.model.seq_len})", file=sys.stderr)
     model = transformer_from_params(cfg.model, params)
     new = generate(model, prompt, args.max_new_tokens, sampling=Sampling(args.temperature, args.top_k), seed=args.seed)
-    tokens = [int(t) for t in np.asarray(new)[0]]
-    if tokenizer.eod_id in tokens:  # the end of a document ends the sample
-        tokens = tokens[: tokens.index(tokenizer.eod_id)]
-    print(args.prompt + tokenizer.decode(tokens))
+    print(args.prompt + tokenizer.decode(until_end(np.asarray(new)[0], tokenizer.eod_id)))
     return 0
 
 

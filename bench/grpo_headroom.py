@@ -40,10 +40,9 @@ def _prompts(path: str, n: int, tokenizer: Any) -> tuple[list[dict], np.ndarray,
 
 def _texts(tokens: np.ndarray, tokenizer: Any) -> list[str]:
     """Completions [rows, T] -> their text, each cut before its first end token."""
-    out = []
-    for row in np.asarray(tokens).tolist():
-        out.append(tokenizer.decode(row[: row.index(tokenizer.eod_id)] if tokenizer.eod_id in row else row))
-    return out
+    from model.decode import until_end
+
+    return [tokenizer.decode(until_end(row, tokenizer.eod_id)) for row in np.asarray(tokens)]
 
 
 def _wrong_place(answer: str, got: str) -> str:

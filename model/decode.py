@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from model.attention import masked_attention
@@ -169,6 +170,13 @@ def _scan_blocks(
 
     x, (k, v) = jax.lax.scan(body, x, (stacked, k_cache, v_cache))
     return x, k, v
+
+
+def until_end(tokens: Array | Sequence[int], end_id: int) -> list[int]:
+    """Generated ids (one row, on the host) up to, not including, the first end-of-document id: the
+    end of a document ends a sample or a completion. All of them when none ends."""
+    ids = [int(t) for t in np.asarray(tokens).reshape(-1)]
+    return ids[: ids.index(end_id)] if end_id in ids else ids
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ from flax import nnx
 
 from configs.schema import ModelConfig
 from model import Transformer
-from model.decode import Sampling, sample
+from model.decode import Sampling, sample, until_end
 from model.preference import token_logps
 from model.rollout import Rollout, RolloutSpec, completion_logps, rollout, training_rows
 from trainer.compute import Compute
@@ -61,6 +61,14 @@ def test_a_completion_stops_after_its_first_end_token(model, drawn):
         assert np.all(row[stop:] == end)
     assert mask[0, :3].all() and not mask[0, 3:].any()
     assert np.all(np.asarray(cut.logps)[mask == 0] == 0)
+
+
+def test_a_completions_text_is_its_tokens_before_the_first_end():
+    """The ids generate.py prints, the rewards score and the headroom bench reads: up to the
+    first end token, not including it, whatever follows; all of them when none ends."""
+    assert until_end(np.array([65, 66, END, 67, END]), END) == [65, 66]
+    assert until_end(jnp.array([[END, 65]]), END) == []
+    assert until_end([65, 66], END) == [65, 66]
 
 
 def test_the_trainers_forward_gives_the_samplers_log_probs(model, drawn):

@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from configs import Config
-from model.decode import Sampling
+from model.decode import Sampling, until_end
 from model.grpo import STATS, PolicyLoss, averaging_weights, group_advantages, policy_loss
 from model.loss import LossFn
 from model.preference import token_logps
@@ -157,17 +157,10 @@ class GRPO:
 
     def _rewards(self, r: Rollout, examples: Sequence[dict]) -> np.ndarray:
         """float32 [rows]: each completion's reward, its text cut before the end token."""
-        group = self.spec.rollout.group_size
-        completions, mask = np.asarray(r.completion), np.asarray(r.mask)
-        texts, prompts, rows_examples = [], [], []
-        for i, (tokens, kept) in enumerate(zip(completions, mask)):
-            n = int(kept.sum())
-            ended = n > 0 and tokens[n - 1] == self.spec.rollout.end_id
-            texts.append(self.decode(tokens[:n - 1 if ended else n].tolist()))
-            example = examples[i // group]
-            prompts.append(str(example.get("prompt", "")))
-            rows_examples.append(example)
-        return self.rewards.score(prompts, texts, rows_examples)
+        # A completion's tokens after its first end token are end tokens (model/rollout.py `_cut`).
+        texts = [self.decode(until_end(tokens, self.spec.rollout.end_id)) for tokens in np.asarray(r.completion)]
+        rows_examples = [examples[i // self.spec.rollout.group_size] for i in range(len(texts))]
+        return self.rewards.score([str(e.get("prompt", "")) for e in rows_examples], texts, rows_examples)
 
     def _metrics(self, r: Rollout, rewards: np.ndarray, trainer_logps: Array) -> dict[str, float]:
         """The rollout's metrics: reward mean and spread, the share of groups whose completions
