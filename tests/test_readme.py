@@ -28,8 +28,17 @@ from sweep import load_sweep
 PLACEHOLDERS = {"...", "FILE", "key=value", "dotted.key=value"}
 # Shell and scheduler front ends that wrap one of our commands.
 WRAPPERS = {"srun"}
-# Paths that exist only once a user has run something (a venv, a run directory, ...).
-MADE_BY_USE = (".venv", "runs")
+
+
+def _made_by_use() -> tuple[str, ...]:
+    """The top-level entries that exist only once a user has run something (the venv, run
+    directories, prepared corpora, exports): .gitignore's root entries, so a clone where the docs'
+    commands were followed reads them as the user's, not as files the repository must hold."""
+    with open(os.path.join(ROOT, ".gitignore")) as f:
+        return tuple(line.strip().strip("/") for line in f if line.startswith("/"))
+
+
+MADE_BY_USE = _made_by_use()
 
 
 def doc_files() -> list[str]:
