@@ -74,12 +74,12 @@ def test_mixtral_fsdp_sends_and_holds_no_more_than_maxtext(tmp_path) -> None:
 
 def test_mixtral_expert_parallel_sends_routed_rows_and_no_more_than_maxtext(tmp_path) -> None:
     """Mixtral 8x7B, fsdp=16 x expert=4 on a v5p-64: the experts' rows travel as
-    ragged-all-to-alls (six a layer: dispatch and return, forward and backward, as MaxText's
-    192), all bytes sent per device at most MaxText's (its ragged dispatch counted at its
+    ragged-all-to-alls (six a layer, dispatch and return in the forward, its recompute under
+    full remat and the backward: MaxText's 192), all bytes sent per device at most MaxText's (its ragged dispatch counted at its
     bound), arguments and arguments + temporaries at most MaxText's."""
     name = MIXTRAL + "fsdp16-expert4-flash-seq4096.hlo.gz"
     kinds, memory = compiled(str(tmp_path), "mixtral-8x7b", 64,
-                                ["mesh.data=1", "mesh.fsdp=16", "mesh.expert=4", *MOE_TPU.split()])
+                             ["mesh.data=1", "mesh.fsdp=16", "mesh.expert=4", *MOE_TPU.split()])
     theirs = peer(os.path.join(PEERS, name), 64)["kinds"]
     ragged = kinds.get("ragged-all-to-all", [0])[0]
     assert ragged == theirs["ragged-all-to-all"][0] == 192, (kinds, theirs)
@@ -96,8 +96,8 @@ def test_llama3_70b_gathers_no_more_than_maxtext(tmp_path) -> None:
     program), arguments and arguments + temporaries at most MaxText's."""
     name = "maxtext-e591f30-llama3-70b-v5p128chips-fsdp128-flash-seq8192.hlo.gz"
     kinds, memory = compiled(str(tmp_path), "llama3-70b", 128,
-                                ["mesh.data=1", "mesh.fsdp=128", "train.global_batch=128", "train.grad_accum=1",
-                                 "model.attention=splash"])
+                             ["mesh.data=1", "mesh.fsdp=128", "train.global_batch=128", "train.grad_accum=1",
+                              "model.attention=splash"])
     theirs = peer(os.path.join(PEERS, name), 128)["kinds"]
     assert _sent(kinds, "all-gather") <= _sent(theirs, "all-gather"), (kinds, theirs)
     at_most_maxtext(memory, peer_memory(name))
