@@ -87,16 +87,18 @@ def _program(text: str, devices: int) -> dict[str, list[float]]:
 
 
 def peer(path: str, devices: int) -> dict:
-    """A peer's compiled program (HLO text, gzipped or not) and its `.mem.json` beside it, if any."""
+    """A peer's compiled program (HLO text, gzipped or not) and its `.mem.json` beside it, if any:
+    collectives by kind, memory (arguments + temporaries) and arguments, in bytes."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         kinds = _program(f.read(), devices)
     mem_path = path.removesuffix(".gz").removesuffix(".hlo") + ".mem.json"
-    memory = None
+    memory = arguments = None
     if os.path.exists(mem_path):
         mem = json.load(open(mem_path))
-        memory = mem["argument_size_in_bytes"] + mem["temp_size_in_bytes"]
-    return {"memory": memory, "kinds": kinds}
+        arguments = mem["argument_size_in_bytes"]
+        memory = arguments + mem["temp_size_in_bytes"]
+    return {"memory": memory, "arguments": arguments, "kinds": kinds}
 
 
 def row(name: str, result: dict) -> str:
