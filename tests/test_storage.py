@@ -419,6 +419,25 @@ def test_an_outage_is_told_by_the_errors_chain() -> None:
     assert not storage.left_running(refused) and not storage.left_running(None)
 
 
+def test_a_wait_that_raises_the_outage_itself_exits_at_once(s3_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Orbax may re-raise a background save's outage from its wait before its thread has logged
+    it (a loaded host): that wait is a save cut short too, storage.LeftRunning over the outage (the
+    run exits without joining the save's threads), and the last committed step stays the one before."""
+    ckpt = trainer.checkpoint.Checkpointer(f"{s3_bucket}/{uuid.uuid4().hex[:8]}/checkpoints", CheckpointConfig())
+
+    def wait_raising() -> None:
+        raise ConnectionRefusedError(111, "Connect call failed")
+
+    monkeypatch.setattr(ckpt.manager, "wait_until_finished", wait_raising)
+    with pytest.raises(Exception) as raised:
+        ckpt.wait()
+    assert storage.left_running(raised.value), repr(raised.value)
+    assert isinstance(storage.unreachable(raised.value), ConnectionRefusedError)
+    assert ckpt.committed is None and not ckpt.cut_short  # nothing logged: the wait alone told it
+    monkeypatch.undo()
+    ckpt.close()
+
+
 def test_after_an_outage_ended_the_run_orbaxs_save_threads_stay_off_the_console(
         s3_bucket: str, caplog: pytest.LogCaptureFixture) -> None:
     """The checkpointer closes in the loop's `finally` with the outage on its way out; Orbax's save

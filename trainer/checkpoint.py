@@ -364,12 +364,15 @@ class Checkpointer:
         storage.LeftRunning over the outage."""
         if self._saving is None:
             return
-        cut_short = self.library_log.outage
-        if cut_short is not None:
-            step, self._saving = self._saving, None
-            # Its threads wait for good: the run exits without joining them (ops.faults.StoreDown).
-            raise storage.LeftRunning(f"saving {self._path(step)}") from cut_short
+        if self.library_log.outage is not None:
+            self._cut_short(self.library_log.outage)
         self.committed, self._saving = self._saving, None
+
+    def _cut_short(self, outage: BaseException) -> None:
+        """Raises storage.LeftRunning over `outage`, the error that cut the save in flight short:
+        its threads wait for good, and the run exits without joining them (ops.faults.StoreDown)."""
+        step, self._saving = self._saving, None
+        raise storage.LeftRunning(f"saving {self.directory if step is None else self._path(step)}") from outage
 
     def restore(self, step: int, target: TrainState, iterator: grain.DatasetIterator) -> TrainState:
         """Restores into `target`'s shapes and shardings (any mesh) and rewinds `iterator`. A LoRA
@@ -496,7 +499,8 @@ class Checkpointer:
         """Orbax's blocking `wait` for the save in flight, unless the object store cuts that save
         short first: Orbax logs it (LibraryLog.outage), and with several processes each one's
         save threads then wait on the others' signals for good; the caller's `_finished` then
-        raises the outage instead of waiting on."""
+        raises the outage instead of waiting on. A `wait` that raises the outage is a save cut
+        short alike (storage.LeftRunning)."""
         if not storage.is_remote(self.directory):
             return wait()
         failed: list[BaseException] = []
@@ -512,6 +516,9 @@ class Checkpointer:
         while waiter.is_alive() and self.library_log.outage is None:
             waiter.join(0.2)
         if failed:
+            # Orbax may re-raise the outage from `wait` before its save thread has logged it.
+            if storage.unreachable(failed[0]) is not None:
+                self._cut_short(failed[0])
             raise failed[0]
 
     def wait(self) -> None:
