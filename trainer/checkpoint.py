@@ -20,7 +20,7 @@ import os
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, NoReturn
 
 import grain
 import jax
@@ -368,7 +368,7 @@ class Checkpointer:
             self._cut_short(self.library_log.outage)
         self.committed, self._saving = self._saving, None
 
-    def _cut_short(self, outage: BaseException) -> None:
+    def _cut_short(self, outage: BaseException) -> NoReturn:
         """Raises storage.LeftRunning over `outage`, the error that cut the save in flight short:
         its threads wait for good, and the run exits without joining them (ops.faults.StoreDown)."""
         step, self._saving = self._saving, None
